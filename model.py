@@ -1,0 +1,444 @@
+"""The policy: a Llama / Qwen2 / Qwen3-family decoder, readable in one sitting.
+
+    h_0 = E[x];   h_l = h_{l-1} + Attn(RMSNorm(h_{l-1}));   h_l += MLP(RMSNorm(h_l));   logits = W_out RMSNorm(h_n)
+
+Three ways in:
+  * packed varlen training forward: tokens [T] + cu_seqlens [S+1] + per-token positions; attention is a pluggable
+    function (the default is exact per-sequence causal SDPA; attention_cp.ring_branch_attention drops in for CP);
+  * cached generation: tokens [B, S] appended to a KVCache whose rows have their own lengths (speculative decoding
+    appends k+1 tokens per row and rolls rows back by different amounts);
+  * pipeline-stage slices: Transformer(cfg, layers=(a, b)) holds only layers [a, b); the embedding lives on the stage
+    with a == 0 and the final norm + LM head on the stage with b == n.
+Every forward can return feature taps: the hidden state after chosen layers (tap -1 = the input embeddings), which is
+what the EAGLE-3 draft reads.  Parameter names are HF's, so checkpoints map one to one (from_pretrained, hf_io.py).
+
+    python model.py            # builds the `tiny` preset, runs a packed forward and a cached greedy decode
+
+Letters: T packed tokens, S sequences, B batch rows, L cache length, H hidden, Hq/Hkv heads, D head dim, V vocab.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+EMBED_TAP = -1  # tap id of the input embeddings (the "hidden state after layer -1")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 512
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: Optional[int] = None  # None -> hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2: bias on q, k, v projections
+    o_bias: bool = False  # Llama attention_bias=True also biases o_proj
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
+    architecture: str = "LlamaForCausalLM"
+
+    def __post_init__(self):
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture={self.architecture!r}: expected one of {ARCHITECTURES}")
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads} (GQA)")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "ModelConfig":
+        if name not in PRESETS:
+            raise ValueError(f"preset={name!r}: expected one of {sorted(PRESETS)}")
+        return replace(PRESETS[name], **overrides)
+
+
+PRESETS = {
+    # tests: a few hundred KB, every feature on the fast path
+    "tiny": ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2),
+    # the CPU demo policy (~1.3M parameters)
+    "small": ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=352, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+}
+
+
+def default_tap_layers(n_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low / middle / high taps (1, n//2 - 1, n - 4), 0-indexed.
+
+    Rule for small n: each id is clamped into [0, n-1], then duplicates are dropped (sorted ascending), so n = 1 gives
+    (0,), n = 2 gives (0, 1), n = 4 gives (0, 1), n >= 8 gives three distinct layers. The draft's fc takes len(taps)*H.
+    """
+    if n_layers < 1:
+        raise ValueError(f"n_layers={n_layers}: expected >= 1")
+    return tuple(sorted({min(max(i, 0), n_layers - 1) for i in (1, n_layers // 2 - 1, n_layers - 4)}))
+
+
+def check_tap_layers(tap_layers, n_layers: int) -> tuple[int, ...]:
+    taps = tuple(int(t) for t in tap_layers)
+    bad = [t for t in taps if not (EMBED_TAP <= t < n_layers)]
+    if bad:
+        raise ValueError(f"tap_layers={taps}: ids {bad} out of range; expected -1 (embeddings) .. {n_layers - 1}")
+    if len(set(taps)) != len(taps):
+        raise ValueError(f"tap_layers={taps}: duplicate ids")
+    return taps
+
+
+# ----------------------------------------------------------------------------------------------------------- layers
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):  # (..., dim); statistics in fp32 as HF does
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos, sin [..., D] for integer positions [...]; frequencies theta^(-2i/D), halves repeated (HF's rotate_half)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim))
+    ang = positions.to(torch.float64)[..., None] * inv_freq  # (..., D/2)
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):  # x (..., Hx, D), cos/sin (..., D)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos.unsqueeze(-2) + torch.cat([-x2, x1], dim=-1) * sin.unsqueeze(-2)
+
+
+def packed_causal_attention(q, k, v, cu_seqlens, softmax_scale):
+    """Default attn_fn: exact causal attention within each packed sequence (SDPA per sequence, no T x T mask).
+
+    q (T, Hq, D), k/v (T, Hkv, D), cu_seqlens int32 (S+1) -> (T, Hq, D)."""
+    T = q.shape[0]
+    if int(cu_seqlens[-1]) != T:
+        raise ValueError(f"cu_seqlens[-1]={int(cu_seqlens[-1])} does not match the token count T={T}")
+    rep = q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    bounds = cu_seqlens.tolist()  # host sync: sequence boundaries drive the Python loop
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (t[s:e].transpose(0, 1) for t in (q, k, v))  # (H, Ls, D)
+        ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
+        out[s:e] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=softmax_scale).transpose(0, 1)
+    return out
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        Hq, Hkv, D, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        self.q_proj = nn.Linear(H, Hq * D, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(H, Hkv * D, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(H, Hkv * D, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(Hq * D, H, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+
+    def qkv(self, x, cos, sin):  # x (..., H) -> q (..., Hq, D), k/v (..., Hkv, D), RoPE applied
+        c = self.cfg
+        q = self.q_proj(x).unflatten(-1, (c.num_attention_heads, c.head_dim))
+        k = self.k_proj(x).unflatten(-1, (c.num_key_value_heads, c.head_dim))
+        v = self.v_proj(x).unflatten(-1, (c.num_key_value_heads, c.head_dim))
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, cu_seqlens, attn_fn):  # packed: x (T, H)
+        q, k, v = self.qkv(x, cos, sin)
+        return self.o_proj(attn_fn(q, k, v, cu_seqlens, 1.0 / math.sqrt(self.cfg.head_dim)).flatten(-2))
+
+    def forward_cached(self, x, cos, sin, cache: "KVCache", layer: int):  # x (B, S, H)
+        q, k, v = self.qkv(x, cos, sin)  # (B, S, Hq|Hkv, D)
+        K, V, mask = cache.write(layer, k, v)  # (B, Hkv, Lk, D) x2, mask (B, S, Lk)
+        rep = q.shape[2] // K.shape[1]
+        K, V = K.repeat_interleave(rep, 1), V.repeat_interleave(rep, 1)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), K, V, attn_mask=mask[:, None],
+                                           scale=1.0 / math.sqrt(self.cfg.head_dim))
+        return self.o_proj(o.transpose(1, 2).flatten(-2))
+
+
+class MLP(nn.Module):  # SwiGLU
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h, attend):  # attend: normed hidden -> attention output (packed or cached)
+        h = h + attend(self.input_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# ---------------------------------------------------------------------------------------------------------- KV cache
+class KVCache:
+    """Per-layer K/V for B rows, each row with its own length.
+
+    `write` appends S new entries to every row at its current length (rows that need fewer than S simply roll back
+    afterwards); `rollback(lengths)` shortens rows. Entries past a row's length are never attended, so rollback is O(1).
+    """
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, layers=None, dtype=torch.float32, device=None):
+        if batch < 1 or max_len < 1:
+            raise ValueError(f"KVCache: batch={batch} and max_len={max_len} must be >= 1")
+        self.layers = list(range(cfg.num_hidden_layers)) if layers is None else list(layers)
+        self.max_len = max_len
+        shape = (len(self.layers), batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (layers, B, Hkv, L, D)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # (B,) committed entries per row
+        self._slot = {l: i for i, l in enumerate(self.layers)}
+        self._pending = None  # S of the forward in progress: lengths advance once all layers have written
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    def positions(self, S: int) -> torch.Tensor:  # (B, S) absolute positions of the next S tokens of each row
+        return self.lengths[:, None] + torch.arange(S, device=self.lengths.device)
+
+    def begin(self, S: int):
+        need = int(self.lengths.max()) + S
+        if need > self.max_len:
+            raise ValueError(f"KV cache overflow: a row would reach length {need} > max_len={self.max_len}")
+        self._pending = S
+
+    def write(self, layer: int, k, v):
+        """k, v (B, S, Hkv, D) -> this layer's K, V (B, Hkv, Lk, D) up to the longest row, and mask (B, S, Lk)."""
+        S = self._pending
+        i, B = self._slot[layer], self.batch
+        pos = self.positions(S)  # (B, S)
+        rows = torch.arange(B, device=pos.device)[:, None].expand(B, S)
+        self.k[i][rows, :, pos] = k.to(self.k.dtype)  # advanced indices first: (B, S, Hkv, D)
+        self.v[i][rows, :, pos] = v.to(self.v.dtype)
+        Lk = int(self.lengths.max()) + S
+        keys = torch.arange(Lk, device=pos.device)
+        mask = keys[None, None, :] <= pos[:, :, None]  # causal within the row's own history
+        return self.k[i, :, :, :Lk], self.v[i, :, :, :Lk], mask
+
+    def commit(self):
+        self.lengths += self._pending
+        self._pending = None
+
+    def rollback(self, lengths: torch.Tensor):
+        lengths = torch.as_tensor(lengths, dtype=torch.long, device=self.lengths.device)
+        if lengths.shape != self.lengths.shape:
+            raise ValueError(f"rollback lengths: expected shape {tuple(self.lengths.shape)}, got {tuple(lengths.shape)}")
+        if bool((lengths < 0).any()) or bool((lengths > self.lengths).any()):
+            raise ValueError(f"rollback lengths={lengths.tolist()} must lie in [0, current {self.lengths.tolist()}]")
+        self.lengths = lengths.clone()
+
+
+# --------------------------------------------------------------------------------------------------------- the model
+@dataclass
+class ModelOutput:
+    logits: Optional[torch.Tensor]  # (..., V) on the last stage, else None
+    hidden: torch.Tensor  # (..., H) final-normed hidden on the last stage, else the stage's output hidden
+    taps: dict  # {layer id: (..., H)} hidden after that layer (-1: embeddings), only those this stage produced
+
+
+class Transformer(nn.Module):
+    """A decoder, or the pipeline-stage slice of one holding layers [a, b)."""
+
+    def __init__(self, cfg: ModelConfig, layers: Optional[tuple[int, int]] = None):
+        super().__init__()
+        n = cfg.num_hidden_layers
+        a, b = (0, n) if layers is None else (int(layers[0]), int(layers[1]))
+        if not (0 <= a < b <= n):
+            raise ValueError(f"layers=({a}, {b}): expected 0 <= a < b <= num_hidden_layers={n}")
+        self.cfg, self.layer_range = cfg, (a, b)
+        self.is_first, self.is_last = a == 0, b == n
+        self.model = nn.Module()  # HF nesting: model.embed_tokens, model.layers.{i}, model.norm; lm_head
+        if self.is_first or (self.is_last and cfg.tie_word_embeddings):
+            self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(a, b)})
+        if self.is_last:
+            self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            if not cfg.tie_word_embeddings:
+                self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+    @property
+    def embed(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def head(self, h):  # final-normed hidden (..., H) -> logits (..., V)
+        w = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        return F.linear(h, w)
+
+    # -- input checks: loud and naming the argument ---------------------------------------------------------------
+    def _check_input(self, x, batch_dims: int):
+        want = batch_dims if self.is_first else batch_dims + 1
+        if self.is_first and (x.dtype not in (torch.int32, torch.int64)):
+            raise TypeError(f"tokens: expected an int32/int64 tensor on the first stage, got {x.dtype}")
+        if not self.is_first and not x.is_floating_point():
+            raise TypeError(f"hidden: expected a floating tensor on stage {self.layer_range}, got {x.dtype}")
+        if x.dim() != want:
+            raise ValueError(f"{'tokens' if self.is_first else 'hidden'}: expected {want} dims, got shape "
+                             f"{tuple(x.shape)}")
+        if not self.is_first and x.shape[-1] != self.cfg.hidden_size:
+            raise ValueError(f"hidden: last dim {x.shape[-1]} != hidden_size={self.cfg.hidden_size}")
+        if self.is_first and x.numel() and (int(x.min()) < 0 or int(x.max()) >= self.cfg.vocab_size):
+            raise ValueError(f"tokens: ids must lie in [0, vocab_size={self.cfg.vocab_size})")
+
+    def _taps(self, tap_layers):
+        return () if tap_layers is None else check_tap_layers(tap_layers, self.cfg.num_hidden_layers)
+
+    def _run(self, x, attend_for, tap_layers, pos):
+        """Shared body: embed (first stage) -> layers -> norm + head (last stage), collecting taps."""
+        taps_wanted = self._taps(tap_layers)
+        h = self.embed(x) if self.is_first else x
+        taps = {}
+        if self.is_first and EMBED_TAP in taps_wanted:
+            taps[EMBED_TAP] = h
+        cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+        for key, layer in self.model.layers.items():
+            h = layer(h, attend_for(layer, int(key), cos, sin))
+            if int(key) in taps_wanted:
+                taps[int(key)] = h
+        if not self.is_last:
+            return ModelOutput(None, h, taps)
+        h = self.model.norm(h)
+        return ModelOutput(self.head(h), h, taps)
+
+    def forward(self, x, cu_seqlens, position_ids=None, *, attn_fn: Optional[Callable] = None, tap_layers=None):
+        """Packed varlen forward.
+
+        x: tokens (T,) on the first stage, hidden (T, H) on later stages; cu_seqlens int32 (S+1); position_ids (T,)
+        (default: 0.. within each sequence). attn_fn(q, k, v, cu_seqlens, softmax_scale) -> (T, Hq, D).
+        """
+        self._check_input(x, 1)
+        T = x.shape[0]
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise TypeError("cu_seqlens: expected an int32 tensor [S+1]")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or int(cu_seqlens[0]) != 0:
+            raise ValueError(f"cu_seqlens: expected a 1-D tensor [S+1] starting at 0, got {cu_seqlens.tolist()}")
+        if bool((cu_seqlens[1:] <= cu_seqlens[:-1]).any()):
+            raise ValueError(f"cu_seqlens: must be strictly increasing, got {cu_seqlens.tolist()}")
+        if position_ids is None:
+            if int(cu_seqlens[-1]) != T:
+                raise ValueError(f"cu_seqlens[-1]={int(cu_seqlens[-1])} does not match the token count T={T}")
+            position_ids = positions_from_cu_seqlens(cu_seqlens)
+        elif position_ids.shape != (T,):
+            raise ValueError(f"position_ids: expected shape ({T},), got {tuple(position_ids.shape)}")
+        attn_fn = attn_fn or packed_causal_attention
+
+        def attend_for(layer, _, cos, sin):
+            return lambda hn: layer.self_attn(hn, cos, sin, cu_seqlens, attn_fn)
+
+        return self._run(x, attend_for, tap_layers, position_ids)
+
+    def forward_cached(self, x, cache: KVCache, *, tap_layers=None):
+        """Append x (B, S) tokens (or (B, S, H) hidden on later stages) to every row of `cache` and return their
+        outputs. Each row's new tokens sit at positions cache.lengths[b] + 0..S-1; lengths advance by S."""
+        self._check_input(x, 2)
+        if x.shape[0] != cache.batch:
+            raise ValueError(f"x: batch {x.shape[0]} != cache batch {cache.batch}")
+        cache.begin(x.shape[1])
+        pos = cache.positions(x.shape[1])
+
+        def attend_for(layer, key, cos, sin):
+            return lambda hn: layer.self_attn.forward_cached(hn, cos, sin, cache, key)
+
+        out = self._run(x, attend_for, tap_layers, pos)
+        cache.commit()
+        return out
+
+    def new_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        dtype = dtype or next(self.parameters()).dtype
+        return KVCache(self.cfg, batch, max_len, layers=[int(k) for k in self.model.layers],
+                       dtype=dtype, device=next(self.parameters()).device)
+
+    @classmethod
+    def from_pretrained(cls, path: str, layers=None, dtype=torch.float32) -> "Transformer":
+        """Load a local HF directory (LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM); see hf_io.py."""
+        from hf_io import from_pretrained
+        return from_pretrained(path, layers=layers, dtype=dtype)
+
+    def save_pretrained(self, path: str):
+        from hf_io import save_pretrained
+        save_pretrained(self, path)
+
+    def load_slice(self, full_state_dict: dict, strict: bool = True):
+        """Load just this stage's part of a full model's state dict."""
+        own = self.state_dict()
+        missing = [k for k in own if k not in full_state_dict]
+        if strict and missing:
+            raise ValueError(f"state dict lacks {len(missing)} keys this stage needs, e.g. {missing[:3]}")
+        self.load_state_dict({k: full_state_dict[k] for k in own if k in full_state_dict}, strict=strict)
+
+
+def positions_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """(S+1,) boundaries -> (T,) position of each token within its sequence."""
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lens)
+    return torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device) - starts
+
+
+@torch.no_grad()
+def greedy_generate(model: Transformer, prompts: list, max_new_tokens: int) -> list:
+    """Plain batched greedy decoding with the per-row KV cache: the reference every faster decoder must match."""
+    if not prompts or any(p.dim() != 1 or p.numel() == 0 for p in prompts):
+        raise ValueError("prompts: expected a non-empty list of non-empty 1-D token tensors")
+    B, lens = len(prompts), torch.tensor([p.numel() for p in prompts])
+    cache = model.new_cache(B, int(lens.max()) + max_new_tokens)
+    x = torch.zeros(B, int(lens.max()), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        x[b, : p.numel()] = p
+    logits = model.forward_cached(x, cache).logits  # (B, S, V): right-padded prefill, then roll back the padding
+    cache.rollback(lens)
+    nxt = logits[torch.arange(B), lens - 1].argmax(-1)
+    out = [nxt]
+    for _ in range(max_new_tokens - 1):
+        nxt = model.forward_cached(nxt[:, None], cache).logits[:, -1].argmax(-1)
+        out.append(nxt)
+    return list(torch.stack(out, 1)) if max_new_tokens > 0 else [torch.zeros(0, dtype=torch.long)] * B
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    cfg = ModelConfig.preset("tiny")
+    m = Transformer(cfg)
+    lens = [5, 3, 7]
+    cu = torch.tensor([0, 5, 8, 15], dtype=torch.int32)
+    toks = torch.randint(cfg.vocab_size, (15,))
+    out = m(toks, cu, tap_layers=default_tap_layers(cfg.num_hidden_layers) + (EMBED_TAP,))
+    print(f"packed forward: logits {tuple(out.logits.shape)}, taps {sorted(out.taps)}")
+    print("greedy:", [g.tolist() for g in greedy_generate(m, [toks[:5], toks[5:8]], 6)])
