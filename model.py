@@ -164,15 +164,14 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cu_seqlens, attn_fn):  # packed: x (T, H)
         q, k, v = self.qkv(x, cos, sin)
-        return self.o_proj(attn_fn(q, k, v, cu_seqlens, 1.0 / math.sqrt(self.cfg.head_dim)).flatten(-2))
+        o = attn_fn(q, k, v, cu_seqlens, softmax_scale=1.0 / math.sqrt(self.cfg.head_dim))  # (T, Hq, D)
+        return self.o_proj(o.flatten(-2))
 
     def forward_cached(self, x, cos, sin, cache: "KVCache", layer: int):  # x (B, S, H)
         q, k, v = self.qkv(x, cos, sin)  # (B, S, Hq|Hkv, D)
         K, V, mask = cache.write(layer, k, v)  # (B, Hkv, Lk, D) x2, mask (B, S, Lk)
-        rep = q.shape[2] // K.shape[1]
-        K, V = K.repeat_interleave(rep, 1), V.repeat_interleave(rep, 1)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), K, V, attn_mask=mask[:, None],
-                                           scale=1.0 / math.sqrt(self.cfg.head_dim))
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), K, V, attn_mask=mask[:, None], enable_gqa=True,
+                                           scale=1.0 / math.sqrt(self.cfg.head_dim))  # GQA without copying K/V
         return self.o_proj(o.transpose(1, 2).flatten(-2))
 
 
@@ -249,6 +248,17 @@ class KVCache:
     def commit(self):
         self.lengths += self._pending
         self._pending = None
+
+    def keep_rows(self, rows: torch.Tensor):
+        """Shrink the cache to `rows` (B',) (finished rows leave the batch). Copies only the filled prefix; the rest
+        stays zero (never attended, but finite: a masked NaN would still poison the attention)."""
+        L = int(self.lengths.max())
+        for name in ("k", "v"):
+            old = getattr(self, name)  # (layers, B, Hkv, max_len, D)
+            new = old.new_zeros((old.shape[0], rows.numel()) + tuple(old.shape[2:]))
+            new[:, :, :, :L] = old[:, rows, :, :L]
+            setattr(self, name, new)
+        self.lengths = self.lengths[rows]
 
     def rollback(self, lengths: torch.Tensor):
         lengths = torch.as_tensor(lengths, dtype=torch.long, device=self.lengths.device)
@@ -342,7 +352,7 @@ class Transformer(nn.Module):
         """Packed varlen forward.
 
         x: tokens (T,) on the first stage, hidden (T, H) on later stages; cu_seqlens int32 (S+1); position_ids (T,)
-        (default: 0.. within each sequence). attn_fn(q, k, v, cu_seqlens, softmax_scale) -> (T, Hq, D).
+        (default: 0.. within each sequence). attn_fn(q, k, v, cu_seqlens, *, softmax_scale) -> (T, Hq, D).
         """
         self._check_input(x, 1)
         T = x.shape[0]

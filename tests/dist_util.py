@@ -8,6 +8,7 @@ that rank's traceback; a rank that hangs makes it raise TimeoutError after `time
 """
 from __future__ import annotations
 
+import io
 import os
 import queue
 import tempfile
@@ -24,11 +25,19 @@ def _worker(rank, world_size, store_path, fn, args, q):
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         try:
-            q.put((rank, "ok", fn(rank, world_size, *args)))
+            q.put((rank, "ok", _by_value(fn(rank, world_size, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException:  # report every failure, including assertion errors, to the parent
         q.put((rank, "error", traceback.format_exc()))
+
+
+def _by_value(result) -> bytes:
+    """Results cross the process boundary as bytes: torch's queue would share tensors through file descriptors that
+    vanish when the worker exits."""
+    buf = io.BytesIO()
+    torch.save(result, buf)
+    return buf.getvalue()
 
 
 def run_distributed(fn, world_size: int, args=(), timeout: float = 60.0):
@@ -57,7 +66,7 @@ def run_distributed(fn, world_size: int, args=(), timeout: float = 60.0):
                                            f"{[procs[i].exitcode for i in dead]}); errors: {errors}")
                     continue
                 if status == "ok":
-                    results[rank] = payload
+                    results[rank] = torch.load(io.BytesIO(payload), weights_only=False)  # our own worker's bytes
                 else:
                     errors.append(f"rank {rank}:\n{payload}")
                     break  # one failure is enough: the others may now wait forever on it

@@ -92,7 +92,7 @@ def tiny(seed=0, dtype=torch.float64, **kw):
     return Transformer(ModelConfig.preset("tiny", **kw)).to(dtype)
 
 
-@settings(max_examples=15)
+@settings(max_examples=8)
 @given(lens=st.lists(st.integers(1, 12), min_size=1, max_size=4), seed=st.integers(0, 2 ** 16),
        arch=st.sampled_from([{}, {"qkv_bias": True}, {"qk_norm": True, "architecture": "Qwen3ForCausalLM"}]))
 def test_packed_equals_separate(lens, seed, arch):
@@ -136,7 +136,7 @@ def test_default_tap_rule():
         check_tap_layers((1, 1), 4)
 
 
-@settings(max_examples=10)
+@settings(max_examples=6)
 @given(lens=st.lists(st.integers(1, 8), min_size=1, max_size=4), steps=st.lists(st.integers(1, 4), min_size=1,
                                                                                  max_size=4),
        seed=st.integers(0, 2 ** 16))

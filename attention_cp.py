@@ -1,0 +1,228 @@
+"""Zigzag ring attention over packed sequences, fused with the draft's local branch attention; exact fwd and bwd.
+
+During TTT, pass d at anchor i attends to the *trunk* (pass-1 keys j <= i of its sequence) and to a *branch* (the P
+keys of passes 2..d at anchor i itself). Under CP (zigzag layout, branch_mask.py) the trunk is spread over the ranks
+and travels a ring; every branch entry sits at its anchor, hence on the query's own rank. So, per rank r of cp:
+
+    1. step 0: causal attention of my rows over my own trunk K/V (both my chunks; positions increase locally);
+    2. step t = 1..cp-1: the K/V of rank src = r - t arrive (sent during step t-1, so the hop overlaps compute);
+       if src < r all my rows see src's first chunk only; if src > r only my second chunk sees all of src's rows
+       (zigzag: every step after the first is half a block, and the work is the same on every rank);
+    3. branch: each row over its own P entries, locally, once;
+    4. all partial (out, lse) merged exactly: lse = logaddexp(lse_a, lse_b), out = sum_x exp(lse_x - lse) out_x.
+
+Backward runs the same ring: K/V travel again, and each block's dK/dV travels *with* it, every rank adding its terms,
+until a final hop brings it home to its owner; dQ and the branch grads stay local. No mask and no full-length K/V
+ever exist: per rank O((L/cp)(P+1)) memory plus two ring buffers. World size 1 runs the same code without messages.
+
+    python attention_cp.py                                      # cp = 1..4 as threads in one process, vs dense
+    torchrun --standalone --nproc_per_node=4 attention_cp.py    # the same over real gloo processes
+
+References: ring attention (Liu et al. 2023), zigzag load balancing (zhuzilin/ring-flash-attention; Llama 3 §3.3.2),
+FlashAttention-2's lse backward, EAGLE-3 training-time test (Li et al. 2025).
+
+Letters: T = T_local rows on this rank, S sequences, Hq / Hkv heads, D head dim, P branch entries per anchor,
+C = rows of one zigzag chunk of a sequence, cp ranks in the group, r this rank.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from attention_blocks import Segment, get_backend, merge_
+from branch_mask import as_ring, branch_attention_mask, check_cp_padded
+
+
+def ring_branch_attention(q, k, v, cu_seqlens, branch_k=None, branch_v=None, *, group=None, softmax_scale=None,
+                          return_lse=False, backend="torch"):
+    """q (T, Hq, D), k, v (T, Hkv, D), branch_k/v (T, P, Hkv, D) or None: this rank's zigzag shard.
+    cu_seqlens int32 (S+1): the *global, CP-padded* boundaries. group: None (no CP), a torch ProcessGroup, or a
+    branch_mask.Ring. Returns out (T, Hq, D) in q's dtype, and lse (T, Hq) (natural log, fp32; fp64 for fp64 inputs)
+    if return_lse. Both are differentiable. As the policy's attention under CP:
+    model(tokens_shard, cu_seqlens, position_ids=positions_shard, attn_fn=partial(ring_branch_attention, group=g))."""
+    ring = as_ring(group)
+    kernel = get_backend(backend)
+    _check_inputs(q, k, v, cu_seqlens, branch_k, branch_v, ring.size)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    if branch_k is not None and branch_k.shape[1] == 0:
+        branch_k = branch_v = None
+    out, lse = _RingBranchAttention.apply(q, k, v, branch_k, branch_v, cu_seqlens, ring, scale, kernel)
+    return (out, lse) if return_lse else out
+
+
+def step_segments(local_cu, step: int, rank: int, cp: int):
+    """Which query rows see which rows of the K/V held at `step` (they came from rank src = rank - step)."""
+    src, segs = (rank - step) % cp, []
+    for o, e in zip(local_cu[:-1], local_cu[1:]):
+        n, C = e - o, (e - o) // 2  # a sequence: my rows [o, o+C) = chunk r, [o+C, o+n) = chunk 2cp-1-r; src's alike
+        if n == 0:
+            continue
+        if step == 0:
+            segs.append(Segment(o, o + n, o, o + n, True))
+        elif src < rank:  # src's chunk src precedes both of mine; its chunk 2cp-1-src follows both
+            segs.append(Segment(o, o + n, o, o + C, False))
+        else:  # src's two chunks lie between my two: only my second chunk sees them
+            segs.append(Segment(o + C, o + n, o, o + n, False))
+    return segs
+
+
+class _RingBranchAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, bk, bv, cu_seqlens, ring, scale, kernel):
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        local_cu = (cu_seqlens // ring.size).tolist()  # host sync: the layout drives the Python loops
+        r, n = ring.rank, ring.size
+        T, Hq, D = q.shape
+        out = q.new_zeros(T, Hq, D, dtype=acc)
+        lse = q.new_full((T, Hq), float("-inf"), dtype=acc)
+        k_cur, v_cur, k_nxt, v_nxt = k, v, None, None
+        for step in range(n):
+            if step + 1 < n:  # post the next hop first: the transfer runs while this block computes
+                k_nxt, v_nxt = torch.empty_like(k), torch.empty_like(v)
+                hop = ring.exchange([((r + 1) % n, k_cur), ((r + 1) % n, v_cur)],
+                                    [((r - 1) % n, k_nxt), ((r - 1) % n, v_nxt)])
+            kernel.forward(q, k_cur, v_cur, step_segments(local_cu, step, r, n), scale, out, lse)
+            if step + 1 < n:
+                hop.wait()  # sync point: the next block must be here before the next step
+                k_cur, v_cur, hop = k_nxt, v_nxt, None  # dropping the handle frees the block just sent
+        del k_cur, v_cur, k_nxt, v_nxt  # free the ring buffers before the branch allocates
+        if bk is not None:
+            merge_(out, lse, *kernel.branch_forward(q, bk, bv, scale, acc))
+        ctx.save_for_backward(q, k, v, bk, bv, out, lse)
+        ctx.local_cu, ctx.ring, ctx.scale, ctx.kernel = local_cu, ring, scale, kernel
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, bk, bv, out, lse = ctx.saved_tensors
+        ring, scale, kernel, local_cu = ctx.ring, ctx.scale, ctx.kernel, ctx.local_cu
+        r, n = ring.rank, ring.size
+        acc = out.dtype
+        dout = dout.to(acc)
+        delta = (dout * out).sum(-1)  # (T, Hq): dO.O, minus the gradient reaching lse (d lse / d s_ij = p_ij)
+        if dlse is not None:
+            delta = delta - dlse.to(acc)
+        dq = torch.zeros_like(q, dtype=acc)
+        k_cur, v_cur, k_nxt, v_nxt, incoming = k, v, None, None, None
+        for step in range(n):
+            if step + 1 < n:
+                k_nxt, v_nxt = torch.empty_like(k), torch.empty_like(v)
+                hop = ring.exchange([((r + 1) % n, k_cur), ((r + 1) % n, v_cur)],
+                                    [((r - 1) % n, k_nxt), ((r - 1) % n, v_nxt)])
+            dk_blk, dv_blk = torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
+            kernel.backward(q, k_cur, v_cur, dout, lse, delta, step_segments(local_cu, step, r, n), scale,
+                            dq, dk_blk, dv_blk)
+            if incoming is not None:  # this block's dK/dV summed by the ranks that held it before me
+                incoming[0].wait()
+                dk_blk += incoming[1]
+                dv_blk += incoming[2]
+                incoming = None  # frees the buffers (and my previous block, whose send has completed)
+            if n > 1:  # pass it on; it overlaps my next step. After step n-1 this hop brings it home to its owner.
+                dk_in, dv_in = torch.empty_like(dk_blk), torch.empty_like(dv_blk)
+                incoming = (ring.exchange([((r + 1) % n, dk_blk), ((r + 1) % n, dv_blk)],
+                                          [((r - 1) % n, dk_in), ((r - 1) % n, dv_in)]), dk_in, dv_in)
+            if step + 1 < n:
+                hop.wait()
+                k_cur, v_cur, hop = k_nxt, v_nxt, None
+        if n > 1:
+            incoming[0].wait()
+            dk_blk, dv_blk = incoming[1], incoming[2]  # my own K/V's gradient, every rank's terms included
+        del k_cur, v_cur, k_nxt, v_nxt, incoming  # ring buffers go before the branch grads arrive: a lower peak
+        dbk = dbv = None
+        if bk is not None:
+            dbk, dbv = kernel.branch_backward(q, bk, bv, dout, lse, delta, scale, dq)
+            dbk, dbv = dbk.to(bk.dtype), dbv.to(bv.dtype)
+        return (dq.to(q.dtype), dk_blk.to(k.dtype), dv_blk.to(v.dtype), dbk, dbv, None, None, None, None)
+
+
+def _check_inputs(q, k, v, cu_seqlens, bk, bv, cp):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError(f"{name}: expected a floating-point tensor, got {type(x).__name__} {getattr(x, 'dtype', '')}")
+    if q.dim() != 3:
+        raise ValueError(f"q: expected (T_local, Hq, D), got shape {tuple(q.shape)}")
+    T, Hq, D = q.shape
+    for name, x in (("k", k), ("v", v)):
+        if x.dim() != 3 or x.shape[0] != T or x.shape[2] != D:
+            raise ValueError(f"{name}: expected (T_local={T}, Hkv, D={D}), got shape {tuple(x.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k, v: shapes differ, {tuple(k.shape)} vs {tuple(v.shape)}")
+    if Hq % k.shape[1]:
+        raise ValueError(f"q: Hq={Hq} heads is not a multiple of k's Hkv={k.shape[1]} (GQA)")
+    for name, x in (("branch_k", bk), ("branch_v", bv)):
+        if x is not None and not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a tensor (T_local, P, Hkv, D) or None, got {type(x).__name__} "
+                            f"(softmax_scale is keyword-only)")
+    if (bk is None) != (bv is None):
+        raise ValueError("branch_k, branch_v: pass both or neither")
+    if bk is not None:
+        want = (T, bk.shape[1] if bk.dim() == 4 else -1, k.shape[1], D)
+        for name, x in (("branch_k", bk), ("branch_v", bv)):
+            if x.dim() != 4 or tuple(x.shape) != want:
+                raise ValueError(f"{name}: expected (T_local={T}, P, Hkv={k.shape[1]}, D={D}) with P equal for "
+                                 f"branch_k and branch_v, got shape {tuple(x.shape)}")
+    tensors = [("q", q), ("k", k), ("v", v)] + ([("branch_k", bk), ("branch_v", bv)] if bk is not None else [])
+    for name, x in tensors[1:]:
+        if x.dtype != q.dtype or x.device != q.device:
+            raise TypeError(f"{name}: dtype/device {x.dtype}/{x.device} differs from q's {q.dtype}/{q.device}")
+    check_cp_padded(cu_seqlens, cp)
+    total = int(cu_seqlens[-1])
+    if total != T * cp:
+        raise ValueError(f"q: {T} rows, but cu_seqlens holds {total} tokens, which a CP group of size {cp} splits "
+                         f"into {total // cp} per rank; is `group` the group these shards were cut for?")
+
+
+def reference_branch_attention(q, k, v, cu_seqlens, branch_k=None, branch_v=None, softmax_scale=None):
+    """The oracle: dense masked attention over the full (unsharded) batch with the mask from branch_mask.
+    O(T^2 (1+P)) memory. Returns (out (T, Hq, D), lse (T, Hq)); plain autograd."""
+    T, Hq, D = q.shape
+    P = 0 if branch_k is None else branch_k.shape[1]
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    keys = torch.cat([k] + [branch_k[:, p] for p in range(P)])  # ((1+P) T, Hkv, D): [trunk | branch 0 | ...]
+    vals = torch.cat([v] + [branch_v[:, p] for p in range(P)])
+    G = Hq // k.shape[1]
+    s = torch.einsum("qhd,khd->hqk", q, keys.repeat_interleave(G, 1)) * scale  # (Hq, T, (1+P) T)
+    s = s.masked_fill(~branch_attention_mask(cu_seqlens, P).to(q.device), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), vals.repeat_interleave(G, 1))
+    return out, lse.transpose(0, 1)
+
+
+# ------------------------------------------------------------------------------------------------------------- demo
+def _demo_case(rank, cp, group):
+    """Same seeded batch on every rank; returns max |error| of out, lse and all grads of this rank's shard."""
+    from branch_mask import cu_seqlens_from_lengths, pad_for_cp, zigzag_shard
+    g = torch.Generator().manual_seed(0)
+    cu = pad_for_cp(cu_seqlens_from_lengths([37, 5, 64]), cp).cu_seqlens
+    T, Hq, Hkv, D, P = int(cu[-1]), 4, 2, 16, 3
+    full = [torch.randn(T, Hq, D, generator=g, dtype=torch.float64)] + \
+           [torch.randn(T, Hkv, D, generator=g, dtype=torch.float64) for _ in range(2)] + \
+           [torch.randn(T, P, Hkv, D, generator=g, dtype=torch.float64) for _ in range(2)]
+    dout = torch.randn(T, Hq, D, generator=g, dtype=torch.float64)
+    ref = [x.clone().requires_grad_() for x in full]
+    out_r, lse_r = reference_branch_attention(*ref[:3], cu, *ref[3:])
+    (out_r * dout).sum().backward()
+    shard = lambda x: zigzag_shard(x, cu, cp, rank)  # noqa: E731
+    mine = [shard(x).requires_grad_() for x in full]
+    out, lse = ring_branch_attention(*mine[:3], cu, *mine[3:], group=group, return_lse=True)
+    (out * shard(dout)).sum().backward()
+    pairs = [(out, out_r), (lse, lse_r)] + [(m.grad, x.grad) for m, x in zip(mine, ref)]
+    return max(float((a - shard(b)).abs().max()) for a, b in ((a.detach(), b.detach()) for a, b in pairs))
+
+
+if __name__ == "__main__":
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: one real process per rank
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        err = torch.tensor(_demo_case(dist.get_rank(), dist.get_world_size(), dist.group.WORLD))
+        dist.all_reduce(err, op=dist.ReduceOp.MAX)
+        if dist.get_rank() == 0:
+            print(f"gloo cp={dist.get_world_size()}: max |error| vs dense fp64 (out, lse, 5 grads) = {err:.2e}")
+        dist.destroy_process_group()
+    else:
+        from branch_mask import run_ranks
+        for cp in (1, 2, 3, 4):
+            errs = run_ranks(cp, lambda ring: _demo_case(ring.rank, ring.size, ring))
+            print(f"threads cp={cp}: max |error| vs dense fp64 (out, lse, 5 grads) = {max(errs):.2e}")
