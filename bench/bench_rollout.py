@@ -1,0 +1,231 @@
+"""Rollout throughput: plain autoregressive sampling vs speculative decoding with a trained EAGLE-3 draft, side by side.
+
+    speedup = tokens/s(speculative, k) / tokens/s(autoregressive), same policy, prompts, batch and temperature
+
+The regime: a small deep-and-narrow policy (the `small` preset with 8 layers, 1.5M parameters) is first trained for
+a minute on a synthetic "phrase language" (24 fixed phrases of 3-6 tokens over a 64-token vocabulary; after each
+phrase one of two successors follows, so the text is predictable except for ~1 bit at each phrase boundary). Its
+samples are therefore peaky, like an RL policy late in training on a structured task. The draft is then trained (TTT,
+soft CE against the policy) on rollouts the policy itself sampled, and the two decoders run on held-out prompts at
+batch sizes 1, 8, 64 and k = 2, 4, 6 draft tokens at temperature 1, runs interleaved so machine noise hits all methods
+alike; the median of `repeats` runs is reported. Exactness is checked on the way: at temperature 0 the speculative
+tokens must equal the autoregressive ones.
+
+    python bench/bench_rollout.py                    # ~3-5 min on 2 CPU cores (training included; cached afterwards)
+    python bench/bench_rollout.py --repeats=5 --threads=2 --batches=1,8
+
+Writes bench/results/rollout.json (rows: batch, k, tokens_per_s_ar, tokens_per_s_spec, speedup, acceptance_length, ...;
+best_speedup) and bench/results/rollout.md (the markdown table). Trained weights are cached under
+bench/results/scratch/ (git-ignored); delete it to retrain.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from draft import Eagle3Draft  # noqa: E402
+from model import ModelConfig, Transformer  # noqa: E402
+from speculative import generate  # noqa: E402
+
+
+@dataclass
+class BenchConfig:
+    layers: int = 8  # policy depth (small preset: H=128, 4 heads, V=64)
+    phrases: int = 24
+    policy_steps: int = 80
+    policy_batch: int = 16
+    seq_len: int = 64
+    draft_rollouts: int = 64  # policy samples the draft trains on
+    draft_new_tokens: int = 64
+    draft_steps: int = 150
+    draft_batch: int = 16
+    ttt_passes: int = 5
+    batches: tuple = (1, 8, 64)
+    ks: tuple = (2, 4, 6)
+    max_new_tokens: int = 96
+    prompt_len: int = 8
+    temperature: float = 1.0
+    repeats: int = 3
+    threads: int = 1
+    seed: int = 0
+    out: str = "bench/results/rollout.json"
+    cache: str = "bench/results/scratch/rollout"
+
+
+def parse_args(argv) -> BenchConfig:
+    """--key=value overrides, type-checked; unknown keys are an error (nanoGPT's configurator, made strict)."""
+    cfg, types = BenchConfig(), {f.name: f.type for f in fields(BenchConfig)}
+    for arg in argv:
+        key, _, val = arg.removeprefix("--").partition("=")
+        if not arg.startswith("--") or key not in types or not val:
+            raise SystemExit(f"bad argument {arg!r}; expected --key=value with key in {sorted(types)}")
+        cur = getattr(cfg, key)
+        try:
+            new = tuple(int(v) for v in val.split(",")) if isinstance(cur, tuple) else type(cur)(val)
+        except ValueError:
+            raise SystemExit(f"--{key}={val!r}: expected {type(cur).__name__}")
+        setattr(cfg, key, new)
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------ the synthetic language
+class PhraseLanguage:
+    """Fixed random phrases; after phrase w comes succ[w][0] or succ[w][1] with equal probability."""
+
+    def __init__(self, vocab: int, phrases: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.words = [torch.randint(vocab, (int(torch.randint(3, 7, (1,), generator=g)),), generator=g).tolist()
+                      for _ in range(phrases)]
+        self.succ = torch.randint(phrases, (phrases, 2), generator=g).tolist()
+
+    def sample(self, n: int, length: int, g) -> torch.Tensor:  # (n, length)
+        out = []
+        for _ in range(n):
+            w, seq = int(torch.randint(len(self.words), (1,), generator=g)), []
+            while len(seq) < length:
+                seq += self.words[w]
+                w = self.succ[w][int(torch.randint(2, (1,), generator=g))]
+            out.append(seq[:length])
+        return torch.tensor(out)
+
+
+def train_policy(cfg: BenchConfig, lang: PhraseLanguage) -> Transformer:
+    torch.manual_seed(cfg.seed)
+    policy = Transformer(ModelConfig.preset("small", num_hidden_layers=cfg.layers))
+    opt = torch.optim.AdamW(policy.parameters(), lr=3e-3, weight_decay=0.0)
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    B, T = cfg.policy_batch, cfg.seq_len
+    cu = torch.arange(0, B * T + 1, T, dtype=torch.int32)
+    keep = torch.ones(B * T, dtype=torch.bool)
+    keep[T - 1:: T] = False  # the last token of each row has no target
+    for step in range(cfg.policy_steps):
+        for group in opt.param_groups:
+            group["lr"] = 3e-3 * min(1.0, (step + 1) / 10)
+        x = lang.sample(B, T, g).flatten()
+        loss = F.cross_entropy(policy(x, cu).logits[keep], x.roll(-1)[keep])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 20 == 0 or step == cfg.policy_steps - 1:
+            print(f"  policy step {step:3d}  loss {loss.item():.3f}")
+    return policy.eval()
+
+
+def train_draft(cfg: BenchConfig, policy: Transformer, lang: PhraseLanguage) -> tuple[Eagle3Draft, dict]:
+    """TTT on rollouts the policy sampled itself: taps and teacher logits from one policy forward over them."""
+    g = torch.Generator().manual_seed(cfg.seed + 2)
+    prompts = list(lang.sample(cfg.draft_rollouts, cfg.prompt_len, g))
+    roll = generate(policy, None, prompts, max_new_tokens=cfg.draft_new_tokens, temperature=cfg.temperature,
+                    generator=g)
+    seqs = torch.stack([torch.cat([p, t]) for p, t in zip(prompts, roll.tokens)])  # (R, L) equal lengths
+    draft = Eagle3Draft.from_target(policy)
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.0)
+    B, L = cfg.draft_batch, seqs.shape[1]
+    cu = torch.arange(0, B * L + 1, L, dtype=torch.int32)
+    for step in range(cfg.draft_steps):
+        for group in opt.param_groups:
+            group["lr"] = 3e-3 * min(1.0, (step + 1) / 10)
+        x = seqs[torch.randint(len(seqs), (B,), generator=g)].flatten()
+        with torch.no_grad():
+            out = policy(x, cu, tap_layers=draft.tap_layers)
+        loss, m = draft.ttt_loss(out.taps, x, cu, out.logits, num_passes=cfg.ttt_passes)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 25 == 0 or step == cfg.draft_steps - 1:
+            print(f"  draft step {step:3d}  loss {loss.item():.3f}  alpha {[round(a, 2) for a in m['alpha']]}  "
+                  f"tau_hat {m['tau_hat']:.2f}")
+    return draft.eval(), m
+
+
+def cached(cfg, lang):
+    """Train (or load) the policy and the draft; the cache key is every training setting."""
+    key = f"L{cfg.layers}-p{cfg.phrases}-s{cfg.policy_steps}x{cfg.policy_batch}x{cfg.seq_len}-d{cfg.draft_rollouts}x" \
+          f"{cfg.draft_new_tokens}-{cfg.draft_steps}x{cfg.draft_batch}-P{cfg.ttt_passes}-t{cfg.temperature}-{cfg.seed}"
+    path = os.path.join(cfg.cache, key)
+    if os.path.isfile(os.path.join(path, "draft", "config.json")):
+        policy = Transformer.from_pretrained(os.path.join(path, "policy")).eval()
+        with open(os.path.join(path, "draft_metrics.json")) as f:
+            return policy, Eagle3Draft.load(os.path.join(path, "draft"), policy).eval(), json.load(f), 0.0
+    t0 = time.perf_counter()
+    print("training the policy on the phrase language ...")
+    policy = train_policy(cfg, lang)
+    print("training the draft on the policy's own samples ...")
+    draft, metrics = train_draft(cfg, policy, lang)
+    policy.save_pretrained(os.path.join(path, "policy"))
+    draft.save(os.path.join(path, "draft"))
+    with open(os.path.join(path, "draft_metrics.json"), "w") as f:
+        json.dump(metrics, f)
+    return policy, draft, metrics, time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------------------------------- measuring
+def main(cfg: BenchConfig):
+    torch.set_num_threads(cfg.threads)
+    lang = PhraseLanguage(64, cfg.phrases, cfg.seed)
+    policy, draft, metrics, train_s = cached(cfg, lang)
+    g = torch.Generator().manual_seed(cfg.seed + 3)
+    prompts = list(lang.sample(max(cfg.batches), cfg.prompt_len, g))  # held-out: a fresh generator stream
+    run = lambda B, k, tau=cfg.temperature: generate(  # noqa: E731
+        policy, draft, prompts[:B], max_new_tokens=cfg.max_new_tokens, num_draft_tokens=k, temperature=tau,
+        generator=torch.Generator().manual_seed(cfg.seed))
+    exact = all([a.tolist() for a in run(B, 0, 0.0).tokens] == [a.tolist() for a in run(B, k, 0.0).tokens]
+                for B in cfg.batches[:2] for k in cfg.ks)  # greedy exactness, held on the benchmark's own models
+    print(f"greedy speculative == autoregressive: {exact}")
+    run(1, max(cfg.ks))  # warm-up
+    rows, load = [], os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    for B in cfg.batches:
+        res = {k: [] for k in (0,) + tuple(cfg.ks)}
+        for _ in range(cfg.repeats):  # interleaved: AR, k=2, k=4, k=6, AR, ...
+            for k in res:
+                res[k].append(run(B, k).stats)
+        ar = statistics.median(s.tokens_per_s for s in res[0])
+        for k in cfg.ks:
+            sp = statistics.median(s.tokens_per_s for s in res[k])
+            acc = statistics.mean(s.acceptance_length for s in res[k])
+            per_pos = [round(statistics.mean(s.accept_per_position[j] for s in res[k]), 3) for j in range(k)]
+            rows.append(dict(batch=B, k=k, tokens_per_s_ar=round(ar, 1), tokens_per_s_spec=round(sp, 1),
+                             speedup=round(sp / ar, 2), acceptance_length=round(acc, 2), accept_per_position=per_pos,
+                             policy_forwards_ar=res[0][0].policy_forwards,
+                             policy_forwards_spec=res[k][0].policy_forwards))
+            print(f"B={B:3d} k={k}: AR {ar:8.1f} tok/s  spec {sp:8.1f} tok/s  speedup {sp / ar:5.2f}x  "
+                  f"acceptance length {acc:.2f}  per position {per_pos}")
+    best = max(rows, key=lambda r: r["speedup"])
+    result = dict(
+        config=asdict(cfg), rows=rows, best_speedup=best["speedup"], best=dict(batch=best["batch"], k=best["k"]),
+        greedy_exact=exact, draft_train_metrics=metrics, train_seconds=round(train_s, 1),
+        machine=dict(platform=platform.platform(), cpus=os.cpu_count(), threads=cfg.threads,
+                     torch=torch.__version__, load_avg_1min_at_start=load),
+        policy_parameters=sum(p.numel() for p in policy.parameters()),
+        draft_parameters=sum(p.numel() for p in draft.parameters()))
+    table = markdown(rows)
+    print("\n" + table)
+    os.makedirs(os.path.dirname(cfg.out), exist_ok=True)
+    with open(cfg.out, "w") as f:
+        json.dump(result, f, indent=2)
+    with open(os.path.splitext(cfg.out)[0] + ".md", "w") as f:
+        f.write(table + "\n")
+    print(f"best speedup {best['speedup']}x (B={best['batch']}, k={best['k']}); wrote {cfg.out}")
+    return result
+
+
+def markdown(rows) -> str:
+    head = (f"| batch | k | AR tok/s | spec tok/s | speedup | acceptance length | acceptance per position |\n"
+            f"|---:|---:|---:|---:|---:|---:|---|")
+    body = [f"| {r['batch']} | {r['k']} | {r['tokens_per_s_ar']:.0f} | {r['tokens_per_s_spec']:.0f} | "
+            f"**{r['speedup']:.2f}x** | {r['acceptance_length']:.2f} | "
+            f"{', '.join(f'{a:.2f}' for a in r['accept_per_position'])} |" for r in rows]
+    return "\n".join([head] + body)
+
+
+if __name__ == "__main__":
+    main(parse_args(sys.argv[1:]))

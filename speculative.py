@@ -1,0 +1,285 @@
+"""Lossless batched speculative sampling (chain drafts): a draft proposes k tokens, the policy verifies k+1 at once.
+
+One step per row, with p the policy's and q the draft's next-token distributions, both at temperature tau:
+  1. draft:   d_j ~ q_j(. | x, d_<j)                 j = 1..k       (k cheap draft forwards, the draft's own KV cache)
+  2. verify:  p_1..p_{k+1} from ONE policy forward over [x_t, d_1..d_k] (its KV cache; taps for the draft come free)
+  3. accept:  d_j with probability min(1, p_j(d_j) / q_j(d_j)), left to right; n = number accepted before the first
+              rejection; then y ~ norm(max(p_{n+1} - q_{n+1}, 0)) (residual), or y ~ p_{k+1} when n = k (bonus)
+  4. commit:  d_1..d_n, y; roll both KV caches back past the rejected entries (rows advance by different amounts)
+Every emitted token is distributed exactly as policy sampling [Leviathan et al. 2023; Chen et al. 2023]; tau = 0 is
+greedy (accept iff d_j = argmax p_j) and reproduces plain greedy decoding token for token. The acceptance length is
+the number of generated tokens per policy forward, bonus included (1.0 = no speedup). The log-probs returned for GRPO
+are the policy's, log softmax(logits / tau) (tau = 0: of the raw logits), read from the verification forwards.
+
+    python speculative.py      # tiny random policy + draft: greedy exactness and the stats of a sampled rollout
+
+Letters: B batch rows, k draft tokens per step, V vocab, H hidden.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from model import Transformer
+
+
+@dataclass
+class SpecStats:
+    policy_forwards: int = 0  # verification (or, without a draft, decode) forwards after the prefill
+    row_steps: int = 0  # sum over those forwards of the rows still generating
+    drafted: int = 0  # draft tokens proposed to active rows
+    accepted: int = 0  # of which accepted
+    acceptance_length: float = 1.0  # generated tokens per policy forward per row, bonus included
+    accept_per_position: list = field(default_factory=list)  # alpha_j = P(d_j accepted | d_<j accepted)
+    new_tokens: int = 0  # tokens returned (after EOS / max_new_tokens truncation)
+    seconds: float = 0.0
+    tokens_per_s: float = 0.0
+
+
+@dataclass
+class Rollout:
+    tokens: list  # per prompt: (n_b,) generated ids, prompt excluded, ending with eos_id if it was produced
+    logprobs: list  # per prompt: (n_b,) the policy's log-probs of those tokens
+    stats: SpecStats
+
+
+# ------------------------------------------------------------------------------------------------ the sampling rule
+def _f32(x):  # at least fp32 for softmax statistics (fp64 stays fp64)
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def probs(logits, temperature: float):  # (..., V) -> p (..., V) at temperature tau > 0
+    return torch.softmax(_f32(logits) / temperature, dim=-1)
+
+
+def accept_prob(p_d, q_d):
+    """min(1, p(d) / q(d)) for a token d drawn from q (so q(d) > 0)."""
+    return torch.clamp(p_d / q_d, max=1.0)
+
+
+def residual(p, q):
+    """norm(max(p - q, 0)) (..., V); where p == q (then nothing is ever rejected) fall back to p."""
+    r = (p - q).clamp_min(0)
+    s = r.sum(-1, keepdim=True)
+    return torch.where(s > 0, r / s.clamp_min(torch.finfo(r.dtype).tiny), p)
+
+
+def verify(p_logits, d, q, temperature: float, generator=None):
+    """The accept / residual / bonus rule for all rows at once.
+
+    p_logits (B, k+1, V) policy at [x_t, d_1..d_k]; d (B, k) drafted ids; q (B, k, V) the draft's probabilities (unused
+    at tau = 0). Returns n (B,) accepted drafts and y (B,) the token after them."""
+    B, k = d.shape
+    rows = torch.arange(B, device=d.device)
+    if temperature == 0:
+        g = p_logits.argmax(-1)  # (B, k+1)
+        n = (d == g[:, :k]).long().cumprod(1).sum(1)
+        return n, g[rows, n]
+    p = probs(p_logits, temperature)  # (B, k+1, V)
+    p_d = p[:, :k].gather(-1, d[..., None])[..., 0]  # (B, k)
+    q_d = q.gather(-1, d[..., None])[..., 0]
+    u = torch.rand(B, k, generator=generator, device=d.device)
+    n = (u < accept_prob(p_d, q_d)).long().cumprod(1).sum(1)  # leading accepts
+    q_next = torch.cat([q, torch.zeros_like(q[:, :1])], 1)[rows, n]  # q = 0 after the last draft: residual = p (bonus)
+    y = torch.multinomial(residual(p[rows, n], q_next), 1, generator=generator)[:, 0]
+    return n, y
+
+
+def _sample(logits, temperature, generator):  # (B, V) -> (B,), and the probabilities (None at tau = 0)
+    if temperature == 0:
+        return logits.argmax(-1), None
+    q = probs(logits, temperature)
+    return torch.multinomial(q, 1, generator=generator)[:, 0], q
+
+
+def _logprob(logits, tokens, temperature):  # (B, S, V), (B, S) -> (B, S) log p(token)
+    z = _f32(logits) if temperature == 0 else _f32(logits) / temperature
+    return torch.log_softmax(z, -1).gather(-1, tokens[..., None])[..., 0]
+
+
+def _check(target, draft, prompts, max_new_tokens, k, temperature):
+    if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+        raise ValueError("prompts: expected a non-empty list of 1-D token tensors")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, torch.Tensor) or p.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"prompts[{i}]: expected an integer token tensor, got {type(p).__name__} "
+                            f"{getattr(p, 'dtype', '')}")
+        if p.dim() != 1 or p.numel() == 0:
+            raise ValueError(f"prompts[{i}]: expected a non-empty 1-D tensor, got shape {tuple(p.shape)}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 0")
+    if k < 0:
+        raise ValueError(f"num_draft_tokens={k}: expected >= 0")
+    if not temperature >= 0:
+        raise ValueError(f"temperature={temperature}: expected >= 0 (0 = greedy)")
+    if not (target.is_first and target.is_last):
+        raise ValueError("target: generation needs the whole policy, not a pipeline-stage slice")
+    if draft is not None:
+        c, dc = target.cfg, draft.cfg
+        if dc.vocab_size != c.vocab_size:
+            raise ValueError(f"draft: vocab_size={dc.vocab_size} does not match the target's vocab_size={c.vocab_size}")
+        if dc.hidden_size != c.hidden_size or dc.target_num_layers != c.num_hidden_layers:
+            raise ValueError(f"draft: built for hidden_size={dc.hidden_size} / {dc.target_num_layers} layers, the "
+                             f"target has {c.hidden_size} / {c.num_hidden_layers}")
+
+
+# ------------------------------------------------------------------------------------------------------ the engine
+@torch.inference_mode()
+def generate(target: Transformer, draft=None, prompts=(), *, max_new_tokens: int, num_draft_tokens: int = 0,
+             temperature: float = 1.0, eos_id: Optional[int] = None, generator=None) -> Rollout:
+    """Sample up to max_new_tokens per prompt (ragged prompts, per-row EOS) with speculative decoding.
+
+    draft=None or num_draft_tokens=0: plain autoregressive sampling through the same code (the baseline)."""
+    k = num_draft_tokens if draft is not None else 0
+    _check(target, draft, prompts, max_new_tokens, num_draft_tokens, temperature)
+    t0 = time.perf_counter()
+    dev = next(target.parameters()).device
+    B = len(prompts)
+    lens = torch.tensor([p.numel() for p in prompts], device=dev)
+    if max_new_tokens == 0:
+        empty = [torch.zeros(0, dtype=torch.long, device=dev)] * B
+        return Rollout(empty, [torch.zeros(0, device=dev)] * B, SpecStats())
+    rows = torch.arange(B, device=dev)
+    max_len = int(lens.max()) + max_new_tokens + k + 1  # a step may run k+1 entries past the last kept token
+    taps = draft.tap_layers if k else None
+
+    # 1. prefill: right-padded prompts, then each row rolls back to its own length
+    x = torch.zeros(B, int(lens.max()), dtype=torch.long, device=dev)
+    for b, p in enumerate(prompts):
+        x[b, : p.numel()] = p.to(dev)
+    pcache = target.new_cache(B, max_len)
+    out = target.forward_cached(x, pcache, tap_layers=taps)
+    pcache.rollback(lens)
+    z = out.logits[rows, lens - 1]  # (B, V)
+    y, _ = _sample(z, temperature, generator)
+    width = max_new_tokens + 2 * (k + 1)  # output buffer; finished rows keep writing harmlessly past their end
+    toks = torch.zeros(B, width, dtype=torch.long, device=dev)
+    lps = torch.zeros(B, width, dtype=_f32(z).dtype, device=dev)
+    toks[:, 0], lps[:, 0] = y, _logprob(z[:, None], y[:, None], temperature)[:, 0]
+    n_gen = torch.ones(B, dtype=torch.long, device=dev)  # tokens generated per row so far
+    live = rows  # original index of each row still in the batch
+    done = (n_gen >= max_new_tokens) | ((y == eos_id) if eos_id is not None else False)  # per live row
+    if k:  # the draft's trunk over the prompt: entry j = (token j+1, taps at j); the last one needs the sampled y
+        dcache = draft.new_cache(B, max_len)
+        nxt = torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], 1)
+        nxt[rows, lens - 1] = y
+        h, zq = draft.extend(dcache, nxt, out.taps, lens - 1)
+
+    st = SpecStats()
+    steps = torch.arange(k + 1, device=dev)
+    reached = torch.zeros(max(k, 1), dtype=torch.long, device=dev)
+    accepted = torch.zeros(max(k, 1), dtype=torch.long, device=dev)
+    accept_sum = torch.zeros((), dtype=torch.long, device=dev)
+    row_steps = torch.zeros((), dtype=torch.long, device=dev)
+    while True:
+        n_done = int(done.sum())  # sync point: one per step
+        if n_done == live.numel():
+            break
+        if n_done * 4 >= live.numel():  # drop finished rows once they are a quarter: O(log B) cache copies in all
+            keep = (~done).nonzero()[:, 0]
+            live, y, done = live[keep], y[keep], done[keep]
+            pcache.keep_rows(keep)
+            if k:
+                dcache.keep_rows(keep)
+                h, zq = h[keep], zq[keep]
+        active = ~done  # finished rows not dropped yet ride along; nothing they compute is kept
+        r = torch.arange(live.numel(), device=dev)
+        L_p = pcache.lengths.clone()
+        if k == 0:
+            z = target.forward_cached(y[:, None], pcache).logits  # (b, 1, V)
+            n = torch.zeros_like(y)
+            y, _ = _sample(z[:, 0], temperature, generator)
+            block = y[:, None]
+        else:
+            # 2. the draft proposes d_1..d_k from the state at the last verified position (k draft forwards)
+            L_d = dcache.lengths.clone()
+            ds, qs = [], []
+            for j in range(k):
+                dj, qj = _sample(zq, temperature, generator)
+                ds.append(dj)
+                qs.append(qj)
+                if j < k - 1:
+                    h, zq = draft.step(dcache, dj, h)
+            dcache.rollback(L_d)  # the branch entries of passes 2..k are replaced by true trunk entries below
+            d = torch.stack(ds, 1)  # (b, k)
+            q = torch.stack(qs, 1) if temperature > 0 else None  # (b, k, V)
+            # 3. one policy forward verifies all k drafts and yields the bonus distribution
+            out = target.forward_cached(torch.cat([y[:, None], d], 1), pcache, tap_layers=taps)
+            z = out.logits  # (b, k+1, V)
+            n, y = verify(z, d, q, temperature, generator)
+            block = torch.cat([d, d[:, :1]], 1)
+            block[r, n] = y  # (b, k+1): d_1..d_n, y, then junk past n
+            # 4. the draft's trunk catches up on the verified positions; its pass-1 state at y's anchor is next step's
+            h, zq = draft.extend(dcache, block, out.taps, n)
+            reached += ((steps[:k][None] <= n[:, None]) & active[:, None]).sum(0)
+            accepted += ((steps[:k][None] < n[:, None]) & active[:, None]).sum(0)
+        # 5. commit: write the new tokens and their policy log-probs, advance only active rows
+        kept = torch.where(active, n + 1, 0)
+        g = n_gen[live]
+        idx = g[:, None] + steps[: block.shape[1]]  # (b, k+1) output columns
+        toks[live[:, None], idx] = block
+        lps[live[:, None], idx] = _logprob(z, block, temperature)
+        if eos_id is not None:
+            done = done | ((block == eos_id) & (steps[: block.shape[1]][None] <= n[:, None]) & active[:, None]).any(1)
+        g = g + kept
+        n_gen[live] = g
+        done = done | (g >= max_new_tokens)
+        # finished rows restart their caches at 0: while they ride along they never grow
+        pcache.rollback(torch.where(done, 0, L_p + kept))
+        if k:
+            dcache.rollback(torch.where(done, 0, dcache.lengths))
+        accept_sum += kept.sum()
+        row_steps += active.sum()
+        st.policy_forwards += 1
+
+    # 6. truncate each row at max_new_tokens and after its first EOS
+    n_keep = n_gen.clamp(max=max_new_tokens)
+    if eos_id is not None:
+        is_eos = (toks == eos_id) & (torch.arange(width, device=dev)[None] < n_keep[:, None])
+        first = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, n_keep)
+        n_keep = torch.minimum(n_keep, first)
+    n_keep = n_keep.tolist()
+    st.seconds = time.perf_counter() - t0
+    st.row_steps = int(row_steps)
+    st.acceptance_length = float(accept_sum) / max(st.row_steps, 1)
+    st.drafted, st.accepted = k * st.row_steps, int(accept_sum) - st.row_steps
+    st.accept_per_position = (accepted.float() / reached.clamp_min(1)).tolist() if k else []
+    st.new_tokens = sum(n_keep)
+    st.tokens_per_s = st.new_tokens / st.seconds
+    return Rollout([toks[b, :m].clone() for b, m in enumerate(n_keep)],
+                   [lps[b, :m].clone() for b, m in enumerate(n_keep)], st)
+
+
+if __name__ == "__main__":
+    from draft import Eagle3Draft
+    from model import ModelConfig, greedy_generate
+
+    torch.manual_seed(0)
+    target = Transformer(ModelConfig.preset("tiny")).eval()
+    draft = Eagle3Draft.from_target(target)
+    prompts = [torch.randint(97, (n,)) for n in (5, 3, 8, 4)]
+    ref = greedy_generate(target, prompts, 24)
+
+    def show(tag):
+        r = generate(target, draft, prompts, max_new_tokens=24, num_draft_tokens=4, temperature=0)
+        exact = all(torch.equal(a, b) for a, b in zip(ref, r.tokens))
+        print(f"{tag:>22}: greedy == plain greedy {exact}; acceptance length {r.stats.acceptance_length:.2f}, per "
+              f"position {[round(a, 2) for a in r.stats.accept_per_position]}, {r.stats.policy_forwards} forwards")
+
+    show("untrained draft")
+    # co-training in miniature: TTT on the policy's own continuations, taps + teacher from one policy forward
+    seqs = [torch.cat([p, t]) for p, t in zip(prompts, ref)]
+    tokens = torch.cat(seqs)
+    cu = torch.tensor([0] + torch.tensor([len(s) for s in seqs]).cumsum(0).tolist(), dtype=torch.int32)
+    with torch.no_grad():
+        out = target(tokens, cu, tap_layers=draft.tap_layers)
+    opt = torch.optim.Adam(draft.parameters(), lr=1e-2)
+    for _ in range(40):
+        loss, m = draft.ttt_loss(out.taps, tokens, cu, out.logits, num_passes=3, hard_labels=True)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    show("after 40 TTT steps")

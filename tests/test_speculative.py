@@ -1,0 +1,244 @@
+"""speculative.py: greedy == plain greedy (ours and transformers'), the sampling rule is lossless (exactly, and
+empirically end to end), rollout log-probs == a fresh policy forward, stats, and loud errors."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import speculative
+from draft import Eagle3Draft
+from model import KVCache, ModelConfig, Transformer, greedy_generate
+from speculative import accept_prob, generate, residual
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():  # tiny shapes: intra-op threads only add contention on a shared 2-core machine
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def packed(seqs):
+    cu = torch.tensor([0] + torch.tensor([len(s) for s in seqs]).cumsum(0).tolist(), dtype=torch.int32)
+    return torch.cat(seqs), cu
+
+
+def ragged_prompts(g, B, vocab, lo=1, hi=7):
+    return [torch.randint(vocab, (int(n),), generator=g) for n in torch.randint(lo, hi + 1, (B,), generator=g)]
+
+
+def train_draft(policy, draft, seqs, steps=30, lr=1e-2):
+    """A few TTT steps on the policy's own continuations (hard labels: fast to fit). Returns (first, last) metrics."""
+    tokens, cu = packed(seqs)
+    with torch.no_grad():
+        out = policy(tokens, cu, tap_layers=draft.tap_layers)
+    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=lr)
+    hist = []
+    for _ in range(steps):
+        loss, m = draft.ttt_loss(out.taps, tokens, cu, out.logits, num_passes=2, hard_labels=True)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        hist.append(m)
+    return hist[0], hist[-1]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """A tiny fp64 policy (its greedy continuations fall into cycles) and two drafts trained on them briefly: one with
+    the full vocabulary and one with a reduced 48-token vocabulary, so both accept and reject paths run."""
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    policy = Transformer(ModelConfig.preset("tiny")).double().eval()
+    prompts = ragged_prompts(g, 12, policy.cfg.vocab_size, 2, 5)
+    seqs = [torch.cat([p, o]) for p, o in zip(prompts, greedy_generate(policy, prompts, 24))]
+    full = Eagle3Draft.from_target(policy)
+    first, last = train_draft(policy, full, seqs)
+    counts = torch.bincount(torch.cat(seqs), minlength=policy.cfg.vocab_size)
+    reduced = Eagle3Draft.from_target(policy, draft_vocab=counts.argsort(descending=True)[:48])
+    train_draft(policy, reduced, seqs)
+    return policy, full, reduced, (first, last)
+
+
+def test_ttt_training_learns(pair):
+    first, last = pair[3]
+    assert last["acc"][0] > first["acc"][0] + 0.3 and last["loss_per_pass"][0] < first["loss_per_pass"][0]
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3, 4, 5, 6, "reduced"])
+def test_greedy_equals_autoregressive(pair, k):
+    policy, full, reduced, _ = pair
+    draft, k = (reduced, 3) if k == "reduced" else (full, k)
+    prompts = ragged_prompts(torch.Generator().manual_seed(1), 5, policy.cfg.vocab_size)
+    ref = greedy_generate(policy, prompts, 20)
+    r = generate(policy, draft, prompts, max_new_tokens=20, num_draft_tokens=k, temperature=0)
+    assert [t.tolist() for t in r.tokens] == [t.tolist() for t in ref]
+    if k:  # the draft is good but not perfect: both the accept and the reject path ran
+        assert 0 < r.stats.accepted < r.stats.drafted
+
+
+def test_greedy_eos_mid_draft(pair, monkeypatch):
+    policy, draft = pair[0], pair[1]
+    dropped, keep_rows = [], KVCache.keep_rows
+    monkeypatch.setattr(KVCache, "keep_rows", lambda c, keep: (dropped.append(len(keep)), keep_rows(c, keep)))
+    prompts = ragged_prompts(torch.Generator().manual_seed(2), 6, policy.cfg.vocab_size)
+    ref = greedy_generate(policy, prompts, 24)
+    eos = int(ref[0][6])  # a token of a cycle: it recurs inside accepted draft blocks
+    r = generate(policy, draft, prompts, max_new_tokens=24, num_draft_tokens=4, temperature=0, eos_id=eos)
+    for got, want in zip(r.tokens, ref):
+        hit = (want == eos).nonzero()
+        want = want[: int(hit[0]) + 1] if len(hit) else want
+        assert got.tolist() == want.tolist()
+    assert any(len(t) < 24 for t in r.tokens) and any(t[-1] == eos and len(t) > 1 for t in r.tokens)
+    assert dropped  # finished rows left the batch (both caches shrunk) while the others kept generating
+
+
+def test_greedy_equals_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   initializer_range=0.1)
+    hf = transformers.LlamaForCausalLM(cfg).double().eval()
+    hf.save_pretrained(tmp_path)
+    policy = Transformer.from_pretrained(str(tmp_path), dtype=torch.float64).eval()
+    draft = Eagle3Draft.from_target(policy)
+    prompts = ragged_prompts(torch.Generator().manual_seed(3), 3, 61, 2, 6)
+    r = generate(policy, draft, prompts, max_new_tokens=16, num_draft_tokens=3, temperature=0)
+    for p, got in zip(prompts, r.tokens):
+        want = hf.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=16,
+                           do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(p):]
+        assert got.tolist() == want.tolist()
+
+
+@given(st.integers(2, 6), st.integers(0, 2**31 - 1), st.sampled_from([0.0, 0.3]))
+def test_accept_residual_is_exact(V, seed, zero_frac):
+    """sum_d q(d) [a(d) 1{x=d} + (1 - a(d)) r(x)] = p(x), computed exactly (fp64), q with and without zeros."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.rand(V, generator=g, dtype=torch.float64) ** 3
+    q = torch.rand(V, generator=g, dtype=torch.float64) * (torch.rand(V, generator=g) >= zero_frac)
+    q[int(torch.randint(V, (1,), generator=g))] += 0.1  # at least one proposable token
+    p, q = p / p.sum(), q / q.sum()
+    for qq in (q, p.clone()):  # also q == p: nothing is ever rejected and the residual falls back to p
+        out = torch.zeros(V, dtype=torch.float64)
+        r = residual(p, qq)
+        for d in range(V):
+            if qq[d] > 0:
+                a = accept_prob(p[d], qq[d])
+                out[d] += qq[d] * a
+                out += qq[d] * (1 - a) * r
+        assert torch.allclose(out, p, atol=1e-12)
+
+
+def exact_first3(policy, prompt, tau):
+    """P(x1 x2 x3 | prompt) at temperature tau for every continuation, by enumeration: (V, V, V)."""
+    V = policy.cfg.vocab_size
+    x12 = torch.cartesian_prod(torch.arange(V), torch.arange(V))  # (V^2, 2)
+    seqs = torch.cat([prompt.expand(V * V, -1), x12], 1)  # (V^2, L+2)
+    with torch.no_grad():
+        z = policy(seqs.flatten(), torch.arange(0, seqs.numel() + 1, seqs.shape[1], dtype=torch.int32)).logits
+    p = torch.softmax(z.view(V * V, -1, V)[:, -3:].double() / tau, -1)  # (V^2, 3, V)
+    p1, p2, p3 = p[0, 0], p[::V, 1], p[:, 2].view(V, V, V)  # p2 (V, V) rows x1
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def empirical_first3(policy, draft, prompt, tau, N, seed):
+    V = policy.cfg.vocab_size
+    r = generate(policy, draft, [prompt] * N, max_new_tokens=3, num_draft_tokens=2, temperature=tau,
+                 generator=torch.Generator().manual_seed(seed))
+    idx = torch.stack(r.tokens) @ torch.tensor([V * V, V, 1])
+    return torch.bincount(idx, minlength=V ** 3).double().view(V, V, V) / N, r.stats
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair():
+    """A 6-token policy with peaked, position-dependent distributions and a deliberately mismatched draft (random
+    head, 4 of the 6 tokens only)."""
+    torch.manual_seed(0)
+    policy = Transformer(ModelConfig.preset("tiny", vocab_size=6)).eval()
+    with torch.no_grad():
+        for p in policy.parameters():
+            if p.dim() == 2:
+                p.mul_(25)
+    draft = Eagle3Draft.from_target(policy, draft_vocab=[0, 2, 3, 5])
+    with torch.no_grad():
+        draft.lm_head.weight.normal_(0, 1.0)
+    return policy, draft
+
+
+@pytest.mark.parametrize("tau", [0.7, 1.0])
+def test_sampling_matches_exact_distribution(small_vocab_pair, tau):
+    """Total variation between the empirical and the exact distribution of the first 3 tokens, N samples, below
+    E[TV] + t with E[TV] <= 1/2 sum_x sqrt(p(1-p)/N) and P(TV - E[TV] >= t) <= exp(-2 N t^2) (McDiarmid), delta=1e-6."""
+    policy, draft = small_vocab_pair
+    prompt, N = torch.tensor([1, 4, 2]), 8000
+    p = exact_first3(policy, prompt, tau)
+    bound = 0.5 * (p * (1 - p) / N).sqrt().sum().item() + math.sqrt(math.log(1e6) / (2 * N))
+    emp, stats = empirical_first3(policy, draft, prompt, tau, N, seed=int(tau * 10))
+    assert 0.5 * (emp - p).abs().sum().item() < bound
+    assert 0.05 < stats.accepted / stats.drafted < 0.95  # the mismatch is real: many rejections, some accepts
+
+
+def test_sampling_test_has_power(small_vocab_pair, monkeypatch):
+    """The classic bug -- on rejection resample from p instead of norm(max(p - q, 0)) -- fails the bound above."""
+    policy, draft = small_vocab_pair
+    prompt, N, tau = torch.tensor([1, 4, 2]), 8000, 1.0
+    p = exact_first3(policy, prompt, tau)
+    bound = 0.5 * (p * (1 - p) / N).sqrt().sum().item() + math.sqrt(math.log(1e6) / (2 * N))
+    monkeypatch.setattr(speculative, "residual", lambda p, q: p)
+    emp, _ = empirical_first3(policy, draft, prompt, tau, N, seed=3)
+    assert 0.5 * (emp - p).abs().sum().item() > 2 * bound
+
+
+@pytest.mark.parametrize("tau,k", [(1.0, 3), (0.7, 0), (0.0, 2)])
+def test_logprobs_equal_fresh_forward(pair, tau, k):
+    policy, draft = pair[0], pair[1]
+    prompts = ragged_prompts(torch.Generator().manual_seed(4), 4, policy.cfg.vocab_size)
+    kw = dict(max_new_tokens=12, num_draft_tokens=k, temperature=tau, eos_id=5)
+    r = generate(policy, draft, prompts, generator=torch.Generator().manual_seed(0), **kw)
+    again = generate(policy, draft, prompts, generator=torch.Generator().manual_seed(0), **kw)
+    assert [t.tolist() for t in r.tokens] == [t.tolist() for t in again.tokens]  # seeded: reproducible
+    tokens, cu = packed([torch.cat([p, t]) for p, t in zip(prompts, r.tokens)])
+    with torch.no_grad():
+        z = policy(tokens, cu).logits
+    logp = torch.log_softmax(z / (tau or 1.0), -1)
+    for b, (p, t) in enumerate(zip(prompts, r.tokens)):
+        rows = int(cu[b]) + len(p) - 1 + torch.arange(len(t))  # the position predicting each generated token
+        assert torch.allclose(r.logprobs[b], logp[rows, t], atol=1e-9)
+
+
+def test_stats(pair):
+    policy, draft = pair[0], pair[1]
+    prompts = ragged_prompts(torch.Generator().manual_seed(5), 3, policy.cfg.vocab_size)
+    ar = generate(policy, None, prompts, max_new_tokens=10, num_draft_tokens=4, temperature=0)
+    assert (ar.stats.policy_forwards, ar.stats.acceptance_length, ar.stats.accept_per_position) == (9, 1.0, [])
+    assert ar.stats.new_tokens == 30 and ar.stats.tokens_per_s > 0
+    s = generate(policy, draft, prompts, max_new_tokens=10, num_draft_tokens=4, temperature=0).stats
+    assert s.acceptance_length == pytest.approx(1 + s.accepted / s.row_steps)
+    assert s.drafted == 4 * s.row_steps and len(s.accept_per_position) == 4
+    assert all(0 <= a <= 1 for a in s.accept_per_position) and s.new_tokens == 30
+    assert s.acceptance_length * s.row_steps >= 3 * 9  # every row made its 9 decode tokens
+    empty = generate(policy, draft, prompts, max_new_tokens=0, num_draft_tokens=2)
+    assert [len(t) for t in empty.tokens] == [0, 0, 0]
+
+
+def test_bad_input(pair):
+    policy, draft = pair[0], pair[1]
+    ok = [torch.tensor([1, 2, 3])]
+    with pytest.raises(ValueError, match="prompts"):
+        generate(policy, draft, [], max_new_tokens=4, num_draft_tokens=2)
+    with pytest.raises(ValueError, match=r"prompts\[1\]"):
+        generate(policy, draft, ok + [torch.tensor([], dtype=torch.long)], max_new_tokens=4, num_draft_tokens=2)
+    with pytest.raises(TypeError, match=r"prompts\[0\]"):
+        generate(policy, draft, [torch.tensor([1.0, 2.0])], max_new_tokens=4, num_draft_tokens=2)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        generate(policy, draft, ok, max_new_tokens=4, num_draft_tokens=-1)
+    with pytest.raises(ValueError, match="temperature"):
+        generate(policy, draft, ok, max_new_tokens=4, num_draft_tokens=2, temperature=-0.5)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(policy, draft, ok, max_new_tokens=-1, num_draft_tokens=2)
+    other = Eagle3Draft.from_target(Transformer(ModelConfig.preset("tiny", vocab_size=50)).double())
+    with pytest.raises(ValueError, match="vocab_size"):
+        generate(policy, other, ok, max_new_tokens=4, num_draft_tokens=2)
