@@ -1,0 +1,410 @@
+"""Pipeline parallelism over model.py stage slices: AFAB and 1F1B over M microbatches, CP inside every stage, DP across
+replicas, and the draft hook on the last stage fed by TapChannel (tapchannel.py).
+
+The n layers are cut into P stages ([a_s, b_s) on stage s); the batch into M microbatches. Stage s runs two actions
+per microbatch, exchanging activations and their gradients with its neighbours on the pipeline group:
+
+    F(m):  x = recv h_{s-1}(m) (tokens on stage 0);  h_s(m) = stage_s(x);  send h_s(m) to s+1   (last: loss_m, draft)
+    B(m):  g = recv dL/dh_s(m) from s+1 (last: 1);    backprop through stage_s;  send dL/dx to s-1
+
+Two orders of the same 2M actions (picotron's pipeline_parallel.py keeps both side by side too):
+
+    AFAB   F0 F1 .. F(M-1)  B0 B1 .. B(M-1)         the reference; every microbatch's activations alive at once
+    1F1B   F0 .. F(w-1), then F(m+w) B(m) pairs, then the last w B's,  w = min(P-s-1, M)
+           same bubble (P-1)/(M+P-1), but stage s never holds more than P-s microbatches' activations
+
+After F(m) the last stage calls the user's draft hook with m's taps (the hidden states after the tapped layers: from
+other stages through TapChannel, its own in place), its final hidden, logits and microbatch -- all detached -- and
+back-propagates the returned draft loss at once: the draft's graph lives on the last stage only.
+
+Gradients: step() zeroes .grad, fills it with d(sum_m loss_m)/dtheta, then reduces it: tied embeddings summed between
+the first and last stage (Megatron's embedding group), summed over CP (each CP rank saw a shard of the tokens), averaged
+over DP replicas. Normalise inside loss_fn (e.g. by the step's token count). Data: every stage of a pipeline gets the
+same microbatch list (the loader is replicated across PP, as in Megatron): stage 0 reads tokens, middle stages the
+boundaries and sizes, the last stage tokens and labels for the loss and the draft. Under CP each rank passes its zigzag
+shard (tokens, global positions) with the global CP-padded cu_seqlens (branch_mask.pad_for_cp / zigzag_shard).
+
+    python pipeline.py                                                  # world size 1: plain gradient accumulation
+    torchrun --standalone --nproc_per_node=4 pipeline.py --pp=4          # 4 stages, 1F1B, TapChannel, check vs 1 rank
+    torchrun --standalone --nproc_per_node=4 pipeline.py --pp=2 --cp=2 --schedule=afab
+
+Letters: P stages, s stage, M microbatches, m microbatch, T tokens of a microbatch on this rank, H hidden, V vocab.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from model import EMBED_TAP, ModelConfig, Transformer, check_tap_layers
+from tapchannel import TapChannel
+
+SCHEDULES = ("afab", "1f1b")
+
+
+# ------------------------------------------------------------------------------------------------ stages and layout
+def split_layers(n_layers: int, n_stages: int, sizes=None) -> list:
+    """[(a_s, b_s)] layer range per stage. Even by default, the remainder going to the earliest stages (the last one
+    also carries the LM head and the draft); `sizes` = explicit layers per stage."""
+    if n_stages < 1:
+        raise ValueError(f"n_stages={n_stages}: expected >= 1")
+    if sizes is None:
+        if n_stages > n_layers:
+            raise ValueError(f"cannot split {n_layers} layers into {n_stages} pipeline stages: every stage needs "
+                             f">= 1 layer (use pp <= {n_layers})")
+        q, r = divmod(n_layers, n_stages)
+        sizes = [q + (s < r) for s in range(n_stages)]
+    sizes = [int(k) for k in sizes]
+    if len(sizes) != n_stages or sum(sizes) != n_layers or min(sizes) < 1:
+        raise ValueError(f"layer split {sizes}: expected {n_stages} stage sizes, each >= 1, summing to "
+                         f"num_hidden_layers={n_layers}")
+    bounds = [0]
+    for k in sizes:
+        bounds.append(bounds[-1] + k)
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def build_stage(cfg: ModelConfig, layers, state_dict=None, dtype=None) -> Transformer:
+    """The stage slice holding `layers` = (a, b), loaded from a full model's state dict if given (so that every stage,
+    and the tied embedding copy on the last stage, starts from the same weights)."""
+    stage = Transformer(cfg, layers=layers)
+    if state_dict is not None:
+        stage.load_slice(state_dict)
+    return stage.to(dtype) if dtype is not None else stage
+
+
+@dataclass
+class Grid:
+    """The DP x PP x CP process layout, built once: rank = (dp_rank * pp + pp_rank) * cp + cp_rank (CP neighbours are
+    adjacent ranks, the highest-bandwidth links). A group of size 1 is None and its collectives are skipped."""
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+    pp_rank: int = 0
+    cp_rank: int = 0
+    dp_rank: int = 0
+    pp_ranks: list = field(default_factory=lambda: [0])  # global rank of each stage of my pipeline
+    pp_group: Optional[object] = None  # my pipeline: the schedule's P2P
+    tap_group: Optional[object] = None  # same members, a second communicator: TapChannel only
+    embed_group: Optional[object] = None  # first + last stage of my pipeline (tied embeddings)
+    cp_group: Optional[object] = None
+    dp_group: Optional[object] = None
+
+    @classmethod
+    def build(cls, pp: int = 1, cp: int = 1, dp: int = 1) -> "Grid":
+        if min(pp, cp, dp) < 1:
+            raise ValueError(f"pp={pp}, cp={cp}, dp={dp}: expected each >= 1")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if pp * cp * dp != world:
+            raise ValueError(f"pp={pp} x cp={cp} x dp={dp} = {pp * cp * dp} != world size {world}")
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        d, rest = divmod(rank, pp * cp)
+        p, c = divmod(rest, cp)
+        at = lambda d_, p_, c_: (d_ * pp + p_) * cp + c_  # noqa: E731
+        g = cls(pp, cp, dp, p, c, d, [at(d, s, c) for s in range(pp)])
+
+        def groups(rank_lists):  # new_group is collective over the world: every rank creates every group, in order
+            mine = None
+            for ranks in rank_lists:
+                pg = dist.new_group(ranks) if len(ranks) > 1 else None
+                mine = pg if rank in ranks else mine
+            return mine
+
+        pipes = [[at(d_, s, c_) for s in range(pp)] for d_ in range(dp) for c_ in range(cp)]
+        g.pp_group, g.tap_group = groups(pipes), groups(pipes)
+        g.embed_group = groups([[r[0], r[-1]] for r in pipes] if pp > 1 else [])
+        g.cp_group = groups([[at(d_, p_, c_) for c_ in range(cp)] for d_ in range(dp) for p_ in range(pp)])
+        g.dp_group = groups([[at(d_, p_, c_) for d_ in range(dp)] for p_ in range(pp) for c_ in range(cp)])
+        return g
+
+
+def schedule_actions(schedule: str, n_stages: int, stage: int, M: int) -> list:
+    """The ordered actions [("F" | "B", m)] of one stage.
+
+    Deadlock freedom: sends are async and only receives block, and every receive waits for an action that precedes it
+    in a topological order of the data dependencies, so some rank can always move. Matching: on each directed link
+    only one kind of message travels (activations s -> s+1, gradients s+1 -> s), in increasing m under both orders, so
+    the in-order matching of P2P messages per (peer, group) pairs every receive with the right send -- no tags."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: expected one of {SCHEDULES}")
+    if M < 1:
+        raise ValueError(f"M={M} microbatches: expected >= 1")
+    if schedule == "afab":
+        return [("F", m) for m in range(M)] + [("B", m) for m in range(M)]
+    w = min(n_stages - stage - 1, M)  # warm-up: fill the pipe below me
+    acts = [("F", m) for m in range(w)]
+    for m in range(M - w):  # steady state: one forward, one backward
+        acts += [("F", m + w), ("B", m)]
+    return acts + [("B", m) for m in range(M - w, M)]  # cool-down: drain
+
+
+def tap_depth(schedule: str, n_stages: int, M: int) -> int:
+    """Landing slots per source = microbatches in flight between a source stage and the last (see tapchannel.py)."""
+    return M if schedule == "afab" else min(M, n_stages)
+
+
+# ------------------------------------------------------------------------------------------------------ the schedule
+@dataclass
+class Microbatch:
+    tokens: torch.Tensor  # (T,) int: this rank's tokens (its zigzag shard under CP)
+    cu_seqlens: torch.Tensor  # int32 (S+1,): packed boundaries (global and CP-padded under CP)
+    position_ids: Optional[torch.Tensor] = None  # (T,) global positions; required under CP
+    extra: dict = field(default_factory=dict)  # labels, masks, advantages... for loss_fn and the draft hook
+
+
+def shard_for_cp(mb: Microbatch, cp: int, rank: int, fill=None) -> Microbatch:
+    """CP rank `rank`'s zigzag shard of a whole microbatch (branch_mask.py's layout): every sequence padded to a
+    multiple of 2*cp, then tokens, global positions and every per-token tensor in `extra` sharded alike.
+    fill = {extra key: pad value} (default 0; e.g. {"labels": -100})."""
+    if cp == 1:
+        return mb
+    from branch_mask import pad_for_cp, position_ids, zigzag_shard
+    pad = pad_for_cp(mb.cu_seqlens, cp)
+    T, cu, fill = mb.tokens.shape[0], pad.cu_seqlens, fill or {}
+
+    def shard(x, value=0):  # (T_real, ...) -> (T_pad / cp, ...)
+        return zigzag_shard(pad.pad(x, fill=value), cu, cp, rank)
+
+    extra = {k: shard(v, fill.get(k, 0)) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == T else v
+             for k, v in mb.extra.items()}
+    return Microbatch(shard(mb.tokens), cu, zigzag_shard(position_ids(cu), cu, cp, rank), extra)
+
+
+@dataclass
+class DraftInputs:  # what the draft hook receives on the last stage after F(m); everything detached
+    m: int
+    taps: dict  # {layer id: (T, H)} in layer order; remote ones live in a landing slot until the hook returns
+    hidden: torch.Tensor  # (T, H) final-normed hidden
+    logits: torch.Tensor  # (T, V)
+    mb: Microbatch
+
+
+@dataclass
+class StepResult:  # identical on every rank: summed over microbatches and CP shards, averaged over DP
+    loss: float
+    draft_loss: float
+    p2p_bytes: int  # bytes this rank sent on the pipeline group this step
+    tap_bytes: int  # bytes this rank sent on TapChannel this step
+
+
+class PipelineSchedule:
+    """Runs one training step of the pipeline on this rank.
+
+        sched = PipelineSchedule(stage, grid, split, schedule="1f1b", tap_layers=(-1, 1, 2), draft_params=draft)
+        res = sched.step(microbatches, loss_fn, draft_hook)    # loss_fn(logits (T, V), mb) -> scalar
+        optimizer.step()                                        # .grad is reduced and ready
+    """
+
+    def __init__(self, stage: Transformer, grid: Grid, split, *, schedule: str = "1f1b", tap_layers=None,
+                 attn_fn: Optional[Callable] = None, draft_params=()):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r}: expected one of {SCHEDULES}")
+        if len(split) != grid.pp or tuple(stage.layer_range) != tuple(split[grid.pp_rank]):
+            raise ValueError(f"stage holds layers {stage.layer_range}, but split {split} gives stage {grid.pp_rank} "
+                             f"of {grid.pp} the layers {split[grid.pp_rank] if grid.pp_rank < len(split) else None}")
+        self.stage, self.grid, self.split, self.schedule = stage, grid, [tuple(r) for r in split], schedule
+        self.first, self.last = stage.is_first, stage.is_last
+        n = stage.cfg.num_hidden_layers
+        self.tap_layers = () if tap_layers is None else tuple(sorted(check_tap_layers(tap_layers, n)))
+        a, b = stage.layer_range
+        self.local_taps = tuple(l for l in self.tap_layers if a <= l < b or (l == EMBED_TAP and self.first))
+        if attn_fn is None and grid.cp > 1:
+            from attention_cp import ring_branch_attention
+            attn_fn = functools.partial(ring_branch_attention, group=grid.cp_group)
+        self.attn_fn = attn_fn
+        self.draft_params = list(draft_params.parameters() if hasattr(draft_params, "parameters") else draft_params)
+        if self.draft_params and not self.last:
+            raise ValueError("draft_params: the draft lives on the last stage only")
+        self.channel = (TapChannel(grid.tap_group, grid.pp_ranks, grid.pp_rank, self.split, self.tap_layers)
+                        if self.tap_layers and grid.pp > 1 else None)
+        p = next(stage.parameters())
+        self.dtype, self.device, self.H = p.dtype, p.device, stage.cfg.hidden_size
+        s = grid.pp_rank
+        self.prev = grid.pp_ranks[s - 1] if s > 0 else None
+        self.next = grid.pp_ranks[s + 1] if s + 1 < grid.pp else None
+
+    # ------------------------------------------------------------------------------------------------- one step
+    def step(self, microbatches, loss_fn: Callable, draft_hook: Optional[Callable] = None) -> StepResult:
+        mbs = list(microbatches)
+        M = len(mbs)
+        if M < 1:
+            raise ValueError(f"microbatches: got M={M}; a step needs M >= 1")
+        self._mbs, self._loss_fn, self._draft_hook = mbs, loss_fn, draft_hook
+        self._saved, self._sends, self._p2p_bytes = {}, [], 0
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._loss, self._draft = zero, zero.clone()  # accumulated as tensors: no host sync per microbatch
+        tap_bytes0 = self.channel.bytes_sent if self.channel else 0
+        for prm in self._params():
+            prm.grad = None
+        if self.channel is not None and self.last:
+            self.channel.begin([mb.tokens.shape[0] for mb in mbs], self.H, self.dtype, self.device,
+                               tap_depth(self.schedule, self.grid.pp, M))
+        for kind, m in schedule_actions(self.schedule, self.grid.pp, self.grid.pp_rank, M):
+            self._forward(m) if kind == "F" else self._backward(m)
+        for w, _ in self._sends:  # sync point: every activation / gradient this rank sent has left
+            w.wait()
+        if self.channel is not None:
+            self.channel.finish()
+        self._reduce_grads()
+        tap_bytes = (self.channel.bytes_sent if self.channel else 0) - tap_bytes0
+        loss, draft = self._reduce_scalars()
+        self._saved = self._sends = self._mbs = None
+        return StepResult(loss, draft, self._p2p_bytes, tap_bytes)
+
+    def _forward(self, m: int):
+        mb = self._mbs[m]
+        x = mb.tokens if self.first else self._recv_forward(m)
+        out = self.stage(x, mb.cu_seqlens, mb.position_ids, attn_fn=self.attn_fn, tap_layers=self.local_taps)
+        if not self.last:
+            self._send_forward(m, out)
+            self._saved[m] = (x, out.hidden)
+            return
+        loss = self._loss_fn(out.logits, mb)
+        taps = self._gather_taps(m, out)
+        if self._draft_hook is not None:
+            d = self._draft_hook(DraftInputs(m, taps, out.hidden.detach(), out.logits.detach(), mb))
+            if d is not None:
+                d.backward()  # the draft's backward, now: its inputs are detached, so it never leaves this stage
+                self._draft = self._draft + d.detach().double()
+        self._release_taps(m)
+        self._saved[m] = (x, loss)
+        self._loss = self._loss + loss.detach().double()
+
+    def _backward(self, m: int):
+        x, y = self._saved.pop(m)
+        if self.last:
+            y.backward()  # y = loss_m
+        else:
+            torch.autograd.backward(y, grad_tensors=self._recv(y.shape, self.next))
+        if not self.first:
+            self._isend(x.grad, self.prev)
+
+    # -- transports: activations on the pipeline group; taps on TapChannel (the benchmark overrides these) --------
+    def _recv_forward(self, m: int) -> torch.Tensor:
+        return self._recv((self._mbs[m].tokens.shape[0], self.H), self.prev).requires_grad_()
+
+    def _send_forward(self, m: int, out):
+        self._isend(out.hidden, self.next)  # the critical path first
+        if self.channel is not None:
+            self.channel.send(m, out.taps)  # then the taps: async, off the critical path
+
+    def _gather_taps(self, m: int, out) -> dict:
+        if self.channel is None:
+            return {layer: t.detach() for layer, t in sorted(out.taps.items())}
+        return self.channel.recv(m, out.taps)  # waits only for m's taps
+
+    def _release_taps(self, m: int):
+        if self.channel is not None:
+            self.channel.release(m)
+
+    def _isend(self, t: torch.Tensor, peer: int):
+        t = t.detach().contiguous()
+        self._sends.append((dist.isend(t, dst=peer, group=self.grid.pp_group), t))  # kept alive until step end
+        self._p2p_bytes += t.numel() * t.element_size()
+
+    def _recv(self, shape, peer: int) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+        dist.recv(buf, src=peer, group=self.grid.pp_group)  # the schedule's only kind of wait
+        return buf
+
+    # -- reductions ------------------------------------------------------------------------------------------------
+    def _params(self):
+        return list(self.stage.parameters()) + self.draft_params
+
+    def _reduce_grads(self):
+        g, params = self.grid, self._params()
+        for prm in params:
+            if prm.grad is None:  # e.g. a draft that was not called this step: contributes zeros to the reduction
+                prm.grad = torch.zeros_like(prm)
+        if g.pp > 1 and self.stage.cfg.tie_word_embeddings and (self.first or self.last):
+            dist.all_reduce(self.stage.embed.weight.grad, group=g.embed_group)  # E is used on stage 0 and as W_out
+        if g.cp > 1 or g.dp > 1:
+            flat = torch.cat([prm.grad.reshape(-1) for prm in params])  # one bucket: one collective per group
+            if g.cp > 1:
+                dist.all_reduce(flat, group=g.cp_group)  # sum: each CP rank holds d(its shard's loss)
+            if g.dp > 1:
+                dist.all_reduce(flat, group=g.dp_group)
+                flat /= g.dp  # mean over replicas
+            i = 0
+            for prm in params:
+                prm.grad.copy_(flat[i:i + prm.numel()].view_as(prm))
+                i += prm.numel()
+
+    def _reduce_scalars(self):
+        g = self.grid
+        t = torch.stack([self._loss, self._draft])  # meaningful on the last stage, zeros elsewhere
+        if g.cp > 1:
+            dist.all_reduce(t, group=g.cp_group)
+        if g.dp > 1:
+            dist.all_reduce(t, group=g.dp_group)
+            t /= g.dp
+        if g.pp > 1:
+            dist.broadcast(t, src=g.pp_ranks[-1], group=g.pp_group)
+        return float(t[0]), float(t[1])
+
+
+# ------------------------------------------------------------------------------------------------------------- demo
+def _demo():
+    import argparse
+    import os
+
+    from model import default_tap_layers
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    ap.add_argument("--microbatches", type=int, default=4)
+    args = ap.parse_args()
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group("gloo")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    grid = Grid.build(pp=args.pp, cp=args.cp, dp=world // (args.pp * args.cp))
+    torch.manual_seed(0)
+    cfg = ModelConfig.preset("tiny", num_hidden_layers=8, tie_word_embeddings=True)
+    full = Transformer(cfg).double()
+    split = split_layers(cfg.num_hidden_layers, grid.pp)
+    stage = build_stage(cfg, split[grid.pp_rank], full.state_dict(), torch.float64)
+    taps = default_tap_layers(cfg.num_hidden_layers) + (EMBED_TAP,)
+    mbs_full = [_random_microbatch(cfg, g) for g in range(args.microbatches)]  # same seed on every rank
+    mbs = [shard_for_cp(mb, grid.cp, grid.cp_rank, {"labels": -100}) for mb in mbs_full]
+    n_tok = sum(mb.extra["n"] for mb in mbs_full)
+
+    def loss_fn(logits, mb):  # next-token cross-entropy, normalised by the step's token count
+        return torch.nn.functional.cross_entropy(logits, mb.extra["labels"], ignore_index=-100,
+                                                 reduction="sum") / n_tok
+
+    def draft_hook(d: DraftInputs):  # stand-in for the EAGLE-3 TTT loss: just checks what arrived
+        assert sorted(d.taps) == sorted(taps) and all(t.shape == d.hidden.shape for t in d.taps.values())
+        return None
+
+    sched = PipelineSchedule(stage, grid, split, schedule=args.schedule, tap_layers=taps)
+    res = sched.step(mbs, loss_fn, draft_hook)
+    ref = sum(loss_fn(full(mb.tokens, mb.cu_seqlens).logits, mb) for mb in mbs_full)  # the 1-process model
+    ref.backward()
+    want = dict(full.named_parameters())
+    err = torch.tensor([max(float((p.grad - want[k].grad).abs().max()) for k, p in stage.named_parameters())])
+    if dist.is_initialized():
+        dist.all_reduce(err, op=dist.ReduceOp.MAX)
+    if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+        print(f"pp={grid.pp} cp={grid.cp} dp={grid.dp} {args.schedule} M={len(mbs)}: loss {res.loss:.12f} "
+              f"(1 process: {float(ref.detach()):.12f}), max |grad - 1-process grad| {float(err):.1e}; "
+              f"bytes sent by rank 0: pipeline {res.p2p_bytes}, taps {res.tap_bytes}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _random_microbatch(cfg, seed: int) -> Microbatch:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(3, 12, (3,), generator=g)
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(torch.int32)
+    tokens = torch.randint(cfg.vocab_size, (int(cu[-1]),), generator=g)
+    labels = torch.roll(tokens, -1).clone()
+    labels[cu[1:].long() - 1] = -100  # no target past a sequence's end
+    return Microbatch(tokens, cu, None, {"labels": labels, "n": int((labels >= 0).sum())})
+
+
+if __name__ == "__main__":
+    _demo()
