@@ -1,0 +1,362 @@
+"""GRPO with an online co-trained EAGLE-3 draft: the math of one RL update and the co-training step.
+
+For each prompt, G responses o_1..o_G are sampled (speculatively, exactly from pi_old) and scored r_1..r_G.
+
+  1. Group-relative advantages (GRPO, DeepSeekMath [Shao et al. 2024]), shared by every token of o_i:
+         A_i = (r_i - mean(r)) / (std(r) + eps)      std: the unbiased sample std of the group, as in TRL
+         A_i =  r_i - mean(r)                        Dr. GRPO [Liu et al. 2025]: no std (std_norm=False)
+     Groups whose rewards are all equal give A = 0: they are counted and skipped (no loss, no token counts; DAPO).
+  2. Clipped surrogate with asymmetric clip ("clip-higher", DAPO [Yu et al. 2025]) and an optional KL penalty:
+         rho_{i,t} = pi_theta(o_t | q, o_<t) / pi_old(o_t | q, o_<t)    (pi_old: the log-probs the rollout recorded)
+         l_{i,t}   = -min(rho A_i, clip(rho, 1 - eps_low, 1 + eps_high) A_i) + beta * k3_{i,t}
+         k3        = ratio - 1 - log ratio,  ratio = pi_ref / pi_theta  (unbiased, always >= 0; Schulman 2020,
+                     "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html; used by GRPO)
+  3. Aggregation over the update's minibatch M (|o_i| = response length, L_max = max new tokens):
+         seq-mean     (GRPO)      L = 1/|M| sum_i 1/|o_i| sum_t l_{i,t}
+         token-mean               L = mean over the tokens of each micro-batch, averaged over micro-batches
+         global-token (DAPO)      L = 1/sum_i |o_i| sum_{i,t} l_{i,t}   (global count over all micro-batches/ranks)
+         constant     (Dr. GRPO)  L = 1/(|M| L_max) sum_{i,t} l_{i,t}
+  4. Co-training: one policy forward over the packed rollouts returns logits and the taps; the draft's TTT loss reads
+     the taps (detached) with the policy's own distributions (detached) as teacher:
+         total = L_policy + lambda * L_draft      (no extra policy forward for the draft)
+     The two graphs share no tensor, so the policy gets no gradient from L_draft and the draft none from L_policy;
+     each has its own optimizer, learning rate and gradient clipping.
+
+Everything works on a `RolloutBatch`: S prompt+response sequences packed into T tokens with per-token arrays (token t's
+entry is about predicting tokens[t] from its prefix), so a micro-batch is just a subset of sequences (`select`).
+Single-process fast paths for both forwards: padded_causal_attention (policy) and padded_branch_attention (the draft's
+TTT), one batched softmax over sequences padded to the longest instead of a Python loop over sequences; the tests check
+them against model.packed_causal_attention and attention_cp's dense oracle. Under CP use attention_cp instead.
+The loop that uses these pieces is train.py (`python train.py`); the tests are tests/test_rl_loop.py.
+
+Letters: T packed tokens, S sequences, G group size, V vocab, H hidden.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from branch_mask import as_ring
+
+LOSS_NORMS = ("seq-mean", "token-mean", "global-token", "constant")
+
+
+# ---------------------------------------------------------------------------------------------------- packed batches
+def pack(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """list of S 1-D token tensors -> tokens (T,), cu_seqlens int32 (S+1,)."""
+    if not seqs or any(s.dim() != 1 or s.numel() == 0 for s in seqs):
+        raise ValueError("pack: expected a non-empty list of non-empty 1-D tensors")
+    lens = torch.tensor([s.numel() for s in seqs])
+    cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    cu[1:] = lens.cumsum(0)
+    return torch.cat(seqs), cu
+
+
+def seq_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:  # (S+1,) -> (T,) which sequence each token belongs to
+    cu = cu_seqlens.long()
+    return torch.repeat_interleave(torch.arange(cu.numel() - 1), cu[1:] - cu[:-1])
+
+
+@dataclass
+class RolloutBatch:
+    """S packed sequences (prompt + response) and what GRPO needs per token / per sequence."""
+    tokens: torch.Tensor  # (T,) long
+    cu_seqlens: torch.Tensor  # (S+1,) int32
+    resp_mask: torch.Tensor  # (T,) bool: tokens[t] is a response token (its log-prob is trained)
+    old_logp: torch.Tensor  # (T,) log pi_old(tokens[t] | prefix) from the rollout; 0 off the response
+    adv: torch.Tensor  # (S,) advantage A_i
+    valid: torch.Tensor  # (S,) bool: the group had reward variance (else skipped)
+    ref_logp: Optional[torch.Tensor] = None  # (T,) log pi_ref(tokens[t] | prefix), for the k3 penalty
+
+    @classmethod
+    def from_rollouts(cls, prompts, responses, resp_logp, adv, valid):
+        """prompts / responses / resp_logp: lists of S 1-D tensors (resp_logp[i][j] = log pi_old of responses[i][j])."""
+        tokens, cu = pack([torch.cat([p, r]) for p, r in zip(prompts, responses)])
+        resp_mask = torch.cat([torch.cat([torch.zeros(p.numel(), dtype=torch.bool), torch.ones(r.numel(), dtype=torch.bool)])
+                               for p, r in zip(prompts, responses)])
+        old = torch.cat([torch.cat([torch.zeros(p.numel()), lp.float()]) for p, lp in zip(prompts, resp_logp)])
+        return cls(tokens, cu, resp_mask, old, adv.float(), valid.bool())
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    def trained_mask(self) -> torch.Tensor:  # (T,) response tokens of valid (non-zero-variance) groups
+        return self.resp_mask & self.valid[seq_ids(self.cu_seqlens)]
+
+    def select(self, idx) -> "RolloutBatch":
+        """The sub-batch of sequences idx (a micro-batch), re-packed."""
+        idx = torch.as_tensor(idx, dtype=torch.long)
+        cu = self.cu_seqlens.long()
+        tok_idx = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in idx.tolist()])
+        lens = cu[idx + 1] - cu[idx]
+        new_cu = torch.zeros(idx.numel() + 1, dtype=torch.int32)
+        new_cu[1:] = lens.cumsum(0)
+        per_tok = {k: getattr(self, k)[tok_idx] for k in ("tokens", "resp_mask", "old_logp")}
+        ref = None if self.ref_logp is None else self.ref_logp[tok_idx]
+        return RolloutBatch(cu_seqlens=new_cu, adv=self.adv[idx], valid=self.valid[idx], ref_logp=ref, **per_tok)
+
+
+def next_token_logp(logits: torch.Tensor, tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """logits (T, V) of a packed forward -> (T,) log p(tokens[t] | tokens of its sequence before t); 0 at starts.
+
+    Gathered logit minus logsumexp: never materialises the (T, V) log-softmax."""
+    out = torch.zeros(tokens.shape[0], dtype=torch.float32, device=logits.device)
+    z = logits[:-1].float()  # position t-1 predicts token t
+    lp = z.gather(-1, tokens[1:, None])[:, 0] - torch.logsumexp(z, -1)
+    starts = torch.zeros_like(tokens, dtype=torch.bool)
+    starts[cu_seqlens[:-1].long()] = True
+    return torch.cat([out[:1], lp]).masked_fill(starts, 0.0)
+
+
+def padded_causal_attention(q, k, v, cu_seqlens, softmax_scale):
+    """Same result as model.packed_causal_attention, computed as ONE batched SDPA over sequences padded to the longest.
+
+    q (T, Hq, D), k/v (T, Hkv, D) -> (T, Hq, D). Wastes (L_max - L_s) rows per sequence but avoids the per-sequence
+    Python loop, about 2x faster for many short rollouts on CPU. Pad rows sit after each sequence, so the causal mask
+    already keeps them out of every real query."""
+    T, Hq, D = q.shape
+    cu = cu_seqlens.long()
+    lens = cu[1:] - cu[:-1]
+    S, L = lens.numel(), int(lens.max())
+    sid = seq_ids(cu_seqlens).to(q.device)
+    pos = torch.arange(T, device=q.device) - cu[:-1].to(q.device)[sid]
+
+    def pad(x):  # (T, h, D) -> (S, h, L, D)
+        out = x.new_zeros((S, L) + tuple(x.shape[1:]))
+        out[sid, pos] = x
+        return out.transpose(1, 2)
+
+    rep = Hq // k.shape[1]
+    kp, vp = pad(k).repeat_interleave(rep, 1), pad(v).repeat_interleave(rep, 1)
+    o = F.scaled_dot_product_attention(pad(q), kp, vp, is_causal=True, scale=softmax_scale)  # (S, Hq, L, D)
+    return o.transpose(1, 2)[sid, pos]
+
+
+def padded_branch_attention(q, k, v, cu_seqlens, branch_k=None, branch_v=None, *, group=None, softmax_scale=None,
+                            backend="torch"):
+    """Single-process drop-in for attention_cp.ring_branch_attention (the draft's TTT attention), padded and batched.
+
+    Query at anchor i sees trunk keys j <= i of its sequence and the P branch entries at i, in ONE softmax:
+        s = [q K_trunk^T (causal) | q . branch_k]  (S, Hq, L, L+P) -> softmax -> [P_trunk V | sum_p P_p branch_v]
+    Plain autograd; O(S L (L+P)) scores. No CP (group None or size 1): the ring version is the one that shards."""
+    if group is not None and as_ring(group).size != 1:
+        raise ValueError("padded_branch_attention: no CP (group must be None or of size 1); use ring_branch_attention")
+    T, Hq, D = q.shape
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    cu = cu_seqlens.long()
+    lens = cu[1:] - cu[:-1]
+    S, L = lens.numel(), int(lens.max())
+    sid = seq_ids(cu_seqlens).to(q.device)
+    pos = torch.arange(T, device=q.device) - cu[:-1].to(q.device)[sid]
+    rep = Hq // k.shape[1]
+
+    def pad(x):  # (T, ...) -> (S, L, ...)
+        out = x.new_zeros((S, L) + tuple(x.shape[1:]))
+        out[sid, pos] = x
+        return out
+
+    qp = pad(q).transpose(1, 2)  # (S, Hq, L, D)
+    kp, vp = (pad(x).repeat_interleave(rep, 2).transpose(1, 2) for x in (k, v))  # (S, Hq, L, D)
+    s = (qp @ kp.transpose(-1, -2)) * scale  # (S, Hq, L, L)
+    causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+    s = s.masked_fill(~causal, float("-inf"))
+    if branch_k is None or branch_k.shape[1] == 0:
+        o = torch.softmax(s, -1) @ vp
+        return o.transpose(1, 2)[sid, pos]
+    P = branch_k.shape[1]
+    bk, bv = (x.repeat_interleave(rep, 2) for x in (branch_k, branch_v))  # (T, P, Hq, D)
+    sb = torch.einsum("thd,tphd->htp", q, bk) * scale  # (Hq, T, P)
+    sb = pad(sb.permute(1, 0, 2)).transpose(1, 2)  # (S, Hq, L, P)
+    p = torch.softmax(torch.cat([s, sb], -1), -1)  # (S, Hq, L, L+P): one normalisation over trunk and branch
+    o = (p[..., :L] @ vp).transpose(1, 2)[sid, pos]  # (T, Hq, D)
+    pb = p[..., L:].transpose(1, 2)[sid, pos]  # (T, Hq, P)
+    return o + torch.einsum("thp,tphd->thd", pb, bv)
+
+
+# ------------------------------------------------------------------------------------------------------- GRPO math
+def group_advantages(rewards: torch.Tensor, group_size: int, *, std_norm: bool = True, eps: float = 1e-6):
+    """rewards (S,) with S = n_prompts * G, groups contiguous -> (A (S,), valid (S,) bool: group std > 0)."""
+    if group_size < 2 or rewards.numel() % group_size:
+        raise ValueError(f"group_size={group_size}: expected >= 2 and dividing the {rewards.numel()} rewards")
+    r = rewards.float().view(-1, group_size)  # (n_prompts, G)
+    std = r.std(dim=1, keepdim=True)  # unbiased (Bessel) like TRL's GRPO
+    A = r - r.mean(dim=1, keepdim=True)
+    if std_norm:
+        A = A / (std + eps)
+    valid = (r.max(dim=1, keepdim=True).values > r.min(dim=1, keepdim=True).values).expand_as(r)
+    return torch.where(valid, A, 0.0).reshape(-1), valid.reshape(-1)
+
+
+def clipped_surrogate(logp, old_logp, adv, eps_low: float, eps_high: float):
+    """Per-token -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A); logp/old_logp/adv (T,). Returns (loss, clipped)."""
+    rho = torch.exp(logp - old_logp)
+    unclipped, clipped = rho * adv, rho.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped)
+
+
+def k3(logp, ref_logp):
+    """k3 = ratio - 1 - log ratio, ratio = pi_ref / pi_theta, per token (T,): an unbiased, non-negative estimate of
+    KL(pi_theta || pi_ref) from samples of pi_theta (Schulman 2020)."""
+    log_ratio = ref_logp - logp
+    return torch.exp(log_ratio) - 1.0 - log_ratio
+
+
+def aggregate(loss_tok, mask, cu_seqlens, norm: str, *, n_seqs: int, n_tokens: int, max_len: int, n_micro: int = 1):
+    """Reduce per-token losses (T,) over `mask` (T,) to this micro-batch's share of the minibatch loss.
+
+    n_seqs / n_tokens: the number of trained sequences / tokens in the whole minibatch (all micro-batches, all ranks);
+    summing the returned values over micro-batches gives the formulas in the module docstring."""
+    if norm not in LOSS_NORMS:
+        raise ValueError(f"loss_norm={norm!r}: expected one of {LOSS_NORMS}")
+    l = loss_tok * mask
+    if norm == "seq-mean":
+        sid = seq_ids(cu_seqlens).to(l.device)
+        S = cu_seqlens.numel() - 1
+        per_seq = torch.zeros(S, device=l.device).index_add(0, sid, l)
+        n_tok = torch.zeros(S, device=l.device).index_add(0, sid, mask.float())
+        return (per_seq / n_tok.clamp_min(1)).sum() / max(n_seqs, 1)
+    if norm == "token-mean":
+        return l.sum() / mask.sum().clamp_min(1) / n_micro
+    if norm == "global-token":
+        return l.sum() / max(n_tokens, 1)
+    return l.sum() / (max(n_seqs, 1) * max_len)  # constant (Dr. GRPO)
+
+
+@dataclass
+class GRPOConfig:
+    eps_low: float = 0.2
+    eps_high: float = 0.28  # > eps_low: DAPO's clip-higher keeps low-probability tokens explorable
+    beta: float = 0.0  # k3 KL coefficient to the frozen reference (0: no penalty; the drift is only measured)
+    std_norm: bool = True  # False + loss_norm="constant" is Dr. GRPO
+    loss_norm: str = "global-token"
+    max_len: int = 64  # L_max for the "constant" normalisation (the rollout's max new tokens)
+
+    def __post_init__(self):
+        if self.loss_norm not in LOSS_NORMS:
+            raise ValueError(f"loss_norm={self.loss_norm!r}: expected one of {LOSS_NORMS}")
+        if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
+            raise ValueError(f"eps_low={self.eps_low}, eps_high={self.eps_high}: expected 0 <= eps_low < 1, eps_high >= 0")
+
+
+def policy_loss(logp, mb: RolloutBatch, cfg: GRPOConfig, *, n_seqs: int, n_tokens: int, n_micro: int = 1):
+    """The GRPO loss of micro-batch mb given the current log-probs logp (T,). Returns (loss, stats)."""
+    mask = mb.trained_mask()
+    adv_tok = mb.adv[seq_ids(mb.cu_seqlens)]
+    l, clipped = clipped_surrogate(logp, mb.old_logp, adv_tok, cfg.eps_low, cfg.eps_high)
+    kl = torch.zeros_like(l)
+    if cfg.beta > 0:
+        if mb.ref_logp is None:
+            raise ValueError("beta > 0 needs ref_logp in the batch (the frozen reference's log-probs)")
+        kl = k3(logp, mb.ref_logp)
+        l = l + cfg.beta * kl
+    loss = aggregate(l, mask, mb.cu_seqlens, cfg.loss_norm, n_seqs=n_seqs, n_tokens=n_tokens, max_len=cfg.max_len,
+                     n_micro=n_micro)
+    with torch.no_grad():
+        m = mask.float()
+        n = m.sum().clamp_min(1)
+        stats = {"clip_frac": float((clipped.float() * m).sum() / n), "k3": float((kl * m).sum() / n),
+                 "ratio": float((torch.exp(logp - mb.old_logp) * m).sum() / n), "tokens": int(m.sum())}
+    return loss, stats
+
+
+# ------------------------------------------------------------------------------------------------ the co-training step
+@dataclass
+class DraftTrainer:
+    """A draft with its own optimizer, loss weight lambda and gradient clipping (co-trained on the policy's taps)."""
+    draft: torch.nn.Module
+    opt: torch.optim.Optimizer
+    lam: float = 1.0
+    grad_clip: float = 1.0
+    num_passes: int = 3
+    pass_weight: float = 0.8
+    attn_fn: Optional[object] = None  # the TTT attention (None: draft.py's default)
+
+
+def draft_mask(mb: RolloutBatch) -> torch.Tensor:
+    """(T,) positions whose next-token prediction the draft learns: those predicting a response token (the draft only
+    ever proposes response tokens; a prompt is task input, not policy output). Entry j = prediction made AT j (of tokens[j+1])."""
+    m = torch.zeros_like(mb.resp_mask)
+    m[:-1] = mb.resp_mask[1:]
+    m[mb.cu_seqlens[1:].long() - 1] = False  # a sequence's last position predicts nothing
+    return m
+
+
+def draft_loss(tr: DraftTrainer, taps: dict, logits, mb: RolloutBatch):
+    """L_draft: TTT loss on detached taps with the policy's detached logits as teacher. Returns (loss, metrics)."""
+    taps = {l: taps[l].detach() for l in tr.draft.tap_layers}
+    return tr.draft.ttt_loss(taps, mb.tokens, mb.cu_seqlens, logits.detach(), loss_mask=draft_mask(mb),
+                             num_passes=tr.num_passes, pass_weight=tr.pass_weight, attn_fn=tr.attn_fn)
+
+
+def cotrain_step(policy, policy_opt, batch: RolloutBatch, cfg: GRPOConfig, drafts: list, *, micro_batches: int = 1,
+                 policy_grad_clip: float = 1.0, attn_fn=None, timer: Optional[dict] = None) -> dict:
+    """One optimisation step of the policy (GRPO) and of every draft (TTT) from ONE policy forward per micro-batch.
+
+    drafts: list of DraftTrainer (the rollout draft, and optionally shadow drafts trained on the same taps).
+    total = L_policy + sum_k lambda_k L_draft_k. backward is run per term only so `timer` can split policy and draft
+    time: the graphs are disjoint, so the gradients equal those of backward(total).
+    """
+    timer = timer if timer is not None else {}
+    S = batch.num_seqs
+    mask = batch.trained_mask()
+    n_seqs, n_tokens = int(batch.valid.sum()), int(mask.sum())
+    taps_wanted = sorted({l for tr in drafts for l in tr.draft.tap_layers})
+    policy_opt.zero_grad(set_to_none=True)
+    for tr in drafts:
+        tr.opt.zero_grad(set_to_none=True)
+    stats = {"loss_policy": 0.0, "loss_draft": [0.0] * len(drafts), "draft_metrics": [None] * len(drafts)}
+    pstats = []
+    for chunk in torch.arange(S).chunk(micro_batches):
+        mb = batch.select(chunk)
+        t0 = time.perf_counter()
+        out = policy(mb.tokens, mb.cu_seqlens, attn_fn=attn_fn, tap_layers=taps_wanted)  # logits (T, V), taps
+        logp = next_token_logp(out.logits, mb.tokens, mb.cu_seqlens)
+        L_p, st = policy_loss(logp, mb, cfg, n_seqs=n_seqs, n_tokens=n_tokens, n_micro=micro_batches)
+        if n_tokens > 0:
+            L_p.backward()
+        t1 = time.perf_counter()
+        timer["policy_train"] = timer.get("policy_train", 0.0) + t1 - t0
+        stats["loss_policy"] += float(L_p.detach())
+        pstats.append(st)
+        for k, tr in enumerate(drafts):
+            L_d, dm = draft_loss(tr, out.taps, out.logits, mb)
+            (tr.lam * L_d / micro_batches).backward()
+            stats["loss_draft"][k] += float(L_d.detach()) / micro_batches
+            stats["draft_metrics"][k] = dm  # the last micro-batch's metrics
+        timer["draft_train"] = timer.get("draft_train", 0.0) + time.perf_counter() - t1
+    t0 = time.perf_counter()
+    stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), policy_grad_clip))
+    policy_opt.step()
+    t1 = time.perf_counter()
+    for tr in drafts:
+        torch.nn.utils.clip_grad_norm_(tr.draft.parameters(), tr.grad_clip)
+        tr.opt.step()
+    timer["policy_train"] += t1 - t0
+    timer["draft_train"] += time.perf_counter() - t1
+    n = sum(s["tokens"] for s in pstats)
+    for key in ("clip_frac", "k3", "ratio"):
+        stats[key] = sum(s[key] * s["tokens"] for s in pstats) / max(n, 1)
+    stats["loss_total"] = stats["loss_policy"] + sum(tr.lam * l for tr, l in zip(drafts, stats["loss_draft"]))
+    return stats
+
+
+@torch.no_grad()
+def reference_logp(ref, batch: RolloutBatch, *, attn_fn=None) -> torch.Tensor:
+    """log pi_ref(tokens[t] | prefix) per token (T,) from the frozen reference (one no-grad forward per batch)."""
+    z = ref(batch.tokens, batch.cu_seqlens, attn_fn=attn_fn).logits  # (T, V)
+    return next_token_logp(z, batch.tokens, batch.cu_seqlens)
+
+
+def rollout_kl(batch: RolloutBatch) -> float:
+    """KL(pi_t || pi_ref) estimated on the rollouts themselves: they are samples of pi_t = pi_old, so the mean k3 with
+    ratio = pi_ref / pi_old over all response tokens is unbiased -- no extra policy forward needed."""
+    if batch.ref_logp is None:
+        raise ValueError("rollout_kl: the batch has no ref_logp")
+    m = batch.resp_mask
+    return float(k3(batch.old_logp[m], batch.ref_logp[m]).mean()) if m.any() else 0.0

@@ -1,0 +1,174 @@
+"""Warm-up before RL: SFT of the policy on demonstrations, then the draft on the warm policy's own samples.
+
+  1. Policy SFT: next-token cross-entropy on the response tokens of task demonstrations (task.demo_response, each chain
+     step explicit with probability p_explicit), AdamW with linear warm-up and cosine decay. Cheap to reuse, so the
+     result is cached on disk (HF format, `cache/policy-<hash of every setting that shapes it>/`) and later runs load it.
+  2. Draft warm-up (EAGLE-3's offline stage): sample responses from the warm policy (temperature 1), run the policy's
+     packed forward to get taps and logits, and fit the draft's multi-pass TTT loss with the policy as teacher. Also
+     cached (`cache/draft-<hash>/`, draft.py's save/load), keyed on the policy's hash too.
+
+    python warmup.py                   # SFT (or load) the default policy; report its held-out greedy / sampled reward
+    python warmup.py --preset smoke    # any train.py preset / --key=value: the same cache entries as train.py
+
+Letters: T packed tokens, S sequences, V vocab.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import time
+
+import torch
+
+import speculative
+import task
+from draft import Eagle3Draft
+from model import ModelConfig, Transformer
+from rl_loop import DraftTrainer, RolloutBatch, draft_loss, next_token_logp, pack, padded_causal_attention
+
+
+def cache_key(*parts) -> str:
+    """A short stable hash of JSON-serialisable settings (dataclasses via their __dict__)."""
+    blob = json.dumps([getattr(p, "__dict__", p) for p in parts], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
+    """Linear warm-up for `warmup` steps, then cosine decay to lr/10."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    t = (step - warmup) / max(steps - warmup, 1)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def sft_batch(tok, source, n: int, p_explicit: float, rng: random.Random):
+    """n demonstrations packed: tokens (T,), cu_seqlens (S+1,), loss mask (T,) = response tokens (incl. <eos>)."""
+    seqs, masks = [], []
+    for p in source.sample(n, rng, "train"):
+        x, n_prompt = task.encode_demo(tok, p, p_explicit, rng)
+        seqs.append(x)
+        m = torch.zeros(x.numel(), dtype=torch.bool)
+        m[n_prompt:] = True
+        masks.append(m)
+    tokens, cu = pack(seqs)
+    return tokens, cu, torch.cat(masks)
+
+
+def sft_policy(policy: Transformer, tok, source, *, steps: int, batch: int, lr: float, p_explicit: float, seed: int,
+               log_every: int = 0) -> list:
+    """Supervised warm-up in place. Returns the loss per step."""
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    losses, t0 = [], time.time()
+    policy.train()
+    for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps, lr, warmup=max(steps // 20, 1))
+        tokens, cu, mask = sft_batch(tok, source, batch, p_explicit, rng)
+        logits = policy(tokens, cu, attn_fn=padded_causal_attention).logits  # (T, V)
+        loss = -(next_token_logp(logits, tokens, cu) * mask).sum() / mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if log_every and (step % log_every == 0 or step == steps - 1):
+            print(f"  sft step {step:4d}/{steps}  loss {loss:.4f}  {time.time() - t0:5.1f}s", flush=True)
+    return losses
+
+
+def warm_policy(model_cfg: ModelConfig, tok, source, *, steps: int, batch: int, lr: float, p_explicit: float,
+                seed: int, cache_dir: str = "cache", log_every: int = 0) -> tuple[Transformer, str, bool]:
+    """The SFT'd policy, from `cache_dir` when an identical warm-up was run before. Returns (policy, key, loaded)."""
+    key = cache_key("policy", model_cfg, task.VOCAB, source.__dict__, steps, batch, lr, p_explicit, seed)
+    path = os.path.join(cache_dir, f"policy-{key}")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return Transformer.from_pretrained(path), key, True
+    torch.manual_seed(seed)
+    policy = Transformer(model_cfg)
+    sft_policy(policy, tok, source, steps=steps, batch=batch, lr=lr, p_explicit=p_explicit, seed=seed,
+               log_every=log_every)
+    tmp = f"{path}.tmp{os.getpid()}"
+    policy.save_pretrained(tmp)
+    os.replace(tmp, path) if not os.path.exists(path) else None  # another run may have finished first: keep theirs
+    return policy, key, False
+
+
+def warm_draft(policy: Transformer, tok, source, *, steps: int, batch: int, lr: float, pool: int, max_new_tokens: int,
+               num_passes: int, seed: int, policy_key: str, cache_dir: str = "cache", attn_fn=None, draft_attn_fn=None,
+               log_every: int = 0) -> tuple[Eagle3Draft, bool]:
+    """A draft fitted offline to the warm policy's own samples (cached). Returns (draft, loaded).
+
+    1. sample `pool` responses from the policy (plain sampling at temperature 1: the distribution RL starts from);
+    2. each step: `batch` of them -> policy forward (no grad) for taps + logits -> TTT loss -> AdamW step."""
+    key = cache_key("draft", policy_key, steps, batch, lr, pool, max_new_tokens, num_passes, seed)
+    path = os.path.join(cache_dir, f"draft-{key}")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return Eagle3Draft.load(path, policy), True
+    torch.manual_seed(seed)
+    draft = Eagle3Draft.from_target(policy)
+    rng, g = random.Random(seed + 1), torch.Generator().manual_seed(seed + 1)
+    prompts = [task.encode_prompt(tok, p) for p in source.sample(pool, rng, "train")]
+    responses = []
+    for i in range(0, pool, 256):
+        responses += speculative.generate(policy, None, prompts[i: i + 256], max_new_tokens=max_new_tokens,
+                                          temperature=1.0, eos_id=tok.eos_id, generator=g).tokens
+    tr = DraftTrainer(draft, torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0), num_passes=num_passes,
+                      attn_fn=draft_attn_fn)
+    t0 = time.time()
+    for step in range(steps):
+        for grp in tr.opt.param_groups:
+            grp["lr"] = lr_at(step, steps, lr, warmup=max(steps // 20, 1))
+        idx = rng.sample(range(pool), batch)
+        zeros = torch.zeros(batch)
+        mb = RolloutBatch.from_rollouts([prompts[i] for i in idx], [responses[i] for i in idx],
+                                        [torch.zeros(responses[i].numel()) for i in idx], zeros, zeros.bool())
+        with torch.no_grad():
+            out = policy(mb.tokens, mb.cu_seqlens, attn_fn=attn_fn, tap_layers=draft.tap_layers)
+        loss, m = draft_loss(tr, out.taps, out.logits, mb)
+        tr.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), tr.grad_clip)
+        tr.opt.step()
+        if log_every and (step % log_every == 0 or step == steps - 1):
+            print(f"  draft step {step:4d}/{steps}  loss {loss.item():.4f}  tau_hat {m['tau_hat']:.2f}  "
+                  f"{time.time() - t0:5.1f}s", flush=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    draft.save(tmp)
+    os.replace(tmp, path) if not os.path.exists(path) else None
+    return draft, False
+
+
+@torch.no_grad()
+def evaluate_policy(policy, tok, problems, max_new_tokens: int, *, temperature: float, format_weight: float,
+                    seed: int = 0) -> dict:
+    """Mean reward, accuracy, explicit-step fraction and response length on `problems`."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [task.encode_prompt(tok, p) for p in problems]
+    resp = speculative.generate(policy, None, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                eos_id=tok.eos_id, generator=g).tokens
+    R, parts = task.score(tok, problems, resp, format_weight)
+    return {"reward": float(R.mean()), "correct": float(parts["correct"].mean()),
+            "explicit": float(parts["explicit"].mean()), "resp_len": sum(r.numel() for r in resp) / len(resp)}
+
+
+if __name__ == "__main__":
+    import sys
+
+    from train import parse_args  # the same settings (and so the same cache entries) as `python train.py ...`
+    c = parse_args(sys.argv[1:])
+    torch.set_num_threads(c.threads)
+    tok, src = task.Tokenizer(), task.ProblemSource(c.min_steps, c.max_steps)
+    mcfg = ModelConfig.preset(c.model, vocab_size=tok.vocab_size)
+    t0 = time.time()
+    policy, key, loaded = warm_policy(mcfg, tok, src, steps=c.sft_steps, batch=c.sft_batch, lr=c.sft_lr,
+                                      p_explicit=c.p_explicit, seed=c.seed, cache_dir=c.cache_dir,
+                                      log_every=max(c.sft_steps // 12, 1))
+    print(f"policy {key} ({'loaded' if loaded else 'trained'}) in {time.time() - t0:.0f}s")
+    evalset = src.eval_set(256)
+    for T in (0.0, 1.0):
+        print(f"held-out, temperature {T}:", evaluate_policy(policy, tok, evalset, c.max_new_tokens, temperature=T,
+                                                            format_weight=c.format_weight))
