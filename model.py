@@ -19,7 +19,7 @@ Letters: T packed tokens, S sequences, B batch rows, L cache length, H hidden, H
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch

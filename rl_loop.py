@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -169,7 +169,6 @@ def padded_branch_attention(q, k, v, cu_seqlens, branch_k=None, branch_v=None, *
     if branch_k is None or branch_k.shape[1] == 0:
         o = torch.softmax(s, -1) @ vp
         return o.transpose(1, 2)[sid, pos]
-    P = branch_k.shape[1]
     bk, bv = (x.repeat_interleave(rep, 2) for x in (branch_k, branch_v))  # (T, P, Hq, D)
     sb = torch.einsum("thd,tphd->htp", q, bk) * scale  # (Hq, T, P)
     sb = pad(sb.permute(1, 0, 2)).transpose(1, 2)  # (S, Hq, L, P)

@@ -15,12 +15,7 @@ from model import EMBED_TAP, ModelConfig, Transformer, default_tap_layers
 LENS = [7, 4, 9, 2]  # odd lengths: exercises the padding to the zigzag layout's even lengths
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():  # tiny shapes: intra-op threads only add contention on a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def case(draft_vocab=None, lens=LENS, layers=8):

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from model import EMBED_TAP, ModelConfig, Transformer
-from pipeline import (Grid, Microbatch, PipelineSchedule, build_stage, schedule_actions, split_layers, tap_depth)
+from test_pipeline_dist import make_batch
+from pipeline import (Grid, PipelineSchedule, build_stage, schedule_actions, split_layers, tap_depth)
 
 
 @pytest.fixture(autouse=True)
@@ -65,19 +66,6 @@ def test_schedules_complete_without_deadlock_and_ring_depth_is_tight(schedule):
                 assert max(worst) == tap_depth(schedule, P, M), (P, M, worst)  # enough slots, and not one too many
 
 
-def _batch(cfg, M, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    mbs = []
-    for _ in range(M):
-        lens = torch.randint(2, 9, (2,), generator=g)
-        cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(torch.int32)
-        tok = torch.randint(cfg.vocab_size, (int(cu[-1]),), generator=g)
-        lab = torch.roll(tok, -1).clone()
-        lab[cu[1:].long() - 1] = -100
-        mbs.append(Microbatch(tok, cu, None, {"labels": lab}))
-    return mbs
-
-
 def test_world_size_1_is_gradient_accumulation_with_the_draft_hook():
     torch.manual_seed(0)
     cfg = ModelConfig.preset("tiny", num_hidden_layers=4)
@@ -85,7 +73,7 @@ def test_world_size_1_is_gradient_accumulation_with_the_draft_hook():
     stage = build_stage(cfg, (0, 4), full.state_dict(), torch.float64)
     taps = (EMBED_TAP, 1, 3)
     draft = torch.nn.Linear(len(taps) * cfg.hidden_size, cfg.vocab_size).double()
-    mbs = _batch(cfg, 3)
+    mbs = make_batch(cfg, 3, seed=0)
     loss_fn = lambda logits, mb: F.cross_entropy(logits, mb.extra["labels"], ignore_index=-100, reduction="sum")  # noqa
 
     def hook(d):

@@ -12,12 +12,7 @@ from model import KVCache, ModelConfig, Transformer, greedy_generate
 from speculative import accept_prob, generate, residual
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():  # tiny shapes: intra-op threads only add contention on a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def packed(seqs):
