@@ -26,6 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kv_cache import KVCache  # noqa: F401  (re-exported: model.KVCache)
+
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 EMBED_TAP = -1  # tap id of the input embeddings (the "hidden state after layer -1")
 
@@ -167,7 +169,7 @@ class Attention(nn.Module):
         o = attn_fn(q, k, v, cu_seqlens, softmax_scale=1.0 / math.sqrt(self.cfg.head_dim))  # (T, Hq, D)
         return self.o_proj(o.flatten(-2))
 
-    def forward_cached(self, x, cos, sin, cache: "KVCache", layer: int):  # x (B, S, H)
+    def forward_cached(self, x, cos, sin, cache: KVCache, layer: int):  # x (B, S, H)
         q, k, v = self.qkv(x, cos, sin)  # (B, S, Hq|Hkv, D)
         K, V, mask = cache.write(layer, k, v)  # (B, Hkv, Lk, D) x2, mask (B, S, Lk)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), K, V, attn_mask=mask[:, None], enable_gqa=True,
@@ -197,76 +199,6 @@ class DecoderLayer(nn.Module):
     def forward(self, h, attend):  # attend: normed hidden -> attention output (packed or cached)
         h = h + attend(self.input_layernorm(h))
         return h + self.mlp(self.post_attention_layernorm(h))
-
-
-# ---------------------------------------------------------------------------------------------------------- KV cache
-class KVCache:
-    """Per-layer K/V for B rows, each row with its own length.
-
-    `write` appends S new entries to every row at its current length (rows that need fewer than S simply roll back
-    afterwards); `rollback(lengths)` shortens rows. Entries past a row's length are never attended, so rollback is O(1).
-    """
-
-    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, layers=None, dtype=torch.float32, device=None):
-        if batch < 1 or max_len < 1:
-            raise ValueError(f"KVCache: batch={batch} and max_len={max_len} must be >= 1")
-        self.layers = list(range(cfg.num_hidden_layers)) if layers is None else list(layers)
-        self.max_len = max_len
-        shape = (len(self.layers), batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (layers, B, Hkv, L, D)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # (B,) committed entries per row
-        self._slot = {l: i for i, l in enumerate(self.layers)}
-        self._pending = None  # S of the forward in progress: lengths advance once all layers have written
-
-    @property
-    def batch(self) -> int:
-        return self.k.shape[1]
-
-    def positions(self, S: int) -> torch.Tensor:  # (B, S) absolute positions of the next S tokens of each row
-        return self.lengths[:, None] + torch.arange(S, device=self.lengths.device)
-
-    def begin(self, S: int):
-        need = int(self.lengths.max()) + S
-        if need > self.max_len:
-            raise ValueError(f"KV cache overflow: a row would reach length {need} > max_len={self.max_len}")
-        self._pending = S
-
-    def write(self, layer: int, k, v):
-        """k, v (B, S, Hkv, D) -> this layer's K, V (B, Hkv, Lk, D) up to the longest row, and mask (B, S, Lk)."""
-        S = self._pending
-        i, B = self._slot[layer], self.batch
-        pos = self.positions(S)  # (B, S)
-        rows = torch.arange(B, device=pos.device)[:, None].expand(B, S)
-        self.k[i][rows, :, pos] = k.to(self.k.dtype)  # advanced indices first: (B, S, Hkv, D)
-        self.v[i][rows, :, pos] = v.to(self.v.dtype)
-        Lk = int(self.lengths.max()) + S
-        keys = torch.arange(Lk, device=pos.device)
-        mask = keys[None, None, :] <= pos[:, :, None]  # causal within the row's own history
-        return self.k[i, :, :, :Lk], self.v[i, :, :, :Lk], mask
-
-    def commit(self):
-        self.lengths += self._pending
-        self._pending = None
-
-    def keep_rows(self, rows: torch.Tensor):
-        """Shrink the cache to `rows` (B',) (finished rows leave the batch). Copies only the filled prefix; the rest
-        stays zero (never attended, but finite: a masked NaN would still poison the attention)."""
-        L = int(self.lengths.max())
-        for name in ("k", "v"):
-            old = getattr(self, name)  # (layers, B, Hkv, max_len, D)
-            new = old.new_zeros((old.shape[0], rows.numel()) + tuple(old.shape[2:]))
-            new[:, :, :, :L] = old[:, rows, :, :L]
-            setattr(self, name, new)
-        self.lengths = self.lengths[rows]
-
-    def rollback(self, lengths: torch.Tensor):
-        lengths = torch.as_tensor(lengths, dtype=torch.long, device=self.lengths.device)
-        if lengths.shape != self.lengths.shape:
-            raise ValueError(f"rollback lengths: expected shape {tuple(self.lengths.shape)}, got {tuple(lengths.shape)}")
-        if bool((lengths < 0).any()) or bool((lengths > self.lengths).any()):
-            raise ValueError(f"rollback lengths={lengths.tolist()} must lie in [0, current {self.lengths.tolist()}]")
-        self.lengths = lengths.clone()
 
 
 # --------------------------------------------------------------------------------------------------------- the model
