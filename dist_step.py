@@ -1,0 +1,230 @@
+"""One GRPO + draft co-training update, distributed: PP stages (pipeline.py) with CP inside each stage and DP across
+replicas -- the same optimisation step as the single-process rl_loop.cotrain_step, to fp64 round-off.
+
+Why the split of the work does not change the step (rl_loop's module docstring has the math):
+  1. Policy. Every normalisation of rl_loop.aggregate is LINEAR in the per-token losses l_t, so the minibatch loss is
+         L_policy = sum_t w_t l_t,     w_t = dL/dl_t  (computed once, by autograd through aggregate itself)
+     with w_t fixed by the single-process micro-batching (token-mean's per-micro-batch means included). Any partition of
+     the tokens over DP replicas, micro-batches and CP shards sums to the same L -- and to the same gradient.
+  2. Next-token log-probs under CP. log p(x_t | x_<t) reads the logits at t-1, which may sit on another CP rank. So
+     the labels move instead: position p carries target x_{p+1} and token p+1's w, old/ref log-probs (0 past a
+     sequence's end); each rank then needs only its own logits rows.
+  3. Draft. The draft's TTT loss is a mean per micro-batch (per-pass counts), averaged over the M micro-batches as in
+     cotrain_step. DP rank r therefore takes WHOLE single-process micro-batches r, r+dp, ...; under CP ttt_loss(group=)
+     returns this rank's share and PipelineSchedule sums draft grads over CP.
+  4. DP. PipelineSchedule averages grads over replicas; every loss returned to it is scaled by dp, so the average is the
+     sum over replicas = the single-process gradient. Gradient clipping uses the global norm (sum of squares over the
+     PP stages, the tied embedding counted once); then each stage steps its own optimizer, the last stage the drafts.
+
+After the update `refit` re-assembles the full policy and drafts on every rank for the next rollouts (DESIGN.md §3).
+
+    python -m pytest -q tests/test_dist_step.py      # 5 layouts (dp, pp, cp) vs the single-process step, 4 gloo ranks
+    torchrun --standalone --nproc_per_node=4 train.py --preset smoke        # the loop that calls it (pp=2, cp=2)
+
+Letters: T packed tokens (this rank's shard under CP), S sequences, M micro-batches, V vocab, H hidden.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from pipeline import Grid, Microbatch, PipelineSchedule, build_stage, shard_for_cp, split_layers
+from rl_loop import GRPOConfig, RolloutBatch, aggregate, clipped_surrogate, draft_mask, k3, seq_ids
+
+
+# ------------------------------------------------------------------------------------------------ the batch, sharded
+def grpo_weights(batch: RolloutBatch, cfg: GRPOConfig, micro_batches: int) -> torch.Tensor:
+    """(T,) fp64 w with L_policy = sum_t w_t l_t, exactly rl_loop.cotrain_step's normalisation (step 1 above)."""
+    mask = batch.trained_mask()
+    n_seqs, n_tokens = int(batch.valid.sum()), int(mask.sum())
+    cu = batch.cu_seqlens.long()
+    w = torch.zeros(batch.tokens.shape[0], dtype=torch.float64)
+    dtype = torch.float32 if cfg.loss_norm == "seq-mean" else torch.float64  # aggregate's seq-mean buffers are fp32
+    for chunk in torch.arange(batch.num_seqs).chunk(micro_batches):
+        mb = batch.select(chunk)
+        l = torch.zeros(mb.tokens.shape[0], dtype=dtype, requires_grad=True)
+        aggregate(l, mb.trained_mask(), mb.cu_seqlens, cfg.loss_norm, n_seqs=n_seqs, n_tokens=n_tokens,
+                  max_len=cfg.max_len, n_micro=micro_batches).backward()
+        idx = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in chunk.tolist()])
+        w[idx] = l.grad.double()
+    return w
+
+
+def _to_positions(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Per-token (T,) -> per predicting position: out[p] = x[p+1], 0 at each sequence's last position (step 2)."""
+    out = torch.roll(x, -1).clone()
+    out[cu_seqlens[1:].long() - 1] = 0
+    return out
+
+
+def microbatches(batch: RolloutBatch, w: torch.Tensor, micro_batches: int, grid: Grid) -> list:
+    """This DP rank's micro-batches (whole single-process micro-batches r, r+dp, ...; step 3), CP-sharded.
+
+    extra: tgt / w / old / ref / resp per predicting position, adv per position, dmask (the draft's loss mask) and
+    chunk (the single-process micro-batch index)."""
+    cu = batch.cu_seqlens.long()
+    chunks = list(torch.arange(batch.num_seqs).chunk(micro_batches))
+    mine = list(range(len(chunks)))[grid.dp_rank::grid.dp]
+    if not mine:
+        raise ValueError(f"micro_batches={micro_batches} over {batch.num_seqs} sequences gives {len(chunks)} "
+                         f"micro-batches, fewer than dp={grid.dp}: every DP replica needs >= 1")
+    out = []
+    for j in mine:
+        mb = batch.select(chunks[j])
+        idx = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in chunks[j].tolist()])
+        c = mb.cu_seqlens
+        ref = mb.ref_logp if mb.ref_logp is not None else torch.zeros_like(mb.old_logp)
+        extra = {"tgt": _to_positions(mb.tokens, c), "w": _to_positions(w[idx], c),
+                 "old": _to_positions(mb.old_logp, c), "ref": _to_positions(ref, c),
+                 "resp": _to_positions(mb.trained_mask(), c), "adv": mb.adv[seq_ids(c)],
+                 "dmask": draft_mask(mb), "chunk": j}
+        out.append(shard_for_cp(Microbatch(mb.tokens, c, None, extra), grid.cp, grid.cp_rank))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------ the update
+class DistCotrainer:
+    """This rank's share of the policy update: its stage of the policy with its optimizer, and (used on the last stage)
+    the drafts' trainers. Every rank also keeps the FULL policy and drafts for rollouts; `refit` refreshes them.
+
+        ct = DistCotrainer(policy, drafts, grid, lambda ps: torch.optim.AdamW(ps, lr=...), grad_clip=1.0)
+        stats = ct.step(batch, grpo_cfg, micro_batches)       # same keys as rl_loop.cotrain_step
+        ct.refit(policy)                                      # before the next rollouts
+    """
+
+    def __init__(self, policy, drafts: list, grid: Grid, make_opt, *, grad_clip: float = 1.0, schedule: str = "1f1b",
+                 attn_fn=None):
+        cfg = policy.cfg
+        self.grid, self.drafts, self.grad_clip = grid, list(drafts), grad_clip
+        self.split = split_layers(cfg.num_hidden_layers, grid.pp)
+        self.stage = build_stage(cfg, self.split[grid.pp_rank], policy.state_dict(), next(policy.parameters()).dtype)
+        self.stage.to(next(policy.parameters()).device)
+        self.opt = make_opt(self.stage.parameters())
+        self.last = self.stage.is_last
+        taps = sorted({l for tr in self.drafts for l in tr.draft.tap_layers})
+        dparams = [p for tr in self.drafts for p in tr.draft.parameters()] if self.last else ()
+        self.sched = PipelineSchedule(self.stage, grid, self.split, schedule=schedule, tap_layers=taps,
+                                      attn_fn=attn_fn if grid.cp == 1 else None, draft_params=dparams)
+
+    def step(self, batch: RolloutBatch, cfg: GRPOConfig, micro_batches: int = 1) -> dict:
+        g, K = self.grid, len(self.drafts)
+        mbs = microbatches(batch, grpo_weights(batch, cfg, micro_batches), micro_batches, g)
+        dev = next(self.stage.parameters()).device
+        mbs = [Microbatch(mb.tokens.to(dev), mb.cu_seqlens.to(dev),
+                          None if mb.position_ids is None else mb.position_ids.to(dev),
+                          {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in mb.extra.items()})
+               for mb in mbs]
+        acc = torch.zeros(4 + K, dtype=torch.float64, device=dev)  # clipped, ratio, k3, tokens, draft losses
+        metrics = {}
+
+        def loss_fn(logits, mb):  # (T, V) this rank's rows -> dp * its share of L_policy
+            e = mb.extra
+            z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 at least (bf16 training), fp64 kept
+            logp = z.gather(-1, e["tgt"][:, None])[:, 0] - torch.logsumexp(z, -1)  # (T,) log p(x_{p+1} | x_<=p)
+            l, clipped = clipped_surrogate(logp, e["old"], e["adv"], cfg.eps_low, cfg.eps_high)
+            kl = k3(logp, e["ref"]) if cfg.beta > 0 else torch.zeros_like(l)
+            if cfg.beta > 0:
+                l = l + cfg.beta * kl
+            with torch.no_grad():
+                m = e["resp"].double()
+                acc[:4] += torch.stack([(clipped.double() * m).sum(), (torch.exp(logp - e["old"]).double() * m).sum(),
+                                        (kl.double() * m).sum(), m.sum()])
+            return (l * e["w"]).sum() * g.dp
+
+        def draft_hook(d):  # last stage, after F(m): every draft's TTT loss on the detached taps and logits
+            mb, total = d.mb, 0.0
+            for k, tr in enumerate(self.drafts):
+                L, met = tr.draft.ttt_loss(d.taps, mb.tokens, mb.cu_seqlens, d.logits, loss_mask=mb.extra["dmask"],
+                                           num_passes=tr.num_passes, pass_weight=tr.pass_weight,
+                                           position_ids=mb.position_ids, group=g.cp_group,
+                                           attn_fn=tr.attn_fn if g.cp == 1 else None)
+                acc[4 + k] += L.detach().double() / micro_batches
+                metrics[(mb.extra["chunk"], k)] = met
+                total = total + tr.lam * L / micro_batches * g.dp
+            return total
+
+        self.opt.zero_grad(set_to_none=True)
+        res = self.sched.step(mbs, loss_fn, draft_hook if self.drafts else None)
+        grad_norm = self._clip_policy_grads()
+        self.opt.step()
+        if self.last:
+            for tr in self.drafts:
+                torch.nn.utils.clip_grad_norm_(tr.draft.parameters(), tr.grad_clip)
+                tr.opt.step()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(acc)  # world sum: only last-stage ranks hold non-zeros, each its CP / DP share
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, metrics if (self.last and g.cp_rank == 0) else {})
+            metrics = {k: v for part in everyone for k, v in part.items()}
+        last = max(j for j, _ in metrics) if metrics else None  # cotrain_step reports the last micro-batch's metrics
+        n = max(float(acc[3]), 1.0)
+        draft_losses = [float(x) for x in acc[4:]]
+        return {"loss_policy": res.loss, "loss_draft": draft_losses,
+                "draft_metrics": [metrics.get((last, k)) for k in range(K)],
+                "clip_frac": float(acc[0]) / n, "ratio": float(acc[1]) / n, "k3": float(acc[2]) / n,
+                "grad_norm": grad_norm, "p2p_bytes": res.p2p_bytes, "tap_bytes": res.tap_bytes,
+                "loss_total": res.loss + sum(tr.lam * x for tr, x in zip(self.drafts, draft_losses))}
+
+    def _clip_policy_grads(self) -> float:
+        """torch.nn.utils.clip_grad_norm_ over the WHOLE policy: squares summed over the PP stages (the tied embedding,
+        a copy on the last stage, counted once). Grads are already equal across CP and DP ranks."""
+        g, st = self.grid, self.stage
+        skip = {id(st.embed.weight)} if (g.pp > 1 and self.last and st.cfg.tie_word_embeddings) else set()
+        grads = [p.grad for p in st.parameters() if p.grad is not None and id(p) not in skip]
+        sq = torch.zeros((), dtype=torch.float64, device=next(st.parameters()).device)
+        for gr in grads:
+            sq = sq + gr.double().pow(2).sum()
+        if g.pp > 1:
+            dist.all_reduce(sq, group=g.pp_group)
+        total = float(sq.sqrt())
+        coef = min(self.grad_clip / (total + 1e-6), 1.0)
+        for p in st.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+        return total
+
+    # --------------------------------------------------------------------------------------------------- refit
+    @torch.no_grad()
+    def refit(self, policy):
+        """Re-assemble the full policy and drafts on every rank from the updated PP stages, for the next rollouts.
+
+        Stage s broadcasts its weights (one flat bucket) over the pipeline group; every rank copies them IN PLACE into
+        its full copy (so drafts attached to its embedding see the new one); the last stage then broadcasts the drafts.
+        CP and DP peers hold identical stages after the step, so the pipeline group alone suffices. This is the
+        "weight sync" of an RL system: with an inference engine (vLLM / SGLang) as the rollout worker, the trainer's
+        stages push the same per-stage tensors, named as in the HF checkpoint (model.layers.{i}.*, so no renaming),
+        to the engine's ranks -- over NCCL broadcast or CUDA IPC when co-located -- and the engine loads them in place
+        (vLLM's load_weights / SGLang's update_weights_from_distributed), re-sharding for its own TP layout, then
+        drops its KV cache. Here the "engine" is speculative.generate on a full fp copy in each process."""
+        g = self.grid
+        full = policy.state_dict()
+        mine = self.stage.state_dict()
+        for s, (a, b) in enumerate(self.split):
+            keys = [k for k in full if _owner(k, self.split) == s]
+            if g.pp_rank == s:
+                flat = torch.cat([mine[k].reshape(-1) for k in keys])
+            else:
+                flat = torch.empty(sum(full[k].numel() for k in keys), dtype=full[keys[0]].dtype,
+                                   device=full[keys[0]].device)
+            if g.pp > 1:
+                dist.broadcast(flat, src=g.pp_ranks[s], group=g.pp_group)
+            i = 0
+            for k in keys:
+                full[k].copy_(flat[i:i + full[k].numel()].view_as(full[k]))
+                i += full[k].numel()
+        if g.pp > 1:
+            for tr in self.drafts:
+                flat = torch.cat([p.reshape(-1) for p in tr.draft.parameters()])
+                dist.broadcast(flat, src=g.pp_ranks[-1], group=g.pp_group)
+                i = 0
+                for p in tr.draft.parameters():
+                    p.copy_(flat[i:i + p.numel()].view_as(p))
+                    i += p.numel()
+
+
+def _owner(key: str, split) -> int:
+    """The stage whose weights are the reference for a full-model key (the tied embedding: stage 0)."""
+    if key.startswith("model.layers."):
+        i = int(key.split(".")[2])
+        return next(s for s, (a, b) in enumerate(split) if a <= i < b)
+    return 0 if key.startswith("model.embed_tokens") else len(split) - 1

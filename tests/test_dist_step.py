@@ -1,0 +1,161 @@
+"""dist_step.py on real gloo processes: one GRPO + co-training step under (dp, pp, cp) equals rl_loop.cotrain_step.
+
+The single-process step runs here (the oracle); one 4-process spawn then runs the five layouts one after another, and
+two more loss normalisations (spawning costs seconds on 2 cores). Every rank checks, after DistCotrainer.step + refit,
+that its FULL policy and drafts (re-assembled for rollouts), the policy loss, both draft losses and the GRPO statistics
+equal the oracle's (fp64 within 1e-8). The batch is hand-made (no generation): random advantages, one zero-variance
+group, old log-probs near the policy's own (so some ratios clip), a reference for the k3 penalty (beta > 0), two drafts,
+tied embeddings (a copy on the first and the last stage) and a policy gradient that gets clipped.
+
+rl_loop.next_token_logp casts logits to fp32 (right for fp32/bf16 training); that cap of ~1e-7 would hide everything
+an fp64 comparison can show, so the oracle here uses the same formula kept in fp64 -- dist_step keeps fp64 too.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+from dist_util import run_distributed
+
+import rl_loop
+from draft import Eagle3Draft
+from model import ModelConfig, Transformer
+from rl_loop import DraftTrainer, GRPOConfig, RolloutBatch, cotrain_step
+
+LAYOUTS = [(1, 2, 2), (2, 2, 1), (2, 1, 2), (1, 4, 1), (1, 1, 4)]  # (dp, pp, cp)
+# the other normalisations, each on a layout where it can go wrong (per-micro-batch means split over DP; CP shards).
+# (seq-mean is left out: rl_loop.aggregate's fp32 per-sequence buffers reject fp64 losses, so no fp64 oracle.)
+NORMS = [("token-mean", (2, 2, 1)), ("constant", (1, 2, 2))]
+CASES = [("global-token", lay) for lay in LAYOUTS] + NORMS
+MICRO = 4
+
+
+def grpo(norm):
+    return GRPOConfig(eps_low=0.2, eps_high=0.28, beta=0.05, loss_norm=norm, max_len=8)
+
+
+TOL = 1e-8
+
+
+def make_models():
+    torch.manual_seed(0)
+    policy = Transformer(ModelConfig.preset("tiny", num_hidden_layers=4, tie_word_embeddings=True)).double()
+    drafts = []
+    for lam, seed in ((1.0, 1), (0.5, 2)):  # the rollout draft and a shadow one (like train.py's cold arm)
+        torch.manual_seed(seed)
+        d = Eagle3Draft.from_target(policy)
+        drafts.append(DraftTrainer(d, torch.optim.AdamW(d.parameters(), lr=1e-2, weight_decay=0.0), lam=lam,
+                                   grad_clip=1.0, num_passes=3))
+    return policy, drafts
+
+
+def make_policy_opt(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0, betas=(0.9, 0.99))
+
+
+def make_batch(policy):
+    g = torch.Generator().manual_seed(3)
+    S = 8  # 4 groups of G = 2
+    prompts = [torch.randint(policy.cfg.vocab_size, (int(torch.randint(2, 5, (1,), generator=g)),), generator=g)
+               for _ in range(S)]
+    resps = [torch.randint(policy.cfg.vocab_size, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g)
+             for _ in range(S)]
+    lps = [torch.zeros(r.numel()) for r in resps]
+    adv = torch.randn(S, generator=g)
+    valid = torch.ones(S, dtype=torch.bool)
+    valid[2:4] = False  # one zero-variance group (G = 2): skipped
+    adv[~valid] = 0
+    b = RolloutBatch.from_rollouts(prompts, resps, lps, adv, valid)
+    with torch.no_grad():
+        lp = next_token_logp64(policy(b.tokens, b.cu_seqlens).logits, b.tokens, b.cu_seqlens)
+    noise = 0.3 * torch.randn(lp.shape, generator=g, dtype=torch.float64)
+    b.old_logp = torch.where(b.resp_mask, lp + noise, 0.0)
+    b.ref_logp = torch.where(b.resp_mask, lp - noise.flip(0), 0.0)
+    b.adv = b.adv.double()
+    return b
+
+
+def next_token_logp64(logits, tokens, cu_seqlens):  # rl_loop.next_token_logp without the fp32 cast
+    z = logits[:-1]
+    lp = z.gather(-1, tokens[1:, None])[:, 0] - torch.logsumexp(z, -1)
+    starts = torch.zeros_like(tokens, dtype=torch.bool)
+    starts[cu_seqlens[:-1].long()] = True
+    return torch.cat([lp.new_zeros(1), lp]).masked_fill(starts, 0.0)
+
+
+def state(policy, drafts):
+    return {"policy": {k: v.clone() for k, v in policy.state_dict().items()},
+            "drafts": [{k: v.clone() for k, v in tr.draft.state_dict().items()} for tr in drafts]}
+
+
+def _summary(st):
+    return {"loss_policy": st["loss_policy"], "loss_draft": list(st["loss_draft"]), "clip_frac": st["clip_frac"],
+            "ratio": st["ratio"], "k3": st["k3"], "grad_norm": st["grad_norm"],
+            "tau_hat": [m["tau_hat"] for m in st["draft_metrics"]]}
+
+
+def _max_diff(a, b):
+    if isinstance(a, dict):
+        return max(_max_diff(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return max(_max_diff(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+    return abs(float(a) - float(b))
+
+
+def _worker(rank, world, cases, refs):
+    from dist_step import DistCotrainer
+    from pipeline import Grid
+    out = []
+    for norm, (dp, pp, cp) in cases:
+        ref = refs[norm]
+        grid = Grid.build(pp=pp, cp=cp, dp=dp)
+        policy, drafts = make_models()
+        batch = make_batch(policy)
+        ct = DistCotrainer(policy, drafts, grid, make_policy_opt, grad_clip=0.5)
+        st = ct.step(batch, grpo(norm), MICRO)
+        ct.refit(policy)
+        got = {"stats": _summary(st), **state(policy, drafts)}
+        out.append({"case": (norm, (dp, pp, cp)), "diff": {k: _max_diff(got[k], ref[k]) for k in got},
+                    "grad_norm": st["grad_norm"]})
+        dist.barrier()
+    return out
+
+
+def single_process(norm):
+    policy, drafts = make_models()
+    batch = make_batch(policy)
+    saved = rl_loop.next_token_logp
+    rl_loop.next_token_logp = next_token_logp64
+    try:
+        st = cotrain_step(policy, make_policy_opt(policy.parameters()), batch, grpo(norm), drafts,
+                          micro_batches=MICRO, policy_grad_clip=0.5)
+    finally:
+        rl_loop.next_token_logp = saved
+    return {"stats": _summary(st), **state(policy, drafts)}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {norm: single_process(norm) for norm in {n for n, _ in CASES}}
+
+
+@pytest.fixture(scope="module")
+def world4(reference):
+    pytest.importorskip("attention_cp")
+    return run_distributed(_worker, 4, args=(CASES, reference), timeout=120)
+
+
+def test_reference_exercises_clipping_and_drafts(reference):
+    s = reference["global-token"]["stats"]
+    assert 0 < s["clip_frac"] < 1 and s["grad_norm"] > 0.5  # some ratios clip; the policy grads get clipped
+    assert all(l > 0 for l in s["loss_draft"]) and s["k3"] > 0
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{n}-dp{d}-pp{p}-cp{c}" for n, (d, p, c) in CASES])
+def test_step_matches_single_process(world4, case):
+    i = CASES.index(case)
+    for rank, res in enumerate(world4):
+        r = res[i]
+        assert r["case"] == case
+        bad = {k: v for k, v in r["diff"].items() if not v <= TOL}
+        assert not bad, f"{case} rank {rank}: max |dist - single process| {bad} > {TOL}"

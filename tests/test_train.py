@@ -1,0 +1,52 @@
+"""train.py: the config/CLI is loud on mistakes, and the whole loop runs end to end at a tiny size (`--preset test`)."""
+import json
+import os
+
+import pytest
+
+from train import PRESETS, Config, parse_args, train
+
+
+def test_parse_args_types_presets_and_flags():
+    assert parse_args([]) == Config()
+    c = parse_args(["--preset", "smoke", "--steps=3", "--lr=1e-3", "--cold_start", "--std_norm=false", "--out", "x"])
+    assert c.name == "smoke" and c.steps == 3 and c.lr == 1e-3 and c.cold_start is True and c.std_norm is False
+    assert c.out == "x" and c.sft_steps == PRESETS["smoke"]["sft_steps"]
+    assert parse_args(["--preset=test", "--loss_norm=seq-mean"]).loss_norm == "seq-mean"
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--stepz=3"], "unknown config key 'stepz'.*did you mean 'steps'"),
+    (["--steps=3.5"], "--steps='3.5': expected a value of type int"),
+    (["--cold_start=maybe"], "--cold_start='maybe': expected a value of type bool"),
+    (["--lr"], "--lr: expected --lr=<float>"),
+    (["--loss_norm=mean"], "loss_norm='mean'"),
+    (["--steps=0"], "steps=0"),
+    (["--preset=huge"], "--preset='huge'"),
+    (["steps=3"], "expected --key=value"),
+    (["--model=giant"], "preset='giant'"),
+])
+def test_parse_args_rejects_bad_input_naming_the_key(argv, match):
+    with pytest.raises(ValueError, match=match):
+        parse_args(argv)
+
+
+def test_test_preset_runs_end_to_end_then_reuses_the_cache(tmp_path):
+    cache = str(tmp_path / "cache")
+    out = tmp_path / "run"
+    s = train(parse_args(["--preset=test", f"--cache_dir={cache}", "--out", str(out)]))
+    for key in ("steps", "reward_first", "reward_last", "kl_last", "accept_len_cotrained", "accept_len_frozen",
+                "rollout_speedup", "wall_s", "accept_len_cold"):
+        assert key in s, key
+    assert s["steps"] == PRESETS["test"]["steps"] and s["warmup_cached"] == {"policy": False, "draft": False}
+    assert s["accept_len_cotrained"] >= 1.0 and s["rollout_speedup"] > 0
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2]
+    assert [r["step"] for r in rows if r["kind"] == "eval"] == [0, 1, 2]  # eval_every=1
+    assert json.load(open(out / "summary.json")) == s
+    assert os.path.getsize(out / "train.png") > 10_000
+    assert sorted(os.listdir(cache)) == sorted(f for f in os.listdir(cache) if f.startswith(("policy-", "draft-")))
+    # second run: the warm-ups come from the cache; --cold_start swaps the rollout draft for an untrained one
+    s2 = train(parse_args(["--preset=test", f"--cache_dir={cache}", "--out", str(tmp_path / "run2"), "--cold_start"]))
+    assert s2["warmup_cached"] == {"policy": True, "draft": True} and s2["cold_start"] is True
+    assert "accept_len_cold" not in s2  # the rollout draft IS the cold-start one
