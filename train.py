@@ -16,6 +16,7 @@ without speculation. Before RL: SFT warm-up of the policy and offline warm-up of
 Writes to --out (default runs/<name>): metrics.jsonl (one line per step, "kind": "train" | "eval"), summary.json,
 train.png (plots.py); with --ckpt_every=N also <out>/ckpt/step_* (checkpoint.py), and --resume continues the latest.
 
+The pieces of a run live in experiment.py (build, rollout, update, evaluate) and the torchrun half in train_dist.py.
 Under torchrun (WORLD_SIZE > 1) the same loop runs on a DP x PP x CP mesh (--pp, --cp, --dp; default pp=2, cp=2):
 every DP replica generates its share of the prompts with a full policy + draft copy, the update runs through the
 pipeline with CP inside each stage and the draft's TTT loss on the last stage (dist_step.py), then every rank refits
@@ -26,28 +27,23 @@ its full copy. Only rank 0 evaluates, prints and writes files.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import difflib
 import json
-import math
 import os
-import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-import speculative
 import task
-import warmup
-from draft import Eagle3Draft
+from experiment import build, check_finite, evaluate, rollout, update
 from model import ModelConfig
 from plots import plot_run
-from rl_loop import (DraftTrainer, GRPOConfig, RolloutBatch, cotrain_step, group_advantages, padded_branch_attention,
-                     padded_causal_attention, reference_logp, rollout_kl)
+from rl_loop import GRPOConfig
+from train_dist import build_distributed, init_distributed, load_ckpt, rollout_distributed, save_ckpt, update_distributed
 
 
 @dataclass
@@ -181,296 +177,6 @@ def _convert(key: str, val: str, typ: str):
         return {"int": int, "float": float, "str": str}[typ](val)
     except ValueError:
         raise ValueError(f"--{key}={val!r}: expected a value of type {typ}") from None
-
-
-# --------------------------------------------------------------------------------------------------- the pieces
-@dataclass
-class Setup:
-    cfg: Config
-    tok: task.Tokenizer
-    source: task.ProblemSource
-    policy: torch.nn.Module
-    ref: torch.nn.Module  # frozen pi_0 (the SFT policy): KL drift and the optional k3 penalty
-    opt: torch.optim.Optimizer
-    drafts: dict  # arm name -> DraftTrainer ("cotrained" drives the rollouts; "cold" is evaluated only)
-    frozen: Eagle3Draft  # the warm-up draft, never updated
-    eval_problems: list
-    rng: random.Random
-    gen: torch.Generator
-    grpo: GRPOConfig
-    warm_info: dict = field(default_factory=dict)
-
-
-def build(cfg: Config, log=print) -> Setup:
-    torch.manual_seed(cfg.seed)
-    tok, source = task.Tokenizer(), task.ProblemSource(cfg.min_steps, cfg.max_steps)
-    mcfg = ModelConfig.preset(cfg.model, vocab_size=tok.vocab_size)
-    t0 = time.perf_counter()
-    policy, pkey, loaded = warmup.warm_policy(mcfg, tok, source, steps=cfg.sft_steps, batch=cfg.sft_batch,
-                                              lr=cfg.sft_lr, p_explicit=cfg.p_explicit, seed=cfg.seed,
-                                              cache_dir=cfg.cache_dir, log_every=max(cfg.sft_steps // 6, 1))
-    t1 = time.perf_counter()
-    log(f"policy SFT warm-up: {'loaded from cache' if loaded else 'trained'} ({pkey}, {t1 - t0:.0f}s)")
-    warm, dloaded = warmup.warm_draft(policy, tok, source, steps=cfg.draft_warmup_steps, batch=cfg.draft_warmup_batch,
-                                      lr=cfg.draft_lr, pool=cfg.draft_warmup_pool, max_new_tokens=cfg.max_new_tokens,
-                                      num_passes=cfg.ttt_passes, seed=cfg.seed, policy_key=pkey,
-                                      cache_dir=cfg.cache_dir, attn_fn=padded_causal_attention,
-                                      draft_attn_fn=padded_branch_attention,
-                                      log_every=max(cfg.draft_warmup_steps // 4, 1))
-    t2 = time.perf_counter()
-    log(f"draft warm-up: {'loaded from cache' if dloaded else 'trained'} ({t2 - t1:.0f}s)")
-    ref = copy.deepcopy(policy).requires_grad_(False)
-    frozen = copy.deepcopy(warm).requires_grad_(False)
-    frozen.attach(policy)  # like the co-trained draft it reads the live policy's embedding; its own weights stay put
-
-    def trainer(d):
-        return DraftTrainer(d, torch.optim.AdamW(d.parameters(), lr=cfg.draft_lr, weight_decay=0.0), lam=cfg.draft_lam,
-                            grad_clip=cfg.draft_grad_clip, num_passes=cfg.ttt_passes, attn_fn=padded_branch_attention)
-
-    torch.manual_seed(cfg.seed + 7)
-    drafts = {"cotrained": trainer(Eagle3Draft.from_target(policy) if cfg.cold_start else warm)}
-    if cfg.cold_arm and not cfg.cold_start:
-        drafts["cold"] = trainer(Eagle3Draft.from_target(policy))
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99))
-    grpo = GRPOConfig(eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta=cfg.beta, std_norm=cfg.std_norm,
-                      loss_norm=cfg.loss_norm, max_len=cfg.max_new_tokens)
-    return Setup(cfg, tok, source, policy, ref, opt, drafts, frozen, source.eval_set(cfg.eval_prompts, cfg.seed + 1234),
-                 random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed), grpo,
-                 {"sft_s": t1 - t0, "draft_warmup_s": t2 - t1, "policy_cached": loaded, "draft_cached": dloaded})
-
-
-def generate(s: Setup, draft, prompts: list, seed=None):
-    """speculative.generate over chunks of cfg.rollout_batch rows -> (tokens, logprobs, stats). draft=None: plain
-    autoregressive sampling through the same engine. seed: a fresh generator (every eval arm sees the same seed)."""
-    c = s.cfg
-    gen = s.gen if seed is None else torch.Generator().manual_seed(seed)
-    toks, lps, st = [], [], {"row_steps": 0, "accepted": 0, "new_tokens": 0, "seconds": 0.0}
-    for i in range(0, len(prompts), c.rollout_batch):
-        r = speculative.generate(s.policy, draft, prompts[i: i + c.rollout_batch], max_new_tokens=c.max_new_tokens,
-                                 num_draft_tokens=c.num_draft_tokens if draft is not None else 0,
-                                 temperature=c.temperature, eos_id=s.tok.eos_id, generator=gen)
-        toks += r.tokens
-        lps += r.logprobs
-        for k in st:
-            st[k] += getattr(r.stats, k)
-    st["accept_len"] = (st["row_steps"] + st["accepted"]) / max(st["row_steps"], 1)  # tokens per policy forward
-    st["tok_s"] = st["new_tokens"] / max(st["seconds"], 1e-9)
-    return toks, lps, st
-
-
-def rollout(s: Setup, problems: list) -> tuple[RolloutBatch, dict]:
-    """G speculative samples per problem -> scored, advantage-weighted RolloutBatch and stats."""
-    c = s.cfg
-    prompts = [task.encode_prompt(s.tok, p) for p in problems for _ in range(c.group_size)]
-    toks, lps, st = generate(s, s.drafts["cotrained"].draft, prompts)
-    R, parts = task.score(s.tok, [p for p in problems for _ in range(c.group_size)], toks, c.format_weight)
-    adv, valid = group_advantages(R, c.group_size, std_norm=c.std_norm)
-    batch = RolloutBatch.from_rollouts(prompts, toks, lps, adv, valid)
-    info = {"reward": float(R.mean()), "correct": float(parts["correct"].mean()),
-            "explicit": float(parts["explicit"].mean()), "resp_len": st["new_tokens"] / len(prompts),
-            "zero_var_groups": int((~valid).sum()) // c.group_size,
-            "accept_len": st["accept_len"], "rollout_tok_s": st["tok_s"]}
-    return batch, info
-
-
-def update(s: Setup, batch: RolloutBatch, timer: dict) -> dict:
-    """Reference log-probs (k3 penalty, KL drift), then cfg.updates optimisation steps on random minibatches of the
-    rollout batch (old log-probs from the rollout)."""
-    t0 = time.perf_counter()
-    batch.ref_logp = reference_logp(s.ref, batch, attn_fn=padded_causal_attention)
-    kl = rollout_kl(batch)
-    timer["policy_train"] = timer.get("policy_train", 0.0) + time.perf_counter() - t0
-    perm = torch.randperm(batch.num_seqs, generator=s.gen)
-    stats = []
-    for idx in perm.chunk(s.cfg.updates):
-        stats.append(cotrain_step(s.policy, s.opt, batch.select(idx.sort().values), s.grpo, list(s.drafts.values()),
-                                  micro_batches=s.cfg.micro_batches, policy_grad_clip=s.cfg.grad_clip,
-                                  attn_fn=padded_causal_attention, timer=timer))
-    return _update_stats(s, stats, kl)
-
-
-def _update_stats(s: Setup, stats: list, kl: float) -> dict:
-    last = stats[-1]
-    out = {k: sum(st[k] for st in stats) / len(stats) for k in ("loss_policy", "clip_frac", "ratio", "grad_norm")}
-    for name, m in zip(s.drafts, last["draft_metrics"]):
-        out[f"tau_hat_{name}"] = m["tau_hat"]
-    out["loss_draft"] = last["loss_draft"][0]
-    out["kl"] = kl
-    return out
-
-
-def check_finite(step: int, up: dict):
-    """Stop the run at the first NaN/inf loss, naming it (every rank holds the same reduced values: all stop)."""
-    for key in ("loss_policy", "loss_draft", "grad_norm"):
-        if not math.isfinite(up[key]):
-            raise FloatingPointError(f"step {step}: {key} = {up[key]} (not finite); stopping. Try a lower --lr / "
-                                     f"--draft_lr or a smaller --grad_clip")
-
-
-@torch.no_grad()
-def evaluate(s: Setup) -> dict:
-    """Same held-out prompts and seed for every arm: acceptance length per draft, tokens/s with and without speculation,
-    and the policy's held-out reward (from the autoregressive samples, exact policy samples). The arms run interleaved
-    chunk by chunk, so a change in machine load hits all of them alike."""
-    c = s.cfg
-    probs = [p for p in s.eval_problems for _ in range(c.eval_samples)]
-    prompts = [task.encode_prompt(s.tok, p) for p in probs]
-    arms = {"ar": None, "cotrained": s.drafts["cotrained"].draft, "frozen": s.frozen}
-    if "cold" in s.drafts:
-        arms["cold"] = s.drafts["cold"].draft
-    tot = {name: {"row_steps": 0, "accepted": 0, "new_tokens": 0, "seconds": 0.0} for name in arms}
-    ar_toks = []
-    for i in range(0, len(prompts), c.rollout_batch):
-        for name, draft in arms.items():
-            toks, _, st = generate(s, draft, prompts[i: i + c.rollout_batch], seed=c.seed + 99 + i)
-            for k in tot[name]:
-                tot[name][k] += st[k]
-            if name == "ar":
-                ar_toks += toks
-    R, parts = task.score(s.tok, probs, ar_toks, c.format_weight)
-    out = {"reward": float(R.mean()), "correct": float(parts["correct"].mean()),
-           "explicit": float(parts["explicit"].mean()), "resp_len": tot["ar"]["new_tokens"] / len(prompts)}
-    for name, t in tot.items():
-        out[f"tok_s_{name}"] = t["new_tokens"] / max(t["seconds"], 1e-9)
-        if name != "ar":
-            out[f"accept_{name}"] = (t["row_steps"] + t["accepted"]) / max(t["row_steps"], 1)
-    out["speedup"] = out["tok_s_cotrained"] / out["tok_s_ar"]
-    return out
-
-
-# ---------------------------------------------------------------------------------------- distributed (torchrun)
-@dataclass
-class Dist:
-    """This process's place in the DP x PP x CP mesh (pipeline.Grid, built once) and its share of the update."""
-    grid: object  # pipeline.Grid
-    rank: int
-    world: int
-    cotrainer: object = None  # dist_step.DistCotrainer
-    perm_gen: object = None  # the minibatch permutation: same seed on every rank (rollout RNG differs per replica)
-
-
-def init_distributed(cfg: Config) -> Dist:
-    """torchrun's env contract (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) -> process group and mesh.
-
-    Backend: gloo for CPU tensors (the models here live on CPU), NCCL for CUDA tensors when a GPU is present.
-    Every collective waits at most cfg.dist_timeout s, so a dead rank makes its peers fail instead of hang."""
-    import datetime
-
-    from pipeline import Grid
-    world = int(os.environ["WORLD_SIZE"])
-    dp = cfg.dp or world // (cfg.pp * cfg.cp)
-    if cfg.pp * cfg.cp * dp != world:
-        raise ValueError(f"mesh: pp={cfg.pp} x cp={cfg.cp} x dp={dp} = {cfg.pp * cfg.cp * dp} != world size {world} "
-                         f"(torchrun processes); set --pp, --cp, --dp so that their product is {world}")
-    if cfg.micro_batches < dp or cfg.prompts_per_step < dp:
-        raise ValueError(f"dp={dp}: needs micro_batches >= dp and prompts_per_step >= dp (got {cfg.micro_batches}, "
-                         f"{cfg.prompts_per_step}): every DP replica takes whole micro-batches and whole prompt groups")
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():  # NCCL wants one current device per process (ranks may share one GPU)
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.dist_timeout))
-    grid = Grid.build(pp=cfg.pp, cp=cfg.cp, dp=dp)
-    return Dist(grid, dist.get_rank(), world, perm_gen=torch.Generator().manual_seed(cfg.seed + 31))
-
-
-def build_distributed(cfg: Config, d: Dist, log=print) -> Setup:
-    """build() on every rank -- rank 0 first, so it alone trains and caches the warm-ups and the others load them --
-    then this rank's pipeline stage and optimizer (dist_step.DistCotrainer)."""
-    from dist_step import DistCotrainer
-    s = build(cfg, log) if d.rank == 0 else None
-    dist.barrier()
-    s = s or build(cfg, log=lambda *a, **k: None)
-    s.gen.manual_seed(cfg.seed + 1000 * d.grid.dp_rank)  # each DP replica samples its own rollouts
-    d.cotrainer = DistCotrainer(
-        s.policy, list(s.drafts.values()), d.grid,
-        lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99)),
-        grad_clip=cfg.grad_clip, schedule=cfg.schedule, attn_fn=padded_causal_attention)
-    return s
-
-
-def concat_batches(parts: list) -> RolloutBatch:
-    lens = torch.cat([b.cu_seqlens[1:] - b.cu_seqlens[:-1] for b in parts])
-    cu = torch.zeros(lens.numel() + 1, dtype=torch.int32)
-    cu[1:] = lens.cumsum(0)
-    cat = lambda k: torch.cat([getattr(b, k) for b in parts])  # noqa: E731
-    return RolloutBatch(cat("tokens"), cu, cat("resp_mask"), cat("old_logp"), cat("adv"), cat("valid"),
-                        cat("ref_logp"))
-
-
-def rollout_distributed(s: Setup, d: Dist, problems: list) -> tuple[RolloutBatch, dict]:
-    """DP replica r generates problems[r::dp] on ONE of its ranks (PP stage 0, CP rank 0) with its full policy + draft
-    copy, adds the reference log-probs, and every rank receives the whole batch (GRPO groups stay whole)."""
-    g = d.grid
-    part = None
-    if g.pp_rank == 0 and g.cp_rank == 0:
-        batch, info = rollout(s, problems[g.dp_rank::g.dp])
-        batch.ref_logp = reference_logp(s.ref, batch, attn_fn=padded_causal_attention)
-        part = (g.dp_rank, batch, info)
-    parts = [None] * d.world
-    dist.all_gather_object(parts, part)  # sync point: tokens and per-token floats only, small next to the weights
-    parts = sorted((p for p in parts if p is not None), key=lambda p: p[0])
-    info = {k: sum(p[2][k] for p in parts) / len(parts) for k in parts[0][2]}
-    info["zero_var_groups"] = sum(p[2]["zero_var_groups"] for p in parts)
-    return concat_batches([p[1] for p in parts]), info
-
-
-def update_distributed(s: Setup, d: Dist, batch: RolloutBatch, timer: dict) -> dict:
-    """update() through the pipeline: cfg.updates steps of dist_step.DistCotrainer, each followed by a refit of the
-    full policy + drafts (the drafts embed with the policy's embedding; the rollouts need the new weights).
-    Policy and draft share one pipeline step, so all of it is timed as policy_train."""
-    t0 = time.perf_counter()
-    kl = rollout_kl(batch)
-    perm = torch.randperm(batch.num_seqs, generator=d.perm_gen)
-    stats = []
-    for idx in perm.chunk(s.cfg.updates):
-        stats.append(d.cotrainer.step(batch.select(idx.sort().values), s.grpo, s.cfg.micro_batches))
-        d.cotrainer.refit(s.policy)
-    timer["policy_train"] += time.perf_counter() - t0
-    return _update_stats(s, stats, kl)
-
-
-# ---------------------------------------------------------------------------------------------------- checkpoints
-def _ckpt_parts(s: Setup, d) -> tuple[dict, dict]:
-    """(this rank's state dicts by name, its named generators). Under torchrun a rank saves its pipeline stage and
-    the stage's optimizer (the full rollout copy is re-assembled by refit) and the drafts (every rank holds them)."""
-    states = {"policy": s.policy, "policy_opt": s.opt} if d is None else {"policy": d.cotrainer.stage,
-                                                                      "policy_opt": d.cotrainer.opt}
-    for name, tr in s.drafts.items():
-        states[f"draft_{name}"], states[f"draft_opt_{name}"] = tr.draft, tr.opt
-    gens = {"rollout": s.gen} if d is None else {"rollout": s.gen, "perm": d.perm_gen}
-    return states, gens
-
-
-def save_ckpt(s: Setup, d, folder: str, step: int, records: list):
-    from checkpoint import capture_rng, save_checkpoint
-    objs, gens = _ckpt_parts(s, d)
-    states = {k: o.state_dict() for k, o in objs.items()}
-    states["loop"] = {"source_rng": s.rng.getstate()}  # the prompt sampler (a python Random of its own)
-    save_checkpoint(folder, step, states=states, rng=capture_rng(gens), metrics=records,
-                    extra=dataclasses.asdict(s.cfg), rank=0 if d is None else d.rank, world=1 if d is None else d.world,
-                    barrier=None if d is None else dist.barrier)
-
-
-def load_ckpt(s: Setup, d, folder: str):
-    """-> (steps done, metric records) from the latest valid checkpoint in folder (corrupt ones skipped with a
-    warning), or (0, []) when there is none."""
-    from checkpoint import latest_checkpoint, load_checkpoint, restore_rng
-    path = latest_checkpoint(folder)
-    if d is not None:  # every rank must resume from the same step (rank 0 decides)
-        box = [None if path is None else str(path)]
-        dist.broadcast_object_list(box, src=0)
-        path = box[0]
-    if path is None:
-        return 0, []
-    c = load_checkpoint(path, 0 if d is None else d.rank)
-    objs, gens = _ckpt_parts(s, d)
-    for k, o in objs.items():
-        o.load_state_dict(c["states"][k])
-    s.rng.setstate(c["states"]["loop"]["source_rng"])
-    restore_rng(c["rng"], gens)
-    if d is not None:
-        d.cotrainer.refit(s.policy)
-    return c["step"], c["metrics"]
 
 
 # ------------------------------------------------------------------------------------------------------ the loop

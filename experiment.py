@@ -1,0 +1,185 @@
+"""The pieces of one experiment run, shared by the single-process loop and the torchrun one (train.py).
+
+    build(cfg) -> Setup     warm policy (SFT, cached) + frozen reference + drafts (co-trained, frozen copy, cold start)
+    rollout(s, problems)    G speculative samples per prompt, rewards, group advantages -> RolloutBatch
+    update(s, batch)        `updates` GRPO + co-training steps (rl_loop.cotrain_step: one policy forward each)
+    evaluate(s)             acceptance length of every draft arm and tokens/s with / without speculation, held-out
+
+Letters: B rollout rows, G group size, T packed tokens.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+import speculative
+import task
+import warmup
+from draft import Eagle3Draft
+from model import ModelConfig
+from rl_loop import (DraftTrainer, GRPOConfig, RolloutBatch, cotrain_step, group_advantages, padded_branch_attention,
+                     padded_causal_attention, reference_logp, rollout_kl)
+
+if TYPE_CHECKING:
+    from train import Config
+
+
+# --------------------------------------------------------------------------------------------------- the pieces
+@dataclass
+class Setup:
+    cfg: Config
+    tok: task.Tokenizer
+    source: task.ProblemSource
+    policy: torch.nn.Module
+    ref: torch.nn.Module  # frozen pi_0 (the SFT policy): KL drift and the optional k3 penalty
+    opt: torch.optim.Optimizer
+    drafts: dict  # arm name -> DraftTrainer ("cotrained" drives the rollouts; "cold" is evaluated only)
+    frozen: Eagle3Draft  # the warm-up draft, never updated
+    eval_problems: list
+    rng: random.Random
+    gen: torch.Generator
+    grpo: GRPOConfig
+    warm_info: dict = field(default_factory=dict)
+
+
+def build(cfg: Config, log=print) -> Setup:
+    torch.manual_seed(cfg.seed)
+    tok, source = task.Tokenizer(), task.ProblemSource(cfg.min_steps, cfg.max_steps)
+    mcfg = ModelConfig.preset(cfg.model, vocab_size=tok.vocab_size)
+    t0 = time.perf_counter()
+    policy, pkey, loaded = warmup.warm_policy(mcfg, tok, source, steps=cfg.sft_steps, batch=cfg.sft_batch,
+                                              lr=cfg.sft_lr, p_explicit=cfg.p_explicit, seed=cfg.seed,
+                                              cache_dir=cfg.cache_dir, log_every=max(cfg.sft_steps // 6, 1))
+    t1 = time.perf_counter()
+    log(f"policy SFT warm-up: {'loaded from cache' if loaded else 'trained'} ({pkey}, {t1 - t0:.0f}s)")
+    warm, dloaded = warmup.warm_draft(policy, tok, source, steps=cfg.draft_warmup_steps, batch=cfg.draft_warmup_batch,
+                                      lr=cfg.draft_lr, pool=cfg.draft_warmup_pool, max_new_tokens=cfg.max_new_tokens,
+                                      num_passes=cfg.ttt_passes, seed=cfg.seed, policy_key=pkey,
+                                      cache_dir=cfg.cache_dir, attn_fn=padded_causal_attention,
+                                      draft_attn_fn=padded_branch_attention,
+                                      log_every=max(cfg.draft_warmup_steps // 4, 1))
+    t2 = time.perf_counter()
+    log(f"draft warm-up: {'loaded from cache' if dloaded else 'trained'} ({t2 - t1:.0f}s)")
+    ref = copy.deepcopy(policy).requires_grad_(False)
+    frozen = copy.deepcopy(warm).requires_grad_(False)
+    frozen.attach(policy)  # like the co-trained draft it reads the live policy's embedding; its own weights stay put
+
+    def trainer(d):
+        return DraftTrainer(d, torch.optim.AdamW(d.parameters(), lr=cfg.draft_lr, weight_decay=0.0), lam=cfg.draft_lam,
+                            grad_clip=cfg.draft_grad_clip, num_passes=cfg.ttt_passes, attn_fn=padded_branch_attention)
+
+    torch.manual_seed(cfg.seed + 7)
+    drafts = {"cotrained": trainer(Eagle3Draft.from_target(policy) if cfg.cold_start else warm)}
+    if cfg.cold_arm and not cfg.cold_start:
+        drafts["cold"] = trainer(Eagle3Draft.from_target(policy))
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99))
+    grpo = GRPOConfig(eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta=cfg.beta, std_norm=cfg.std_norm,
+                      loss_norm=cfg.loss_norm, max_len=cfg.max_new_tokens)
+    return Setup(cfg, tok, source, policy, ref, opt, drafts, frozen, source.eval_set(cfg.eval_prompts, cfg.seed + 1234),
+                 random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed), grpo,
+                 {"sft_s": t1 - t0, "draft_warmup_s": t2 - t1, "policy_cached": loaded, "draft_cached": dloaded})
+
+
+def generate(s: Setup, draft, prompts: list, seed=None):
+    """speculative.generate over chunks of cfg.rollout_batch rows -> (tokens, logprobs, stats). draft=None: plain
+    autoregressive sampling through the same engine. seed: a fresh generator (every eval arm sees the same seed)."""
+    c = s.cfg
+    gen = s.gen if seed is None else torch.Generator().manual_seed(seed)
+    toks, lps, st = [], [], {"row_steps": 0, "accepted": 0, "new_tokens": 0, "seconds": 0.0}
+    for i in range(0, len(prompts), c.rollout_batch):
+        r = speculative.generate(s.policy, draft, prompts[i: i + c.rollout_batch], max_new_tokens=c.max_new_tokens,
+                                 num_draft_tokens=c.num_draft_tokens if draft is not None else 0,
+                                 temperature=c.temperature, eos_id=s.tok.eos_id, generator=gen)
+        toks += r.tokens
+        lps += r.logprobs
+        for k in st:
+            st[k] += getattr(r.stats, k)
+    st["accept_len"] = (st["row_steps"] + st["accepted"]) / max(st["row_steps"], 1)  # tokens per policy forward
+    st["tok_s"] = st["new_tokens"] / max(st["seconds"], 1e-9)
+    return toks, lps, st
+
+
+def rollout(s: Setup, problems: list) -> tuple[RolloutBatch, dict]:
+    """G speculative samples per problem -> scored, advantage-weighted RolloutBatch and stats."""
+    c = s.cfg
+    prompts = [task.encode_prompt(s.tok, p) for p in problems for _ in range(c.group_size)]
+    toks, lps, st = generate(s, s.drafts["cotrained"].draft, prompts)
+    R, parts = task.score(s.tok, [p for p in problems for _ in range(c.group_size)], toks, c.format_weight)
+    adv, valid = group_advantages(R, c.group_size, std_norm=c.std_norm)
+    batch = RolloutBatch.from_rollouts(prompts, toks, lps, adv, valid)
+    info = {"reward": float(R.mean()), "correct": float(parts["correct"].mean()),
+            "explicit": float(parts["explicit"].mean()), "resp_len": st["new_tokens"] / len(prompts),
+            "zero_var_groups": int((~valid).sum()) // c.group_size,
+            "accept_len": st["accept_len"], "rollout_tok_s": st["tok_s"]}
+    return batch, info
+
+
+def update(s: Setup, batch: RolloutBatch, timer: dict) -> dict:
+    """Reference log-probs (k3 penalty, KL drift), then cfg.updates optimisation steps on random minibatches of the
+    rollout batch (old log-probs from the rollout)."""
+    t0 = time.perf_counter()
+    batch.ref_logp = reference_logp(s.ref, batch, attn_fn=padded_causal_attention)
+    kl = rollout_kl(batch)
+    timer["policy_train"] = timer.get("policy_train", 0.0) + time.perf_counter() - t0
+    perm = torch.randperm(batch.num_seqs, generator=s.gen)
+    stats = []
+    for idx in perm.chunk(s.cfg.updates):
+        stats.append(cotrain_step(s.policy, s.opt, batch.select(idx.sort().values), s.grpo, list(s.drafts.values()),
+                                  micro_batches=s.cfg.micro_batches, policy_grad_clip=s.cfg.grad_clip,
+                                  attn_fn=padded_causal_attention, timer=timer))
+    return _update_stats(s, stats, kl)
+
+
+def _update_stats(s: Setup, stats: list, kl: float) -> dict:
+    last = stats[-1]
+    out = {k: sum(st[k] for st in stats) / len(stats) for k in ("loss_policy", "clip_frac", "ratio", "grad_norm")}
+    for name, m in zip(s.drafts, last["draft_metrics"]):
+        out[f"tau_hat_{name}"] = m["tau_hat"]
+    out["loss_draft"] = last["loss_draft"][0]
+    out["kl"] = kl
+    return out
+
+
+def check_finite(step: int, up: dict):
+    """Stop the run at the first NaN/inf loss, naming it (every rank holds the same reduced values: all stop)."""
+    for key in ("loss_policy", "loss_draft", "grad_norm"):
+        if not math.isfinite(up[key]):
+            raise FloatingPointError(f"step {step}: {key} = {up[key]} (not finite); stopping. Try a lower --lr / "
+                                     f"--draft_lr or a smaller --grad_clip")
+
+
+@torch.no_grad()
+def evaluate(s: Setup) -> dict:
+    """Same held-out prompts and seed for every arm: acceptance length per draft, tokens/s with and without speculation,
+    and the policy's held-out reward (from the autoregressive samples, exact policy samples). The arms run interleaved
+    chunk by chunk, so a change in machine load hits all of them alike."""
+    c = s.cfg
+    probs = [p for p in s.eval_problems for _ in range(c.eval_samples)]
+    prompts = [task.encode_prompt(s.tok, p) for p in probs]
+    arms = {"ar": None, "cotrained": s.drafts["cotrained"].draft, "frozen": s.frozen}
+    if "cold" in s.drafts:
+        arms["cold"] = s.drafts["cold"].draft
+    tot = {name: {"row_steps": 0, "accepted": 0, "new_tokens": 0, "seconds": 0.0} for name in arms}
+    ar_toks = []
+    for i in range(0, len(prompts), c.rollout_batch):
+        for name, draft in arms.items():
+            toks, _, st = generate(s, draft, prompts[i: i + c.rollout_batch], seed=c.seed + 99 + i)
+            for k in tot[name]:
+                tot[name][k] += st[k]
+            if name == "ar":
+                ar_toks += toks
+    R, parts = task.score(s.tok, probs, ar_toks, c.format_weight)
+    out = {"reward": float(R.mean()), "correct": float(parts["correct"].mean()),
+           "explicit": float(parts["explicit"].mean()), "resp_len": tot["ar"]["new_tokens"] / len(prompts)}
+    for name, t in tot.items():
+        out[f"tok_s_{name}"] = t["new_tokens"] / max(t["seconds"], 1e-9)
+        if name != "ar":
+            out[f"accept_{name}"] = (t["row_steps"] + t["accepted"]) / max(t["row_steps"], 1)
+    out["speedup"] = out["tok_s_cotrained"] / out["tok_s_ar"]
+    return out
