@@ -39,10 +39,9 @@ def grpo_weights(batch: RolloutBatch, cfg: GRPOConfig, micro_batches: int) -> to
     n_seqs, n_tokens = int(batch.valid.sum()), int(mask.sum())
     cu = batch.cu_seqlens.long()
     w = torch.zeros(batch.tokens.shape[0], dtype=torch.float64)
-    dtype = torch.float32 if cfg.loss_norm == "seq-mean" else torch.float64  # aggregate's seq-mean buffers are fp32
     for chunk in torch.arange(batch.num_seqs).chunk(micro_batches):
         mb = batch.select(chunk)
-        l = torch.zeros(mb.tokens.shape[0], dtype=dtype, requires_grad=True)
+        l = torch.zeros(mb.tokens.shape[0], dtype=torch.float64, requires_grad=True)
         aggregate(l, mb.trained_mask(), mb.cu_seqlens, cfg.loss_norm, n_seqs=n_seqs, n_tokens=n_tokens,
                   max_len=cfg.max_len, n_micro=micro_batches).backward()
         idx = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in chunk.tolist()])

@@ -106,8 +106,8 @@ def next_token_logp(logits: torch.Tensor, tokens: torch.Tensor, cu_seqlens: torc
     """logits (T, V) of a packed forward -> (T,) log p(tokens[t] | tokens of its sequence before t); 0 at starts.
 
     Gathered logit minus logsumexp: never materialises the (T, V) log-softmax."""
-    out = torch.zeros(tokens.shape[0], dtype=torch.float32, device=logits.device)
-    z = logits[:-1].float()  # position t-1 predicts token t
+    z = logits[:-1].to(torch.promote_types(logits.dtype, torch.float32))  # position t-1 predicts token t; fp64 kept
+    out = torch.zeros(tokens.shape[0], dtype=z.dtype, device=logits.device)
     lp = z.gather(-1, tokens[1:, None])[:, 0] - torch.logsumexp(z, -1)
     starts = torch.zeros_like(tokens, dtype=torch.bool)
     starts[cu_seqlens[:-1].long()] = True
@@ -217,8 +217,8 @@ def aggregate(loss_tok, mask, cu_seqlens, norm: str, *, n_seqs: int, n_tokens: i
     if norm == "seq-mean":
         sid = seq_ids(cu_seqlens).to(l.device)
         S = cu_seqlens.numel() - 1
-        per_seq = torch.zeros(S, device=l.device).index_add(0, sid, l)
-        n_tok = torch.zeros(S, device=l.device).index_add(0, sid, mask.float())
+        per_seq = torch.zeros(S, dtype=l.dtype, device=l.device).index_add(0, sid, l)
+        n_tok = torch.zeros(S, dtype=l.dtype, device=l.device).index_add(0, sid, mask.to(l.dtype))
         return (per_seq / n_tok.clamp_min(1)).sum() / max(n_seqs, 1)
     if norm == "token-mean":
         return l.sum() / mask.sum().clamp_min(1) / n_micro

@@ -6,24 +6,19 @@ that its FULL policy and drafts (re-assembled for rollouts), the policy loss, bo
 equal the oracle's (fp64 within 1e-8). The batch is hand-made (no generation): random advantages, one zero-variance
 group, old log-probs near the policy's own (so some ratios clip), a reference for the k3 penalty (beta > 0), two drafts,
 tied embeddings (a copy on the first and the last stage) and a policy gradient that gets clipped.
-
-rl_loop.next_token_logp casts logits to fp32 (right for fp32/bf16 training); that cap of ~1e-7 would hide everything
-an fp64 comparison can show, so the oracle here uses the same formula kept in fp64 -- dist_step keeps fp64 too.
 """
 import pytest
 import torch
 import torch.distributed as dist
 from dist_util import run_distributed
 
-import rl_loop
 from draft import Eagle3Draft
 from model import ModelConfig, Transformer
-from rl_loop import DraftTrainer, GRPOConfig, RolloutBatch, cotrain_step
+from rl_loop import DraftTrainer, GRPOConfig, RolloutBatch, cotrain_step, next_token_logp
 
 LAYOUTS = [(1, 2, 2), (2, 2, 1), (2, 1, 2), (1, 4, 1), (1, 1, 4)]  # (dp, pp, cp)
 # the other normalisations, each on a layout where it can go wrong (per-micro-batch means split over DP; CP shards).
-# (seq-mean is left out: rl_loop.aggregate's fp32 per-sequence buffers reject fp64 losses, so no fp64 oracle.)
-NORMS = [("token-mean", (2, 2, 1)), ("constant", (1, 2, 2))]
+NORMS = [("token-mean", (2, 2, 1)), ("constant", (1, 2, 2)), ("seq-mean", (2, 1, 2))]
 CASES = [("global-token", lay) for lay in LAYOUTS] + NORMS
 MICRO = 4
 
@@ -65,20 +60,12 @@ def make_batch(policy):
     adv[~valid] = 0
     b = RolloutBatch.from_rollouts(prompts, resps, lps, adv, valid)
     with torch.no_grad():
-        lp = next_token_logp64(policy(b.tokens, b.cu_seqlens).logits, b.tokens, b.cu_seqlens)
+        lp = next_token_logp(policy(b.tokens, b.cu_seqlens).logits, b.tokens, b.cu_seqlens)
     noise = 0.3 * torch.randn(lp.shape, generator=g, dtype=torch.float64)
     b.old_logp = torch.where(b.resp_mask, lp + noise, 0.0)
     b.ref_logp = torch.where(b.resp_mask, lp - noise.flip(0), 0.0)
     b.adv = b.adv.double()
     return b
-
-
-def next_token_logp64(logits, tokens, cu_seqlens):  # rl_loop.next_token_logp without the fp32 cast
-    z = logits[:-1]
-    lp = z.gather(-1, tokens[1:, None])[:, 0] - torch.logsumexp(z, -1)
-    starts = torch.zeros_like(tokens, dtype=torch.bool)
-    starts[cu_seqlens[:-1].long()] = True
-    return torch.cat([lp.new_zeros(1), lp]).masked_fill(starts, 0.0)
 
 
 def state(policy, drafts):
@@ -124,13 +111,8 @@ def _worker(rank, world, cases, refs):
 def single_process(norm):
     policy, drafts = make_models()
     batch = make_batch(policy)
-    saved = rl_loop.next_token_logp
-    rl_loop.next_token_logp = next_token_logp64
-    try:
-        st = cotrain_step(policy, make_policy_opt(policy.parameters()), batch, grpo(norm), drafts,
-                          micro_batches=MICRO, policy_grad_clip=0.5)
-    finally:
-        rl_loop.next_token_logp = saved
+    st = cotrain_step(policy, make_policy_opt(policy.parameters()), batch, grpo(norm), drafts,
+                      micro_batches=MICRO, policy_grad_clip=0.5)
     return {"stats": _summary(st), **state(policy, drafts)}
 
 
