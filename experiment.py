@@ -1,6 +1,7 @@
 """The pieces of one experiment run, shared by the single-process loop and the torchrun one (train.py).
 
-    build(cfg) -> Setup     warm policy (SFT, cached) + frozen reference + drafts (co-trained, frozen copy, cold start)
+    build(cfg) -> Setup     the task, warm policy (SFT, cached; HF mode: the checkpoint) + frozen reference + drafts
+                            (co-trained, frozen copy, cold start)
     rollout(s, problems)    G speculative samples per prompt, rewards, group advantages -> RolloutBatch
     update(s, batch)        `updates` GRPO + co-training steps (rl_loop.cotrain_step: one policy forward each)
     evaluate(s)             acceptance length of every draft arm and tokens/s with / without speculation, held-out
@@ -22,9 +23,9 @@ import speculative
 import task
 import warmup
 from draft import Eagle3Draft
-from model import ModelConfig
-from rl_loop import (DraftTrainer, GRPOConfig, RolloutBatch, cotrain_step, group_advantages, padded_branch_attention,
-                     padded_causal_attention, reference_logp, rollout_kl)
+from model import ModelConfig, Transformer
+from rl_loop import (DraftTrainer, GRPOConfig, RolloutBatch, check_finite_weights, cotrain_step, group_advantages,
+                     padded_branch_attention, padded_causal_attention, reference_logp, rollout_kl)
 
 if TYPE_CHECKING:
     from train import Config
@@ -34,8 +35,7 @@ if TYPE_CHECKING:
 @dataclass
 class Setup:
     cfg: Config
-    tok: task.Tokenizer
-    source: task.ProblemSource
+    task: object  # task.CountUpTask or hf_task.HFTask: tok, sample, eval_set, encode_prompt, score, max_new_tokens
     policy: torch.nn.Module
     ref: torch.nn.Module  # frozen pi_0 (the SFT policy): KL drift and the optional k3 penalty
     opt: torch.optim.Optimizer
@@ -48,24 +48,50 @@ class Setup:
     warm_info: dict = field(default_factory=dict)
 
 
+def build_task(cfg: Config):
+    """The built-in count-up task, or in HF mode the prompts file with the checkpoint's tokenizer (hf_task.py)."""
+    if cfg.hf_mode:
+        from hf_task import HFTask
+        return HFTask(cfg.model, cfg.data, eval_fraction=cfg.eval_fraction, seed=cfg.seed,
+                      max_prompt_tokens=cfg.max_prompt_tokens, max_new_tokens=cfg.max_new_tokens or 256)
+    tsk = task.CountUpTask(cfg.min_steps, cfg.max_steps, cfg.format_weight)
+    tsk.max_new_tokens = cfg.max_new_tokens or tsk.max_new_tokens
+    return tsk
+
+
+def build_policy(cfg: Config, tsk, log=print) -> tuple[Transformer, str, bool]:
+    """-> (policy, cache key, loaded): the SFT'd policy of the built-in task (cached), or the HF checkpoint as is."""
+    if cfg.hf_mode:
+        policy = Transformer.from_pretrained(cfg.model)
+        key = warmup.cache_key("hf", warmup.fingerprint(cfg.model), warmup.fingerprint(cfg.data))
+        n = sum(p.numel() for p in policy.parameters())
+        log(f"policy: HF checkpoint {cfg.model} ({policy.cfg.architecture}, {n / 1e6:.1f}M parameters); "
+            f"{sum(map(len, tsk.splits.values()))} prompts from {cfg.data} ({len(tsk.splits['eval'])} held out, "
+            f"{tsk.dropped} dropped as longer than {cfg.max_prompt_tokens} tokens)")
+        return policy, key, True
+    mcfg, t0 = ModelConfig.preset(cfg.model, vocab_size=tsk.tok.vocab_size), time.perf_counter()
+    policy, key, loaded = warmup.warm_policy(mcfg, tsk.tok, tsk.source, steps=cfg.sft_steps, batch=cfg.sft_batch,
+                                             lr=cfg.sft_lr, p_explicit=cfg.p_explicit, seed=cfg.seed,
+                                             cache_dir=cfg.cache_dir, log_every=max(cfg.sft_steps // 6, 1))
+    log(f"policy SFT warm-up: {'loaded from cache' if loaded else 'trained'} ({key}, {time.perf_counter() - t0:.0f}s)")
+    return policy, key, loaded
+
+
 def build(cfg: Config, log=print) -> Setup:
     torch.manual_seed(cfg.seed)
-    tok, source = task.Tokenizer(), task.ProblemSource(cfg.min_steps, cfg.max_steps)
-    mcfg = ModelConfig.preset(cfg.model, vocab_size=tok.vocab_size)
+    tsk = build_task(cfg)
     t0 = time.perf_counter()
-    policy, pkey, loaded = warmup.warm_policy(mcfg, tok, source, steps=cfg.sft_steps, batch=cfg.sft_batch,
-                                              lr=cfg.sft_lr, p_explicit=cfg.p_explicit, seed=cfg.seed,
-                                              cache_dir=cfg.cache_dir, log_every=max(cfg.sft_steps // 6, 1))
+    policy, pkey, loaded = build_policy(cfg, tsk, log)
     t1 = time.perf_counter()
-    log(f"policy SFT warm-up: {'loaded from cache' if loaded else 'trained'} ({pkey}, {t1 - t0:.0f}s)")
-    warm, dloaded = warmup.warm_draft(policy, tok, source, steps=cfg.draft_warmup_steps, batch=cfg.draft_warmup_batch,
-                                      lr=cfg.draft_lr, pool=cfg.draft_warmup_pool, max_new_tokens=cfg.max_new_tokens,
+    warm, dloaded = warmup.warm_draft(policy, tsk, steps=cfg.draft_warmup_steps, batch=cfg.draft_warmup_batch,
+                                      lr=cfg.draft_lr, pool=cfg.draft_warmup_pool, max_new_tokens=tsk.max_new_tokens,
                                       num_passes=cfg.ttt_passes, seed=cfg.seed, policy_key=pkey,
                                       cache_dir=cfg.cache_dir, attn_fn=padded_causal_attention,
                                       draft_attn_fn=padded_branch_attention,
                                       log_every=max(cfg.draft_warmup_steps // 4, 1))
     t2 = time.perf_counter()
-    log(f"draft warm-up: {'loaded from cache' if dloaded else 'trained'} ({t2 - t1:.0f}s)")
+    done = "none (an untrained draft)" if cfg.draft_warmup_steps == 0 else "loaded from cache" if dloaded else "trained"
+    log(f"draft warm-up: {done} ({t2 - t1:.0f}s)")
     ref = copy.deepcopy(policy).requires_grad_(False)
     frozen = copy.deepcopy(warm).requires_grad_(False)
     frozen.attach(policy)  # like the co-trained draft it reads the live policy's embedding; its own weights stay put
@@ -80,8 +106,8 @@ def build(cfg: Config, log=print) -> Setup:
         drafts["cold"] = trainer(Eagle3Draft.from_target(policy))
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99))
     grpo = GRPOConfig(eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta=cfg.beta, std_norm=cfg.std_norm,
-                      loss_norm=cfg.loss_norm, max_len=cfg.max_new_tokens)
-    return Setup(cfg, tok, source, policy, ref, opt, drafts, frozen, source.eval_set(cfg.eval_prompts, cfg.seed + 1234),
+                      loss_norm=cfg.loss_norm, max_len=tsk.max_new_tokens)
+    return Setup(cfg, tsk, policy, ref, opt, drafts, frozen, tsk.eval_set(cfg.eval_prompts, cfg.seed + 1234),
                  random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed), grpo,
                  {"sft_s": t1 - t0, "draft_warmup_s": t2 - t1, "policy_cached": loaded, "draft_cached": dloaded})
 
@@ -93,9 +119,10 @@ def generate(s: Setup, draft, prompts: list, seed=None):
     gen = s.gen if seed is None else torch.Generator().manual_seed(seed)
     toks, lps, st = [], [], {"row_steps": 0, "accepted": 0, "new_tokens": 0, "seconds": 0.0}
     for i in range(0, len(prompts), c.rollout_batch):
-        r = speculative.generate(s.policy, draft, prompts[i: i + c.rollout_batch], max_new_tokens=c.max_new_tokens,
+        r = speculative.generate(s.policy, draft, prompts[i: i + c.rollout_batch],
+                                 max_new_tokens=s.task.max_new_tokens,
                                  num_draft_tokens=c.num_draft_tokens if draft is not None else 0,
-                                 temperature=c.temperature, eos_id=s.tok.eos_id, generator=gen)
+                                 temperature=c.temperature, eos_id=s.task.tok.eos_id, generator=gen)
         toks += r.tokens
         lps += r.logprobs
         for k in st:
@@ -108,16 +135,21 @@ def generate(s: Setup, draft, prompts: list, seed=None):
 def rollout(s: Setup, problems: list) -> tuple[RolloutBatch, dict]:
     """G speculative samples per problem -> scored, advantage-weighted RolloutBatch and stats."""
     c = s.cfg
-    prompts = [task.encode_prompt(s.tok, p) for p in problems for _ in range(c.group_size)]
+    prompts = [s.task.encode_prompt(p) for p in problems for _ in range(c.group_size)]
     toks, lps, st = generate(s, s.drafts["cotrained"].draft, prompts)
-    R, parts = task.score(s.tok, [p for p in problems for _ in range(c.group_size)], toks, c.format_weight)
+    R, parts = s.task.score([p for p in problems for _ in range(c.group_size)], toks)
     adv, valid = group_advantages(R, c.group_size, std_norm=c.std_norm)
     batch = RolloutBatch.from_rollouts(prompts, toks, lps, adv, valid)
     info = {"reward": float(R.mean()), "correct": float(parts["correct"].mean()),
-            "explicit": float(parts["explicit"].mean()), "resp_len": st["new_tokens"] / len(prompts),
+            "explicit": _explicit(parts), "resp_len": st["new_tokens"] / len(prompts),
             "zero_var_groups": int((~valid).sum()) // c.group_size,
             "accept_len": st["accept_len"], "rollout_tok_s": st["tok_s"]}
     return batch, info
+
+
+def _explicit(parts: dict) -> float:
+    """The built-in task's format term (share of steps written explicitly); HF mode has none: 0."""
+    return float(parts["explicit"].mean()) if "explicit" in parts else 0.0
 
 
 def update(s: Setup, batch: RolloutBatch, timer: dict) -> dict:
@@ -146,12 +178,17 @@ def _update_stats(s: Setup, stats: list, kl: float) -> dict:
     return out
 
 
-def check_finite(step: int, up: dict):
-    """Stop the run at the first NaN/inf loss, naming it (every rank holds the same reduced values: all stop)."""
+def check_finite(step: int, up: dict, s: Setup):
+    """Stop the run at the first NaN/inf loss or weight, naming it (every rank holds the same reduced values and the
+    same refitted full copies: all ranks stop). A finite loss can still be followed by an update that overflows the
+    weights (too large a learning rate), which would only surface later as a sampling error: the weights are checked
+    too, once per step."""
+    hint = "stopping. Try a lower --lr / --draft_lr or a smaller --grad_clip / --draft_grad_clip"
     for key in ("loss_policy", "loss_draft", "grad_norm"):
         if not math.isfinite(up[key]):
-            raise FloatingPointError(f"step {step}: {key} = {up[key]} (not finite); stopping. Try a lower --lr / "
-                                     f"--draft_lr or a smaller --grad_clip")
+            raise FloatingPointError(f"step {step}: {key} = {up[key]} (not finite); {hint}")
+    for name, m in {"policy": s.policy, **{f"{name} draft": tr.draft for name, tr in s.drafts.items()}}.items():
+        check_finite_weights(m, f"step {step}: after the update, the {name}", hint)
 
 
 @torch.no_grad()
@@ -161,7 +198,7 @@ def evaluate(s: Setup) -> dict:
     chunk by chunk, so a change in machine load hits all of them alike."""
     c = s.cfg
     probs = [p for p in s.eval_problems for _ in range(c.eval_samples)]
-    prompts = [task.encode_prompt(s.tok, p) for p in probs]
+    prompts = [s.task.encode_prompt(p) for p in probs]
     arms = {"ar": None, "cotrained": s.drafts["cotrained"].draft, "frozen": s.frozen}
     if "cold" in s.drafts:
         arms["cold"] = s.drafts["cold"].draft
@@ -174,9 +211,9 @@ def evaluate(s: Setup) -> dict:
                 tot[name][k] += st[k]
             if name == "ar":
                 ar_toks += toks
-    R, parts = task.score(s.tok, probs, ar_toks, c.format_weight)
-    out = {"reward": float(R.mean()), "correct": float(parts["correct"].mean()),
-           "explicit": float(parts["explicit"].mean()), "resp_len": tot["ar"]["new_tokens"] / len(prompts)}
+    R, parts = s.task.score(probs, ar_toks)
+    out = {"reward": float(R.mean()), "correct": float(parts["correct"].mean()), "explicit": _explicit(parts),
+           "resp_len": tot["ar"]["new_tokens"] / len(prompts)}
     for name, t in tot.items():
         out[f"tok_s_{name}"] = t["new_tokens"] / max(t["seconds"], 1e-9)
         if name != "ar":

@@ -12,7 +12,7 @@ strings. The reference may be a bare answer or a GSM8K-style solution ending in 
 
     python hf_task.py MODEL_DIR prompts.jsonl     # prints the split sizes, special tokens and a few encoded prompts
 
-Usage (same interface as task.py's Tokenizer + ProblemSource + score):
+Usage (the same interface as task.CountUpTask, so the experiment runs on either):
     t = HFTask(model_dir, "prompts.jsonl")
     problems = t.sample(8, random.Random(0))            # or t.eval_set(64): the fixed held-out split
     prompts = [t.encode_prompt(p) for p in problems]    # 1-D LongTensors, BOS as the tokenizer wants it
@@ -204,9 +204,12 @@ class HFTask:
     """
 
     def __init__(self, model_dir: str, data_path: str, *, eval_fraction: float = 0.1, seed: int = 0,
-                 max_prompt_tokens: int = 1024):
+                 max_prompt_tokens: int = 1024, max_new_tokens: int = 256):
         if not 0.0 <= eval_fraction < 1.0:
             raise ValueError(f"eval_fraction={eval_fraction}: expected 0 <= eval_fraction < 1")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 1")
+        self.max_new_tokens = max_new_tokens  # the response budget of every rollout (truncated responses still score)
         self.tok = HFTokenizer(model_dir)
         cfg = _read(model_dir, "config.json")
         if "vocab_size" not in cfg:

@@ -346,6 +346,14 @@ def cotrain_step(policy, policy_opt, batch: RolloutBatch, cfg: GRPOConfig, draft
 
 
 @torch.no_grad()
+def check_finite_weights(model: torch.nn.Module, what: str, hint: str = ""):
+    """Raise FloatingPointError naming `what` and the first non-finite parameter (an update that overflowed)."""
+    bad = [n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise FloatingPointError(f"{what}: the weights are not finite ({bad[0]}{more}){'; ' + hint if hint else ''}")
+
+
 def reference_logp(ref, batch: RolloutBatch, *, attn_fn=None) -> torch.Tensor:
     """log pi_ref(tokens[t] | prefix) per token (T,) from the frozen reference (one no-grad forward per batch)."""
     z = ref(batch.tokens, batch.cu_seqlens, attn_fn=attn_fn).logits  # (T, V)

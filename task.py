@@ -207,6 +207,28 @@ def score(tok: Tokenizer, problems: list[Problem], responses: list[torch.Tensor]
     return torch.tensor(R), {"correct": torch.tensor(correct), "explicit": torch.tensor(explicit)}
 
 
+class CountUpTask:
+    """The built-in task behind the interface the experiment uses (hf_task.HFTask has the same one):
+    tok (eos_id, encode/decode), sample(k, rng, split), eval_set(k, seed), encode_prompt(p) -> (Tp,) ids,
+    score(problems, responses) -> (R (B,), {"correct": (B,), "explicit": (B,)}), max_new_tokens."""
+
+    def __init__(self, min_steps: int = 4, max_steps: int = 7, format_weight: float = 0.5):
+        self.tok, self.source, self.format_weight = Tokenizer(), ProblemSource(min_steps, max_steps), format_weight
+        self.max_new_tokens = max_response_tokens(max_steps)
+
+    def sample(self, k: int, rng: random.Random, split: str = "train") -> list[Problem]:
+        return self.source.sample(k, rng, split)
+
+    def eval_set(self, k: int, seed: int = 1234) -> list[Problem]:
+        return self.source.eval_set(k, seed)
+
+    def encode_prompt(self, p: Problem) -> torch.Tensor:
+        return encode_prompt(self.tok, p)
+
+    def score(self, problems: list[Problem], responses: list[torch.Tensor]):
+        return score(self.tok, problems, responses, self.format_weight)
+
+
 if __name__ == "__main__":
     tok, src, rng = Tokenizer(), ProblemSource(), random.Random(0)
     print(f"vocab ({tok.vocab_size}): {' '.join(tok.vocab)}")

@@ -11,7 +11,9 @@ without speculation. Before RL: SFT warm-up of the policy and offline warm-up of
                                    # the first run also does the SFT + draft warm-ups (cached in cache/, ~10-20 min)
     python train.py --preset smoke           # every code path at a small size, a few minutes from scratch
     python train.py --cold_start             # the rollout draft starts untrained and is only co-trained online
-    python train.py --steps=40 --lr=2e-4 --out runs/mine      # any Config field as --key=value (type-checked)
+    python train.py --steps=40 --lr=2e-4 --out runs/mine      # any Config field as --key=value or --key value
+    python train.py --model PATH --data prompts.jsonl         # HF mode: an HF checkpoint (Llama / Qwen2 / Qwen3 with its
+                                                              # tokenizer.json), {"prompt", "answer"} lines, math reward
 
 Writes to --out (default runs/<name>): metrics.jsonl (one line per step, "kind": "train" | "eval"), summary.json,
 train.png (plots.py); with --ckpt_every=N also <out>/ckpt/step_* (checkpoint.py), and --resume continues the latest.
@@ -40,7 +42,7 @@ import torch.distributed as dist
 
 import task
 from experiment import build, check_finite, evaluate, rollout, update
-from model import ModelConfig
+from model import PRESETS as MODEL_PRESETS
 from plots import plot_run
 from rl_loop import GRPOConfig
 from train_dist import build_distributed, init_distributed, load_ckpt, rollout_distributed, save_ckpt, update_distributed
@@ -58,8 +60,13 @@ class Config:
     max_steps: int = 7
     p_explicit: float = 0.3  # SFT demos write a step explicitly with this probability
     format_weight: float = 0.5  # reward = correct * (1 + format_weight * explicit fraction)
-    # policy and SFT warm-up
-    model: str = "small"  # model.ModelConfig preset (vocab_size is the task's)
+    # policy and SFT warm-up. HF mode: --model=DIR (an HF checkpoint directory: Llama / Qwen2 / Qwen3 + tokenizer.json)
+    # with --data=prompts.jsonl: the checkpoint as the policy (no SFT), its tokenizer, a math-answer reward (hf_task.py)
+    model: str = "small"  # model.ModelConfig preset (vocab_size is the task's), or an HF checkpoint directory
+    data: str = ""  # HF mode: jsonl with "prompt" and "answer" fields
+    eval_fraction: float = 0.1  # HF mode: share of the distinct prompts held out for eval
+    max_prompt_tokens: int = 1024  # HF mode: longer prompts are dropped at load time
+    max_new_tokens: int = 0  # response budget; 0: the task's own (built-in: its longest well-formed response; HF: 256)
     sft_steps: int = 1200
     sft_batch: int = 64
     sft_lr: float = 3e-3
@@ -112,17 +119,35 @@ class Config:
                   ("updates", self.updates <= self.prompts_per_step * self.group_size),
                   ("pp", self.pp >= 1), ("cp", self.cp >= 1), ("dp", self.dp >= 0),
                   ("schedule", self.schedule in ("afab", "1f1b")), ("dist_timeout", self.dist_timeout >= 1),
-                  ("ckpt_every", self.ckpt_every >= 0)]
+                  ("ckpt_every", self.ckpt_every >= 0), ("max_new_tokens", self.max_new_tokens >= 0),
+                  ("eval_fraction", 0 < self.eval_fraction < 1), ("max_prompt_tokens", self.max_prompt_tokens >= 1),
+                  ("sft_steps", self.sft_steps >= 1), ("draft_warmup_steps", self.draft_warmup_steps >= 0),
+                  ("draft_warmup_batch", 1 <= self.draft_warmup_batch <= self.draft_warmup_pool)]
         for key, ok in checks:
             if not ok:
                 raise ValueError(f"{key}={getattr(self, key)!r} is out of range")
         GRPOConfig(loss_norm=self.loss_norm, eps_low=self.eps_low, eps_high=self.eps_high)  # validates those keys
-        ModelConfig.preset(self.model)
-        task.ProblemSource(self.min_steps, self.max_steps)
+        if self.hf_mode:
+            if not os.path.isfile(os.path.join(self.model, "config.json")):
+                raise ValueError(f"model={self.model!r}: the directory has no config.json (expected an HF checkpoint)")
+            if not self.data:
+                raise ValueError(f"model={self.model!r} is an HF checkpoint: HF mode needs --data=prompts.jsonl "
+                                 "(one {\"prompt\": ..., \"answer\": ...} per line)")
+            if not os.path.isfile(self.data):
+                raise ValueError(f"data={self.data!r}: no such file (expected jsonl with 'prompt' and 'answer')")
+        else:
+            if self.model not in MODEL_PRESETS:
+                raise ValueError(f"model={self.model!r}: expected a preset {sorted(MODEL_PRESETS)} or an HF checkpoint "
+                                 "directory")
+            if self.data:
+                raise ValueError(f"data={self.data!r}: prompts from a file need --model=<HF checkpoint directory> "
+                                 "(the built-in task generates its own)")
+            task.ProblemSource(self.min_steps, self.max_steps)
 
     @property
-    def max_new_tokens(self) -> int:
-        return task.max_response_tokens(self.max_steps)
+    def hf_mode(self) -> bool:
+        """--model names a directory (an HF checkpoint) rather than a model.ModelConfig preset."""
+        return self.model not in MODEL_PRESETS and os.path.isdir(self.model)
 
 
 PRESETS = {
@@ -138,7 +163,7 @@ PRESETS = {
 
 
 def parse_args(argv: list) -> Config:
-    """--preset NAME, --out DIR, --flag (a bool set to true) and --key=value for any Config field (type-checked)."""
+    """--preset NAME, --flag (a bool set to true), and --key=value or --key value for any Config field (type-checked)."""
     kv, i, preset = {}, 0, "default"
     types = {f.name: f.type for f in dataclasses.fields(Config)}
     while i < len(argv):
@@ -146,23 +171,22 @@ def parse_args(argv: list) -> Config:
         if not a.startswith("--"):
             raise ValueError(f"argument {a!r}: expected --key=value")
         key, eq, val = a[2:].partition("=")
-        if not eq and key in ("preset", "out"):  # these two also take a separate value
-            if i + 1 >= len(argv):
-                raise ValueError(f"--{key}: expected a value")
-            val, eq = argv[i + 1], "="
-            i += 1
         i += 1
+        if key not in types and key != "preset":
+            near = difflib.get_close_matches(key, list(types) + ["preset"], n=1)
+            raise ValueError(f"unknown config key {key!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+        typ = types.get(key, "str")
+        if not eq and typ != "bool":  # --key value
+            if i >= len(argv) or argv[i].startswith("--"):
+                raise ValueError(f"--{key}: expected --{key}=<{typ}> or --{key} <{typ}>")
+            val, eq = argv[i], "="
+            i += 1
         if key == "preset":
             if val not in PRESETS:
                 raise ValueError(f"--preset={val!r}: expected one of {sorted(PRESETS)}")
             preset = val
             continue
-        if key not in types:
-            near = difflib.get_close_matches(key, list(types), n=1)
-            raise ValueError(f"unknown config key {key!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
         if not eq:
-            if types[key] != "bool":
-                raise ValueError(f"--{key}: expected --{key}=<{types[key]}>")
             val = "true"
         kv[key] = _convert(key, val, types[key])
     return Config(**{**PRESETS[preset], **kv})
@@ -237,13 +261,13 @@ def train(cfg: Config) -> dict:
     for step in bar:
         timer = {"eval": t_eval}
         t0 = time.perf_counter()
-        problems = s.source.sample(cfg.prompts_per_step, s.rng)  # same on every rank
+        problems = s.task.sample(cfg.prompts_per_step, s.rng)  # same on every rank
         batch, info = rollout(s, problems) if d is None else rollout_distributed(s, d, problems)
         timer["rollout"] = time.perf_counter() - t0
         timer["policy_train"] = 0.0
         timer["draft_train"] = 0.0
         up = update(s, batch, timer) if d is None else update_distributed(s, d, batch, timer)
-        check_finite(step + 1, up)
+        check_finite(step + 1, up, s)
         last_kl = up["kl"]
         row = {"kind": "train", "step": step + 1, **info, **up, "time": timer}
         rows.append(row)

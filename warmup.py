@@ -27,7 +27,11 @@ import speculative
 import task
 from draft import Eagle3Draft
 from model import ModelConfig, Transformer
-from rl_loop import DraftTrainer, RolloutBatch, draft_loss, next_token_logp, pack, padded_causal_attention
+from rl_loop import (DraftTrainer, RolloutBatch, check_finite_weights, draft_loss, next_token_logp, pack,
+                     padded_causal_attention)
+
+
+HINT = "stopping, nothing cached. Try a lower --sft_lr / --draft_lr"
 
 
 def cache_key(*parts) -> str:
@@ -70,6 +74,8 @@ def sft_policy(policy: Transformer, tok, source, *, steps: int, batch: int, lr: 
         tokens, cu, mask = sft_batch(tok, source, batch, p_explicit, rng)
         logits = policy(tokens, cu, attn_fn=padded_causal_attention).logits  # (T, V)
         loss = -(next_token_logp(logits, tokens, cu) * mask).sum() / mask.sum()
+        if not math.isfinite(loss.item()):
+            raise FloatingPointError(f"SFT warm-up step {step}: loss = {loss.item()} (not finite); {HINT}")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
@@ -77,6 +83,7 @@ def sft_policy(policy: Transformer, tok, source, *, steps: int, batch: int, lr: 
         losses.append(loss.item())
         if log_every and (step % log_every == 0 or step == steps - 1):
             print(f"  sft step {step:4d}/{steps}  loss {loss:.4f}  {time.time() - t0:5.1f}s", flush=True)
+    check_finite_weights(policy, f"SFT warm-up, after {steps} steps, the policy", HINT)  # never cache a diverged one
     return losses
 
 
@@ -97,13 +104,28 @@ def warm_policy(model_cfg: ModelConfig, tok, source, *, steps: int, batch: int, 
     return policy, key, False
 
 
-def warm_draft(policy: Transformer, tok, source, *, steps: int, batch: int, lr: float, pool: int, max_new_tokens: int,
+def fingerprint(path: str) -> list:
+    """(name, size, mtime) of a file or of every file under a directory: a cheap cache key for an HF checkpoint or a
+    data file (changes when any file is rewritten), without hashing gigabytes of weights."""
+    if os.path.isfile(path):
+        st = os.stat(path)
+        return [[os.path.abspath(path), st.st_size, st.st_mtime_ns]]
+    return [[os.path.relpath(os.path.join(r, f), path), os.path.getsize(os.path.join(r, f)),
+             os.stat(os.path.join(r, f)).st_mtime_ns]
+            for r, _, files in sorted(os.walk(path)) for f in sorted(files)] + [[os.path.abspath(path)]]
+
+
+def warm_draft(policy: Transformer, tsk, *, steps: int, batch: int, lr: float, pool: int, max_new_tokens: int,
                num_passes: int, seed: int, policy_key: str, cache_dir: str = "cache", attn_fn=None, draft_attn_fn=None,
                log_every: int = 0) -> tuple[Eagle3Draft, bool]:
     """A draft fitted offline to the warm policy's own samples (cached). Returns (draft, loaded).
+    tsk: the task (task.CountUpTask or hf_task.HFTask): its train prompts and EOS. steps = 0: an untrained draft.
 
     1. sample `pool` responses from the policy (plain sampling at temperature 1: the distribution RL starts from);
     2. each step: `batch` of them -> policy forward (no grad) for taps + logits -> TTT loss -> AdamW step."""
+    if steps == 0:
+        torch.manual_seed(seed)
+        return Eagle3Draft.from_target(policy), False
     key = cache_key("draft", policy_key, steps, batch, lr, pool, max_new_tokens, num_passes, seed)
     path = os.path.join(cache_dir, f"draft-{key}")
     if os.path.isfile(os.path.join(path, "config.json")):
@@ -111,11 +133,11 @@ def warm_draft(policy: Transformer, tok, source, *, steps: int, batch: int, lr: 
     torch.manual_seed(seed)
     draft = Eagle3Draft.from_target(policy)
     rng, g = random.Random(seed + 1), torch.Generator().manual_seed(seed + 1)
-    prompts = [task.encode_prompt(tok, p) for p in source.sample(pool, rng, "train")]
+    prompts = [tsk.encode_prompt(p) for p in tsk.sample(pool, rng, "train")]
     responses = []
     for i in range(0, pool, 256):
         responses += speculative.generate(policy, None, prompts[i: i + 256], max_new_tokens=max_new_tokens,
-                                          temperature=1.0, eos_id=tok.eos_id, generator=g).tokens
+                                          temperature=1.0, eos_id=tsk.tok.eos_id, generator=g).tokens
     tr = DraftTrainer(draft, torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0), num_passes=num_passes,
                       attn_fn=draft_attn_fn)
     t0 = time.time()
@@ -129,6 +151,8 @@ def warm_draft(policy: Transformer, tok, source, *, steps: int, batch: int, lr: 
         with torch.no_grad():
             out = policy(mb.tokens, mb.cu_seqlens, attn_fn=attn_fn, tap_layers=draft.tap_layers)
         loss, m = draft_loss(tr, out.taps, out.logits, mb)
+        if not math.isfinite(loss.item()):
+            raise FloatingPointError(f"draft warm-up step {step}: loss = {loss.item()} (not finite); {HINT}")
         tr.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), tr.grad_clip)
@@ -136,6 +160,7 @@ def warm_draft(policy: Transformer, tok, source, *, steps: int, batch: int, lr: 
         if log_every and (step % log_every == 0 or step == steps - 1):
             print(f"  draft step {step:4d}/{steps}  loss {loss.item():.4f}  tau_hat {m['tau_hat']:.2f}  "
                   f"{time.time() - t0:5.1f}s", flush=True)
+    check_finite_weights(draft, f"draft warm-up, after {steps} steps, the draft", HINT)
     tmp = f"{path}.tmp{os.getpid()}"
     draft.save(tmp)
     os.replace(tmp, path) if not os.path.exists(path) else None
@@ -161,6 +186,8 @@ if __name__ == "__main__":
     from train import parse_args  # the same settings (and so the same cache entries) as `python train.py ...`
     c = parse_args(sys.argv[1:])
     torch.set_num_threads(c.threads)
+    if c.hf_mode:
+        sys.exit("warmup.py: the SFT warm-up is for the built-in task; an HF checkpoint (--model=DIR) is used as is")
     tok, src = task.Tokenizer(), task.ProblemSource(c.min_steps, c.max_steps)
     mcfg = ModelConfig.preset(c.model, vocab_size=tok.vocab_size)
     t0 = time.time()
@@ -168,7 +195,7 @@ if __name__ == "__main__":
                                       p_explicit=c.p_explicit, seed=c.seed, cache_dir=c.cache_dir,
                                       log_every=max(c.sft_steps // 12, 1))
     print(f"policy {key} ({'loaded' if loaded else 'trained'}) in {time.time() - t0:.0f}s")
-    evalset = src.eval_set(256)
+    evalset, budget = src.eval_set(256), task.max_response_tokens(c.max_steps)
     for T in (0.0, 1.0):
-        print(f"held-out, temperature {T}:", evaluate_policy(policy, tok, evalset, c.max_new_tokens, temperature=T,
+        print(f"held-out, temperature {T}:", evaluate_policy(policy, tok, evalset, budget, temperature=T,
                                                             format_weight=c.format_weight))

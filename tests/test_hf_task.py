@@ -8,35 +8,7 @@ import pytest
 import torch
 
 from hf_task import HFTask, HFTokenizer, extract_answer, load_jsonl, math_answer_reward
-
-tokenizers = pytest.importorskip("tokenizers")
-from tokenizers import decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
-
-CORPUS = ["What is 12 + 30? Answer: 42", "Compute 7 * 8. The answer is 56.", "Half of 3 is 3/2 = 1.5",
-          "So the total is \\boxed{1,250} dollars", "#### -17", "x = 5, y = 10"] * 4
-PAD, BOS, EOS = 0, 1, 2
-
-
-def write_tokenizer(path, tokenizer_config=None):
-    """Byte-level BPE (any text encodes) with Llama's post-processor (prepends <s>); saved as tokenizer.json."""
-    tk = tokenizers.Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                       show_progress=False))
-    tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
-    path.mkdir(parents=True, exist_ok=True)
-    tk.save(str(path / "tokenizer.json"))
-    cfg = {"bos_token": "<s>", "eos_token": {"content": "</s>", "special": True}, "pad_token": "<pad>",
-           "add_bos_token": True} if tokenizer_config is None else tokenizer_config
-    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return tk.get_vocab_size(with_added_tokens=True)
-
-
-def write_jsonl(path, rows):
-    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
-    return str(path)
+from hf_util import BOS, EOS, PAD, write_jsonl, write_tiny_llama, write_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -216,19 +188,12 @@ def test_math_answer_reward(response, answer, want):
 
 def test_end_to_end_on_a_tiny_random_llama(tok_dir, tmp_path):
     """HF checkpoint -> hf_io -> prompts from HFTask -> greedy and speculative(no draft) decoding -> rewards."""
-    transformers = pytest.importorskip("transformers")
     from hf_io import from_pretrained
     from model import greedy_generate
     import speculative
 
-    d = tmp_path / "llama"
-    shutil.copytree(tok_dir, d)
+    d = write_tiny_llama(tmp_path / "llama", extra_vocab=3)
     V = HFTokenizer(str(tok_dir)).vocab_size
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=V + 3, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD))
-    hf.save_pretrained(d)
     data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"What is {a} * 3?", "answer": 3 * a} for a in range(10)])
     policy = from_pretrained(str(d)).eval()
     t = HFTask(str(d), data, eval_fraction=0.3, seed=0)

@@ -13,6 +13,7 @@ def test_parse_args_types_presets_and_flags():
     assert c.name == "smoke" and c.steps == 3 and c.lr == 1e-3 and c.cold_start is True and c.std_norm is False
     assert c.out == "x" and c.sft_steps == PRESETS["smoke"]["sft_steps"]
     assert parse_args(["--preset=test", "--loss_norm=seq-mean"]).loss_norm == "seq-mean"
+    assert parse_args(["--steps", "5", "--lr", "1e-3"]) == parse_args(["--steps=5", "--lr=1e-3"])  # --key value
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -24,7 +25,9 @@ def test_parse_args_types_presets_and_flags():
     (["--steps=0"], "steps=0"),
     (["--preset=huge"], "--preset='huge'"),
     (["steps=3"], "expected --key=value"),
-    (["--model=giant"], "preset='giant'"),
+    (["--model=giant"], "model='giant': expected a preset"),
+    (["--lr", "--steps=3"], "--lr: expected --lr=<float> or --lr <float>"),
+    (["--draft_warmup_batch=99", "--draft_warmup_pool=8"], "draft_warmup_batch=99"),
 ])
 def test_parse_args_rejects_bad_input_naming_the_key(argv, match):
     with pytest.raises(ValueError, match=match):

@@ -1,0 +1,86 @@
+"""Faults stop a run loudly: a NaN/inf loss or diverged weights name the loss (or model) and the step, a diverged
+warm-up is never cached, and under torchrun a rank that raises makes the whole job exit non-zero with that rank's error
+within a bounded time instead of hanging."""
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from experiment import build, check_finite
+from train import parse_args, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FINITE = {"loss_policy": 0.1, "loss_draft": 2.0, "grad_norm": 0.5}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return build(parse_args(["--preset=test", f"--cache_dir={tmp_path_factory.mktemp('cache')}"]),
+                 log=lambda *a, **k: None)
+
+
+@pytest.mark.parametrize("key, value", [("loss_policy", math.nan), ("loss_draft", math.inf), ("grad_norm", -math.inf)])
+def test_a_non_finite_loss_names_itself_and_the_step(setup, key, value):
+    check_finite(3, FINITE, setup)  # all finite: passes
+    with pytest.raises(FloatingPointError, match=rf"step 7: {key} = {value} \(not finite\); stopping"):
+        check_finite(7, {**FINITE, key: value}, setup)
+
+
+@pytest.mark.parametrize("model", ["policy", "cotrained draft", "cold draft"])
+def test_diverged_weights_name_the_model_and_the_step(setup, model):
+    m = setup.policy if model == "policy" else setup.drafts[model.split()[0]].draft
+    name, p = next(iter(m.named_parameters()))
+    keep = p.detach().clone()
+    with torch.no_grad():
+        p.view(-1)[0] = math.inf
+    try:
+        with pytest.raises(FloatingPointError, match=rf"step 4: after the update, the {model}: the weights are not "
+                                                     rf"finite \({name}\)"):
+            check_finite(4, FINITE, setup)
+    finally:
+        with torch.no_grad():
+            p.copy_(keep)
+
+
+@pytest.mark.parametrize("flag, where", [("--sft_lr=1e30", "SFT warm-up"), ("--draft_lr=1e30", "draft warm-up")])
+def test_a_diverged_warmup_stops_and_caches_nothing(tmp_path, flag, where):
+    cache = tmp_path / "cache"
+    with pytest.raises(FloatingPointError, match=rf"{where} step \d+: loss = nan \(not finite\)"):
+        train(parse_args(["--preset=test", flag, f"--cache_dir={cache}", f"--out={tmp_path / 'run'}"]))
+    cached = os.listdir(cache) if cache.exists() else []
+    assert not any(n.startswith("draft-" if "draft" in where else "policy-") for n in cached), cached
+
+
+FAIL_ENTRY = """
+import os, sys
+sys.path.insert(0, {root!r})
+import train
+real = train.update_distributed
+calls = []
+def update_distributed(s, d, batch, timer):  # rank 1 raises in its second update; the others block in a collective
+    calls.append(1)
+    if d.rank == 1 and len(calls) == 2:
+        raise RuntimeError("injected failure on rank 1 at step 2")
+    return real(s, d, batch, timer)
+train.update_distributed = update_distributed
+train.train(train.parse_args(sys.argv[1:]))
+"""
+
+
+def test_a_failing_rank_fails_the_whole_torchrun_job(tmp_path):
+    entry = tmp_path / "fail_rank.py"
+    entry.write_text(FAIL_ENTRY.format(root=ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(entry),
+           "--preset=test", "--pp=2", "--cp=1", "--steps=4", "--dist_timeout=60", f"--out={tmp_path / 'run'}",
+           f"--cache_dir={tmp_path / 'cache'}"]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, cwd=ROOT, timeout=300, capture_output=True, text=True)
+    assert r.returncode != 0
+    assert "injected failure on rank 1 at step 2" in r.stdout + r.stderr  # the failing rank's error is reported
+    assert time.perf_counter() - t0 < 240
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert sum('"kind": "train"' in line for line in lines) == 1  # step 1 finished, step 2 never did
