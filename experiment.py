@@ -65,7 +65,7 @@ def build_policy(cfg: Config, tsk, log=print) -> tuple[Transformer, str, bool]:
         policy = Transformer.from_pretrained(cfg.model)
         key = warmup.cache_key("hf", warmup.fingerprint(cfg.model), warmup.fingerprint(cfg.data))
         n = sum(p.numel() for p in policy.parameters())
-        log(f"policy: HF checkpoint {cfg.model} ({policy.cfg.architecture}, {n / 1e6:.1f}M parameters); "
+        log(f"policy: HF checkpoint {cfg.model} ({policy.cfg.architecture}, {n:,} parameters); "
             f"{sum(map(len, tsk.splits.values()))} prompts from {cfg.data} ({len(tsk.splits['eval'])} held out, "
             f"{tsk.dropped} dropped as longer than {cfg.max_prompt_tokens} tokens)")
         return policy, key, True
