@@ -83,17 +83,19 @@ def build(cfg: Config, log=print) -> Setup:
     tsk = build_task(cfg)
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.warmup_threads)  # the warm-ups run alone (other ranks wait): they may use every core
-    t0 = time.perf_counter()
-    policy, pkey, loaded = build_policy(cfg, tsk, log)
-    t1 = time.perf_counter()
-    warm, dloaded = warmup.warm_draft(policy, tsk, steps=cfg.draft_warmup_steps, batch=cfg.draft_warmup_batch,
-                                      lr=cfg.draft_lr, pool=cfg.draft_warmup_pool, max_new_tokens=tsk.max_new_tokens,
-                                      num_passes=cfg.ttt_passes, seed=cfg.seed, policy_key=pkey,
-                                      cache_dir=cfg.cache_dir, attn_fn=padded_causal_attention,
-                                      draft_attn_fn=padded_branch_attention,
-                                      log_every=max(cfg.draft_warmup_steps // 4, 1))
-    t2 = time.perf_counter()
-    torch.set_num_threads(threads)
+    try:
+        t0 = time.perf_counter()
+        policy, pkey, loaded = build_policy(cfg, tsk, log)
+        t1 = time.perf_counter()
+        warm, dloaded = warmup.warm_draft(policy, tsk, steps=cfg.draft_warmup_steps, batch=cfg.draft_warmup_batch,
+                                          lr=cfg.draft_lr, pool=cfg.draft_warmup_pool,
+                                          max_new_tokens=tsk.max_new_tokens, num_passes=cfg.ttt_passes, seed=cfg.seed,
+                                          policy_key=pkey, cache_dir=cfg.cache_dir, attn_fn=padded_causal_attention,
+                                          draft_attn_fn=padded_branch_attention,
+                                          log_every=max(cfg.draft_warmup_steps // 4, 1))
+        t2 = time.perf_counter()
+    finally:
+        torch.set_num_threads(threads)
     done = "none (an untrained draft)" if cfg.draft_warmup_steps == 0 else "loaded from cache" if dloaded else "trained"
     log(f"draft warm-up: {done} ({t2 - t1:.0f}s)")
     ref = copy.deepcopy(policy).requires_grad_(False)

@@ -7,8 +7,8 @@ Every `eval_every` steps, on the same held-out prompts, measure the acceptance l
 (b) a frozen copy of the warm-up draft and (c) a draft co-trained from a cold start, and the rollout tokens/s with and
 without speculation. Before RL: SFT warm-up of the policy and offline warm-up of the draft (warmup.py, cached).
 
-    python train.py                # the default experiment: 30 steps, ~8 min on 2 CPU cores from an empty cache
-                                   # (the SFT + draft warm-ups take ~4 min of it and are cached in cache/ for reruns)
+    python train.py                # the default experiment: 30 steps, ~7 min on 2 CPU cores from an empty cache
+                                   # (the SFT + draft warm-ups take ~3.5 min of it and are cached in cache/ for reruns)
     python train.py --preset smoke           # every code path at a small size, ~2.5 min from scratch
     python train.py --cold_start             # the rollout draft starts untrained and is only co-trained online
     python train.py --steps=40 --lr=2e-4 --out runs/mine      # any Config field as --key=value or --key value
@@ -24,7 +24,7 @@ every DP replica generates its share of the prompts with a full policy + draft c
 pipeline with CP inside each stage and the draft's TTT loss on the last stage (dist_step.py), then every rank refits
 its full copy. Only rank 0 evaluates, prints and writes files.
 
-    torchrun --standalone --nproc_per_node=4 train.py                         # the default run on pp=2 x cp=2, ~8 min
+    torchrun --standalone --nproc_per_node=4 train.py                         # the default run on pp=2 x cp=2, ~7 min
     torchrun --standalone --nproc_per_node=4 train.py --preset smoke          # pp=2 x cp=2, ~2.5 min on 2 CPU cores
     torchrun --standalone --nproc_per_node=4 train.py --pp=1 --cp=2 --dp=2 --micro_batches=2
 """
@@ -117,7 +117,8 @@ class Config:
                   ("micro_batches", self.micro_batches >= 1), ("num_draft_tokens", self.num_draft_tokens >= 1),
                   ("eval_every", self.eval_every >= 1), ("prompts_per_step", self.prompts_per_step >= 1),
                   ("temperature", self.temperature > 0), ("ttt_passes", self.ttt_passes >= 1),
-                  ("threads", self.threads >= 1), ("warmup_threads", self.warmup_threads >= 1), ("rollout_batch", self.rollout_batch >= 1),
+                  ("threads", self.threads >= 1), ("warmup_threads", self.warmup_threads >= 1),
+                  ("rollout_batch", self.rollout_batch >= 1),
                   ("updates", self.updates <= self.prompts_per_step * self.group_size),
                   ("pp", self.pp >= 1), ("cp", self.cp >= 1), ("dp", self.dp >= 0),
                   ("schedule", self.schedule in ("afab", "1f1b")), ("dist_timeout", self.dist_timeout >= 1),
@@ -153,10 +154,14 @@ class Config:
 
 
 PRESETS = {
-    # ~8 min under torchrun on 2 cores from an empty cache (warm-ups ~4 min). The mini model learns the additions in
+    # ~7 min under torchrun on 2 cores from an empty cache (warm-ups ~3.5 min). The mini model learns the additions in
     # 1000 SFT steps when 70% of the demo steps are explicit (the operands sit side by side), which still leaves RL
     # a format term to raise; 32 prompts per step keep the GRPO update above the noise (8 x 8 samples did not).
     "default": {},
+    # the first session's default: the 1.1M small model, a longer drift, and speculative rollouts that pay on CPU once
+    # acceptance nears 3 (1.24x at the end); 60 steps, ~5 min of RL + ~15 min of warm-ups on 2 cores
+    "small": dict(name="small", model="small", p_explicit=0.3, sft_steps=1200, sft_lr=3e-3, steps=60,
+                  prompts_per_step=16, rollout_batch=16, lr=2e-4, eval_prompts=32),
     # CI-sized: every code path and a visible learning signal, ~2.5 min on 2 cores from an empty cache
     # (tests/test_train_torchrun.py)
     "smoke": dict(name="smoke", model="tiny", sft_steps=800, draft_warmup_steps=60, draft_warmup_pool=256, steps=20,

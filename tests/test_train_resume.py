@@ -13,7 +13,7 @@ def _metrics(path):  # every record, without wall-clock fields (timings, tokens/
     out = []
     for line in open(path):
         r = json.loads(line)
-        out.append({k: v for k, v in r.items() if k not in ("time", "speedup") and "tok_s" not in k})
+        out.append({k: v for k, v in r.items() if k != "time" and not k.startswith("speedup") and "tok_s" not in k})
     return out
 
 
