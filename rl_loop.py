@@ -354,6 +354,7 @@ def check_finite_weights(model: torch.nn.Module, what: str, hint: str = ""):
         raise FloatingPointError(f"{what}: the weights are not finite ({bad[0]}{more}){'; ' + hint if hint else ''}")
 
 
+@torch.no_grad()
 def reference_logp(ref, batch: RolloutBatch, *, attn_fn=None) -> torch.Tensor:
     """log pi_ref(tokens[t] | prefix) per token (T,) from the frozen reference (one no-grad forward per batch)."""
     z = ref(batch.tokens, batch.cu_seqlens, attn_fn=attn_fn).logits  # (T, V)

@@ -25,8 +25,8 @@ def test_smoke_under_torchrun_pp2_cp2(tmp_path):
                 "accept_len_cotrained", "accept_len_frozen", "rollout_speedup", "wall_s"):
         assert key in s and math.isfinite(s[key]), (key, s.get(key))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, 21))
-    assert all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))  # no NaN anywhere
+    assert [m["step"] for m in rows if m["kind"] == "train"] == list(range(1, 21))
+    assert all(math.isfinite(v) for m in rows for v in m.values() if isinstance(v, float))  # no NaN anywhere
     assert s["warmup_cached"] == {"policy": False, "draft": False}  # the whole job, warm-ups included
     # the effects (deterministic on CPU for this seed; seeds 0, 1, 2 all rise by 0.24-0.28 and accept 1.6-1.9 vs 1.4)
     assert s["reward_last"] > s["reward_first"] + 0.1, (s["reward_first"], s["reward_last"])
