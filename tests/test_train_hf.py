@@ -60,7 +60,7 @@ def test_hf_rollout_is_scored_by_the_math_answer_reward(hf_files, tmp_path):
     responses = [batch.tokens[a:b][batch.resp_mask[a:b]] for a, b in zip(cu[:-1], cu[1:])]
     assert len(responses) == 12 and all(0 < r.numel() <= 10 for r in responses)
     prompts = [s.task.encode_prompt(p) for p in problems for _ in range(4)]
-    for (a, b), p, r in zip(zip(cu[:-1], cu[1:]), prompts, responses):
+    for a, p in zip(cu[:-1], prompts):
         assert torch.equal(batch.tokens[a: a + p.numel()], p)  # the checkpoint tokenizer's prompt, BOS included
     want = [math_answer_reward(tok.decode(r), problems[i // 4].answer) for i, r in enumerate(responses)]
     assert info["reward"] == pytest.approx(sum(want) / len(want)) and info["explicit"] == 0.0
