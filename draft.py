@@ -193,8 +193,8 @@ class Eagle3Draft(nn.Module):
 
     def _cached(self, cache: KVCache, e, h):  # e, h (B, N, H) -> (B, N, H), N entries appended per row
         N = e.shape[1]
-        cache.begin(N)
-        cos, sin = rope_cos_sin(cache.positions(N), self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+        pos = cache.begin(N)  # (B, N)
+        cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
         attn = self.midlayer.self_attn
         h = self.midlayer(e, h, lambda x: attn.forward_cached(x, cos, sin, cache, 0))
         cache.commit()

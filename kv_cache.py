@@ -25,7 +25,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # (B,) committed entries per row
         self._slot = {l: i for i, l in enumerate(self.layers)}
-        self._pending = None  # S of the forward in progress: lengths advance once all layers have written
+        self._pending = None  # (S, positions, rows, mask) of the forward in progress; lengths advance at commit
 
     @property
     def batch(self) -> int:
@@ -34,27 +34,31 @@ class KVCache:
     def positions(self, S: int) -> torch.Tensor:  # (B, S) absolute positions of the next S tokens of each row
         return self.lengths[:, None] + torch.arange(S, device=self.lengths.device)
 
-    def begin(self, S: int):
-        need = int(self.lengths.max()) + S
-        if need > self.max_len:
-            raise ValueError(f"KV cache overflow: a row would reach length {need} > max_len={self.max_len}")
-        self._pending = S
+    def begin(self, S: int) -> torch.Tensor:
+        """Start a forward that appends S entries to every row -> their positions (B, S). What every layer's write
+        shares (positions, row ids, the causal mask up to the longest row) is built here once, not per layer."""
+        Lk = int(self.lengths.max()) + S  # host sync: one per forward
+        if Lk > self.max_len:
+            raise ValueError(f"KV cache overflow: a row would reach length {Lk} > max_len={self.max_len}")
+        pos = self.positions(S)  # (B, S)
+        rows = torch.arange(self.batch, device=pos.device)[:, None].expand(-1, S)  # (B, S)
+        mask = torch.arange(Lk, device=pos.device)[None, None, :] <= pos[:, :, None]  # (B, S, Lk) causal per row
+        self._pending = (S, pos, rows, mask)
+        return pos
 
     def write(self, layer: int, k, v):
         """k, v (B, S, Hkv, D) -> this layer's K, V (B, Hkv, Lk, D) up to the longest row, and mask (B, S, Lk)."""
-        S = self._pending
-        i, B = self._slot[layer], self.batch
-        pos = self.positions(S)  # (B, S)
-        rows = torch.arange(B, device=pos.device)[:, None].expand(B, S)
+        if self._pending is None:
+            raise RuntimeError("KVCache.write outside a forward: call begin(S) first")
+        _, pos, rows, mask = self._pending
+        i = self._slot[layer]
         self.k[i][rows, :, pos] = k.to(self.k.dtype)  # advanced indices first: (B, S, Hkv, D)
         self.v[i][rows, :, pos] = v.to(self.v.dtype)
-        Lk = int(self.lengths.max()) + S
-        keys = torch.arange(Lk, device=pos.device)
-        mask = keys[None, None, :] <= pos[:, :, None]  # causal within the row's own history
+        Lk = mask.shape[-1]
         return self.k[i, :, :, :Lk], self.v[i, :, :, :Lk], mask
 
     def commit(self):
-        self.lengths += self._pending
+        self.lengths += self._pending[0]
         self._pending = None
 
     def keep_rows(self, rows: torch.Tensor):

@@ -114,12 +114,28 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos, sin [..., D] for integer positions [...]; frequencies theta^(-2i/D), halves repeated (HF's rotate_half)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim))
-    ang = positions.to(torch.float64)[..., None] * inv_freq  # (..., D/2)
+def rope_table(n: int, head_dim: int, theta: float, dtype: torch.dtype, device=None):
+    """cos, sin (n, D) for positions 0..n-1: angles p * theta^(-2i/D) in fp64, halves repeated (HF's rotate_half)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
+    ang = torch.arange(n, dtype=torch.float64, device=device)[:, None] * inv_freq  # (n, D/2)
     ang = torch.cat([ang, ang], dim=-1)
     return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+_ROPE_TABLES: dict = {}  # (D, theta, dtype, device) -> rope_table(n, ...), n a power of two, grown on demand
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos, sin [..., D] for integer positions [...] >= 0, read from a cached rope_table: two gathers per forward
+    instead of ~10 ops (a decode step of the draft is ~40 ops in all). Same values as computing them directly."""
+    need = int(positions.max()) + 1 if positions.numel() else 1  # host sync: the table may have to grow
+    key = (head_dim, float(theta), dtype, positions.device)
+    tab = _ROPE_TABLES.get(key)
+    if tab is None or tab[0].shape[0] < need:
+        with torch.inference_mode(False):  # a normal tensor: it is also read by forwards that autograd records
+            tab = _ROPE_TABLES[key] = rope_table(max(1024, 1 << (need - 1).bit_length()), head_dim, theta, dtype,
+                                                 positions.device)
+    return tab[0][positions], tab[1][positions]
 
 
 def apply_rope(x, cos, sin):  # x (..., Hx, D), cos/sin (..., D)
@@ -259,8 +275,10 @@ class Transformer(nn.Module):
                              f"{tuple(x.shape)}")
         if not self.is_first and x.shape[-1] != self.cfg.hidden_size:
             raise ValueError(f"hidden: last dim {x.shape[-1]} != hidden_size={self.cfg.hidden_size}")
-        if self.is_first and x.numel() and (int(x.min()) < 0 or int(x.max()) >= self.cfg.vocab_size):
-            raise ValueError(f"tokens: ids must lie in [0, vocab_size={self.cfg.vocab_size})")
+        if self.is_first and x.numel():
+            lo, hi = torch.aminmax(x)  # one pass, one host sync
+            if int(lo) < 0 or int(hi) >= self.cfg.vocab_size:
+                raise ValueError(f"tokens: ids must lie in [0, vocab_size={self.cfg.vocab_size})")
 
     def _taps(self, tap_layers):
         return () if tap_layers is None else check_tap_layers(tap_layers, self.cfg.num_hidden_layers)
@@ -315,8 +333,7 @@ class Transformer(nn.Module):
         self._check_input(x, 2)
         if x.shape[0] != cache.batch:
             raise ValueError(f"x: batch {x.shape[0]} != cache batch {cache.batch}")
-        cache.begin(x.shape[1])
-        pos = cache.positions(x.shape[1])
+        pos = cache.begin(x.shape[1])  # (B, S)
 
         def attend_for(layer, key, cos, sin):
             return lambda hn: layer.self_attn.forward_cached(hn, cos, sin, cache, key)

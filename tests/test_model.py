@@ -7,8 +7,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from hf_io import from_pretrained, save_pretrained
+import model
 from model import (EMBED_TAP, ModelConfig, Transformer, check_tap_layers, default_tap_layers, greedy_generate,
-                   positions_from_cu_seqlens)
+                   positions_from_cu_seqlens, rope_cos_sin)
 
 transformers = pytest.importorskip("transformers")
 
@@ -188,6 +189,8 @@ def test_per_row_rollback():
         cache.rollback(torch.tensor([100, 0, 0]))
     with pytest.raises(ValueError, match="overflow"):
         m.forward_cached(torch.zeros(3, 20, dtype=torch.long), cache)
+    with pytest.raises(RuntimeError, match="begin"):
+        cache.write(0, torch.zeros(3, 1, 2, 8), torch.zeros(3, 1, 2, 8))
 
 
 @pytest.mark.parametrize("cuts", [(0, 2, 4), (0, 1, 2, 3, 4), (0, 3, 4)])
@@ -212,6 +215,32 @@ def test_stage_slices_chain_to_full(cuts, tied):
         torch.testing.assert_close(got_taps[t], ref.taps[t], atol=0, rtol=0)
 
 
+def rope_direct(pos, D, theta, dtype):  # the textbook formula, per position, no table
+    inv_freq = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    ang = pos.double()[..., None] * inv_freq
+    return torch.cat([ang, ang], -1).cos().to(dtype), torch.cat([ang, ang], -1).sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_rope_table_equals_direct(dtype):
+    """The cached table gives the direct formula's values for any positions, bit for bit, grows past its first size,
+    and a table first built under inference_mode still serves forwards that autograd records."""
+    model._ROPE_TABLES.clear()
+    with torch.inference_mode():
+        rope_cos_sin(torch.arange(3), 16, 5000.0, dtype)
+    for pos in (torch.arange(7), torch.tensor([[5, 0], [1023, 1024]]), torch.tensor([70000, 3])):
+        got, want = rope_cos_sin(pos, 16, 5000.0, dtype), rope_direct(pos, 16, 5000.0, dtype)
+        assert got[0].shape == pos.shape + (16,)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert model._ROPE_TABLES[(16, 5000.0, dtype, torch.device("cpu"))][0].shape[0] == 1 << 17  # 70001 -> 2^17
+    if dtype != torch.bfloat16:
+        x = torch.randn(7, 16, dtype=dtype, requires_grad=True)
+        cos, sin = rope_cos_sin(torch.arange(7), 16, 5000.0, dtype)
+        (x * cos + x * sin).sum().backward()
+        torch.testing.assert_close(x.grad, cos + sin, atol=0, rtol=0)
+    model._ROPE_TABLES.clear()
+
+
 def test_positions_from_cu_seqlens():
     assert positions_from_cu_seqlens(cu([3, 1, 2])).tolist() == [0, 1, 2, 0, 0, 1]
 
@@ -225,6 +254,8 @@ def test_bad_input_errors():
         m(toks[None], cu([6]))
     with pytest.raises(ValueError, match="tokens"):
         m(toks + 1000, cu([6]))
+    with pytest.raises(ValueError, match="tokens"):
+        m(toks - 100, cu([6]))
     with pytest.raises(ValueError, match="cu_seqlens"):
         m(toks, torch.tensor([0, 4, 3, 6], dtype=torch.int32))
     with pytest.raises(ValueError, match="cu_seqlens"):
