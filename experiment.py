@@ -88,7 +88,7 @@ def build(cfg: Config, log=print) -> Setup:
         policy, pkey, loaded = build_policy(cfg, tsk, log)
         t1 = time.perf_counter()
         warm, dloaded = warmup.warm_draft(policy, tsk, steps=cfg.draft_warmup_steps, batch=cfg.draft_warmup_batch,
-                                          lr=cfg.draft_lr, pool=cfg.draft_warmup_pool,
+                                          lr=cfg.draft_warmup_lr, pool=cfg.draft_warmup_pool,
                                           max_new_tokens=tsk.max_new_tokens, num_passes=cfg.ttt_passes, seed=cfg.seed,
                                           policy_key=pkey, cache_dir=cfg.cache_dir, attn_fn=padded_causal_attention,
                                           draft_attn_fn=padded_branch_attention,

@@ -31,7 +31,7 @@ from rl_loop import (DraftTrainer, RolloutBatch, check_finite_weights, draft_los
                      padded_causal_attention)
 
 
-HINT = "stopping, nothing cached. Try a lower --sft_lr / --draft_lr"
+HINT = "stopping, nothing cached. Try a lower --sft_lr / --draft_warmup_lr"
 
 
 def cache_key(*parts) -> str:

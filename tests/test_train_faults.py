@@ -46,7 +46,7 @@ def test_diverged_weights_name_the_model_and_the_step(setup, model):
             p.copy_(keep)
 
 
-@pytest.mark.parametrize("flag, where", [("--sft_lr=1e30", "SFT warm-up"), ("--draft_lr=1e30", "draft warm-up")])
+@pytest.mark.parametrize("flag, where", [("--sft_lr=1e30", "SFT warm-up"), ("--draft_warmup_lr=1e30", "draft warm-up")])
 def test_a_diverged_warmup_stops_and_caches_nothing(tmp_path, flag, where):
     cache = tmp_path / "cache"
     with pytest.raises(FloatingPointError, match=rf"{where} step \d+: loss = nan \(not finite\)"):
