@@ -156,7 +156,7 @@ class Config:
 
 
 PRESETS = {
-    # ~7 min under torchrun on 2 cores from an empty cache (warm-ups ~3.5 min). The mini model learns the additions in
+    # ~7 min under torchrun on 2 cores from an empty cache (warm-ups ~4.2 min). The mini model learns the additions in
     # 1000 SFT steps when 70% of the demo steps are explicit (the operands sit side by side), which still leaves RL
     # a format term to raise; 32 prompts per step keep the GRPO update above the noise (8 x 8 samples did not).
     "default": {},
