@@ -45,12 +45,12 @@ def seq_lengths(cu_seqlens: torch.Tensor) -> torch.Tensor:  # (S+1,) -> (S,) int
 
 
 def seq_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:  # (T,) which sequence each token belongs to
-    return torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1), seq_lengths(cu_seqlens))
+    return torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=cu_seqlens.device), seq_lengths(cu_seqlens))
 
 
 def position_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:  # (T,) position of each token within its sequence
     starts = torch.repeat_interleave(cu_seqlens[:-1].long(), seq_lengths(cu_seqlens))
-    return torch.arange(int(cu_seqlens[-1])) - starts
+    return torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device) - starts
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,8 @@ def zigzag_index(cu_seqlens: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
         C = L // (2 * cp)
         for c in (rank, 2 * cp - 1 - rank):
             parts.append(torch.arange(start + c * C, start + (c + 1) * C))
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    return idx.to(cu_seqlens.device)  # index math on the host, the index where the data lives
 
 
 def zigzag_shard(x: torch.Tensor, cu_seqlens: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
@@ -236,9 +237,10 @@ def shift_packed(x, cu_seqlens, d: int, fill=0, lengths=None):
     """Unsharded reference: y_i = x_{i+d} within each sequence when 0 <= pos_i + d < length, else `fill`.
     `lengths` are the real lengths (default: the lengths in cu_seqlens). Returns (y, valid (T,) bool)."""
     pos, seq = position_ids(cu_seqlens), seq_ids(cu_seqlens)
-    lengths = seq_lengths(cu_seqlens) if lengths is None else torch.as_tensor(lengths, dtype=torch.long)
+    lengths = seq_lengths(cu_seqlens) if lengths is None else torch.as_tensor(lengths, dtype=torch.long,
+                                                                               device=cu_seqlens.device)
     valid = (pos + d >= 0) & (pos + d < lengths[seq])
-    src = torch.where(valid, torch.arange(len(pos)) + d, 0)
+    src = torch.where(valid, torch.arange(len(pos), device=pos.device) + d, 0)
     y = torch.where(_bcast(valid, x), x[src], torch.as_tensor(fill, dtype=x.dtype))
     return y, valid
 
@@ -259,7 +261,8 @@ def cp_shift(x, cu_seqlens, d: int, *, group=None, fill=0, lengths=None):
                          f"got {x.shape[0]}")
     idx = zigzag_index(cu_seqlens, ring.size, ring.rank)
     pos, seq = position_ids(cu_seqlens)[idx], seq_ids(cu_seqlens)[idx]
-    lengths = seq_lengths(cu_seqlens) if lengths is None else torch.as_tensor(lengths, dtype=torch.long)
+    lengths = seq_lengths(cu_seqlens) if lengths is None else torch.as_tensor(lengths, dtype=torch.long,
+                                                                               device=cu_seqlens.device)
     valid = (pos + d >= 0) & (pos + d < lengths[seq])
     y = _CPShift.apply(x, cu_seqlens // ring.size, d, ring, valid)
     return torch.where(_bcast(valid, y), y, torch.as_tensor(fill, dtype=x.dtype)), valid
@@ -313,7 +316,7 @@ def _shift_hop(x, bounds, h, ring):  # one hop, 0 < h <= every C
 
 def _reverse_sequences(x, local_cu):
     idx = torch.cat([torch.arange(e - 1, s - 1, -1) for s, e in zip(local_cu[:-1].tolist(), local_cu[1:].tolist())])
-    return x.index_select(0, idx)
+    return x.index_select(0, idx.to(x.device))
 
 
 def _bcast(mask, x):  # (T,) -> broadcastable against x (T, ...)

@@ -113,7 +113,7 @@ class Eagle3Draft(nn.Module):
         """Share the policy's input embedding (a Transformer, an nn.Embedding or its weight). It is held detached:
         frozen for the draft, yet in-place updates of the policy show through. Call again after re-assembling the
         policy (new tensors) or after `draft.to(...)` (which copies buffers). Not part of the draft's checkpoint."""
-        w = embed.embed.weight if isinstance(embed, Transformer) else getattr(embed, "weight", embed)
+        w = _embed_weight(embed)
         if not isinstance(w, torch.Tensor) or tuple(w.shape) != (self.cfg.vocab_size, self.cfg.hidden_size):
             raise ValueError(f"embed: expected an embedding of shape ({self.cfg.vocab_size}, {self.cfg.hidden_size}), "
                              f"got {None if not isinstance(w, torch.Tensor) else tuple(w.shape)}")
@@ -145,10 +145,11 @@ class Eagle3Draft(nn.Module):
         embed = target if embed is None else embed
         if isinstance(embed, Transformer) and not hasattr(embed.model, "embed_tokens"):
             raise ValueError("embed: this pipeline stage has no input embedding; pass the policy's embedding weight")
-        draft = cls(cfg, embed).to(next(target.parameters()).dtype)
+        p = next(target.parameters())
+        draft = cls(cfg, embed).to(device=p.device, dtype=p.dtype)
         draft.attach(embed)  # .to() may have copied the shared buffer; share it again
         with torch.no_grad():
-            w = target.head(torch.eye(c.hidden_size, dtype=draft.fc.weight.dtype)).T  # (V, H) the head's weight
+            w = target.head(torch.eye(c.hidden_size, dtype=p.dtype, device=p.device)).T  # (V, H) the head's weight
             draft.norm.weight.copy_(target.model.norm.weight)
             if ids is None:
                 draft.lm_head.weight.copy_(w)
@@ -354,10 +355,18 @@ class Eagle3Draft(nn.Module):
         raw.pop("architectures", None)
         cfg = DraftConfig(**raw)
         sd = load_file(os.path.join(path, "model.safetensors"))
-        draft = cls(cfg, embed).to(sd["fc.weight"].dtype)
+        draft = cls(cfg, embed).to(device=draft_device(embed), dtype=sd["fc.weight"].dtype)  # the policy's device
         draft.load_state_dict(sd)
         draft.attach(embed)
         return draft
+
+
+def _embed_weight(embed):  # a Transformer, an nn.Embedding or its weight -> the (V, H) weight
+    return embed.embed.weight if isinstance(embed, Transformer) else getattr(embed, "weight", embed)
+
+
+def draft_device(embed) -> torch.device:  # where a draft sharing `embed` (see Eagle3Draft.attach) must live
+    return _embed_weight(embed).device
 
 
 def _f32(x):  # at least fp32 for softmax statistics (fp64 stays fp64)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import random
 import statistics
 import time
@@ -60,10 +61,25 @@ def build_task(cfg: Config):
     return tsk
 
 
-def build_policy(cfg: Config, tsk, log=print) -> tuple[Transformer, str, bool]:
-    """-> (policy, cache key, loaded): the SFT'd policy of the built-in task (cached), or the HF checkpoint as is."""
+def pick_device(cfg: Config) -> torch.device:
+    """Where this process's models live. cfg.device "auto": its own GPU (LOCAL_RANK under torchrun) when CUDA is present
+    and every process on the node gets one (NCCL cannot share a GPU between ranks), else the CPU."""
+    n_local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if cfg.device == "cpu" or not torch.cuda.is_available():  # Config rejects device="cuda" without CUDA
+        return torch.device("cpu")
+    if n_local > torch.cuda.device_count():
+        if cfg.device == "cuda":
+            raise ValueError(f"device='cuda': {n_local} processes on this node but {torch.cuda.device_count()} GPU(s); "
+                             "each rank needs its own GPU (or run with --device=cpu)")
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def build_policy(cfg: Config, tsk, log=print, device=None) -> tuple[Transformer, str, bool]:
+    """-> (policy on `device`, cache key, loaded): the SFT'd policy of the built-in task (cached), or the HF checkpoint
+    as is."""
     if cfg.hf_mode:
-        policy = Transformer.from_pretrained(cfg.model)
+        policy = Transformer.from_pretrained(cfg.model).to(device)
         key = warmup.cache_key("hf", warmup.fingerprint(cfg.model), warmup.fingerprint(cfg.data))
         n = sum(p.numel() for p in policy.parameters())
         log(f"policy: HF checkpoint {cfg.model} ({policy.cfg.architecture}, {n:,} parameters); "
@@ -73,19 +89,22 @@ def build_policy(cfg: Config, tsk, log=print) -> tuple[Transformer, str, bool]:
     mcfg, t0 = ModelConfig.preset(cfg.model, vocab_size=tsk.tok.vocab_size), time.perf_counter()
     policy, key, loaded = warmup.warm_policy(mcfg, tsk.tok, tsk.source, steps=cfg.sft_steps, batch=cfg.sft_batch,
                                              lr=cfg.sft_lr, p_explicit=cfg.p_explicit, seed=cfg.seed,
-                                             cache_dir=cfg.cache_dir, log_every=max(cfg.sft_steps // 6, 1))
+                                             cache_dir=cfg.cache_dir, log_every=max(cfg.sft_steps // 6, 1),
+                                             device=device)
     log(f"policy SFT warm-up: {'loaded from cache' if loaded else 'trained'} ({key}, {time.perf_counter() - t0:.0f}s)")
     return policy, key, loaded
 
 
 def build(cfg: Config, log=print) -> Setup:
+    """Task, warm policy (SFT'd or the HF checkpoint), reference, draft arms and optimizer, on pick_device(cfg)."""
     torch.manual_seed(cfg.seed)
     tsk = build_task(cfg)
+    dev = pick_device(cfg)
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.warmup_threads)  # the warm-ups run alone (other ranks wait): they may use every core
     try:
         t0 = time.perf_counter()
-        policy, pkey, loaded = build_policy(cfg, tsk, log)
+        policy, pkey, loaded = build_policy(cfg, tsk, log, dev)
         t1 = time.perf_counter()
         warm, dloaded = warmup.warm_draft(policy, tsk, steps=cfg.draft_warmup_steps, batch=cfg.draft_warmup_batch,
                                           lr=cfg.draft_warmup_lr, pool=cfg.draft_warmup_pool,
@@ -114,7 +133,7 @@ def build(cfg: Config, log=print) -> Setup:
     grpo = GRPOConfig(eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta=cfg.beta, std_norm=cfg.std_norm,
                       loss_norm=cfg.loss_norm, max_len=tsk.max_new_tokens)
     return Setup(cfg, tsk, policy, ref, opt, drafts, frozen, tsk.eval_set(cfg.eval_prompts, cfg.seed + 1234),
-                 random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed), grpo,
+                 random.Random(cfg.seed), torch.Generator(device=dev).manual_seed(cfg.seed), grpo,
                  {"sft_s": t1 - t0, "draft_warmup_s": t2 - t1, "policy_cached": loaded, "draft_cached": dloaded})
 
 
@@ -122,15 +141,15 @@ def generate(s: Setup, draft, prompts: list, seed=None):
     """speculative.generate over chunks of cfg.rollout_batch rows -> (tokens, logprobs, stats). draft=None: plain
     autoregressive sampling through the same engine. seed: a fresh generator (every eval arm sees the same seed)."""
     c = s.cfg
-    gen = s.gen if seed is None else torch.Generator().manual_seed(seed)
+    gen = s.gen if seed is None else torch.Generator(device=s.gen.device).manual_seed(seed)
     toks, lps, st = [], [], {"row_steps": 0, "accepted": 0, "new_tokens": 0, "seconds": 0.0}
     for i in range(0, len(prompts), c.rollout_batch):
         r = speculative.generate(s.policy, draft, prompts[i: i + c.rollout_batch],
                                  max_new_tokens=s.task.max_new_tokens,
                                  num_draft_tokens=c.num_draft_tokens if draft is not None else 0,
                                  temperature=c.temperature, eos_id=s.task.tok.eos_id, generator=gen)
-        toks += r.tokens
-        lps += r.logprobs
+        toks += [t.cpu() for t in r.tokens]  # rollouts are scored, packed and exchanged on the host
+        lps += [lp.cpu() for lp in r.logprobs]
         for k in st:
             st[k] += getattr(r.stats, k)
     st["accept_len"] = (st["row_steps"] + st["accepted"]) / max(st["row_steps"], 1)  # tokens per policy forward
@@ -165,7 +184,7 @@ def update(s: Setup, batch: RolloutBatch, timer: dict) -> dict:
     batch.ref_logp = reference_logp(s.ref, batch, attn_fn=padded_causal_attention)
     kl = rollout_kl(batch)
     timer["policy_train"] = timer.get("policy_train", 0.0) + time.perf_counter() - t0
-    perm = torch.randperm(batch.num_seqs, generator=s.gen)
+    perm = torch.randperm(batch.num_seqs, generator=s.gen, device=s.gen.device).cpu()  # the rollout stream
     stats = []
     for idx in perm.chunk(s.cfg.updates):
         stats.append(cotrain_step(s.policy, s.opt, batch.select(idx.sort().values), s.grpo, list(s.drafts.values()),

@@ -59,7 +59,7 @@ def pack(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def seq_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:  # (S+1,) -> (T,) which sequence each token belongs to
     cu = cu_seqlens.long()
-    return torch.repeat_interleave(torch.arange(cu.numel() - 1), cu[1:] - cu[:-1])
+    return torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), cu[1:] - cu[:-1])
 
 
 @dataclass
@@ -85,6 +85,14 @@ class RolloutBatch:
     @property
     def num_seqs(self) -> int:
         return self.cu_seqlens.numel() - 1
+
+    def to(self, device) -> "RolloutBatch":
+        """The batch on `device` (itself when already there). Batches are built and exchanged on the CPU; the forwards
+        that read them move them to the model's device."""
+        if self.tokens.device == torch.device(device):
+            return self
+        return RolloutBatch(*(None if t is None else t.to(device) for t in (
+            self.tokens, self.cu_seqlens, self.resp_mask, self.old_logp, self.adv, self.valid, self.ref_logp)))
 
     def trained_mask(self) -> torch.Tensor:  # (T,) response tokens of valid (non-zero-variance) groups
         return self.resp_mask & self.valid[seq_ids(self.cu_seqlens)]
@@ -311,8 +319,9 @@ def cotrain_step(policy, policy_opt, batch: RolloutBatch, cfg: GRPOConfig, draft
         tr.opt.zero_grad(set_to_none=True)
     stats = {"loss_policy": 0.0, "loss_draft": [0.0] * len(drafts), "draft_metrics": [None] * len(drafts)}
     pstats = []
+    dev = next(policy.parameters()).device
     for chunk in torch.arange(S).chunk(micro_batches):
-        mb = batch.select(chunk)
+        mb = batch.select(chunk).to(dev)
         t0 = time.perf_counter()
         out = policy(mb.tokens, mb.cu_seqlens, attn_fn=attn_fn, tap_layers=taps_wanted)  # logits (T, V), taps
         logp = next_token_logp(out.logits, mb.tokens, mb.cu_seqlens)
@@ -356,9 +365,11 @@ def check_finite_weights(model: torch.nn.Module, what: str, hint: str = ""):
 
 @torch.no_grad()
 def reference_logp(ref, batch: RolloutBatch, *, attn_fn=None) -> torch.Tensor:
-    """log pi_ref(tokens[t] | prefix) per token (T,) from the frozen reference (one no-grad forward per batch)."""
-    z = ref(batch.tokens, batch.cu_seqlens, attn_fn=attn_fn).logits  # (T, V)
-    return next_token_logp(z, batch.tokens, batch.cu_seqlens)
+    """log pi_ref(tokens[t] | prefix) per token (T,) from the frozen reference (one no-grad forward per batch), on
+    the batch's device."""
+    b = batch.to(next(ref.parameters()).device)
+    z = ref(b.tokens, b.cu_seqlens, attn_fn=attn_fn).logits  # (T, V)
+    return next_token_logp(z, b.tokens, b.cu_seqlens).to(batch.tokens.device)
 
 
 def rollout_kl(batch: RolloutBatch) -> float:

@@ -8,7 +8,7 @@ Every `eval_every` steps, on the same held-out prompts, measure the acceptance l
 without speculation. Before RL: SFT warm-up of the policy and offline warm-up of the draft (warmup.py, cached).
 
     python train.py                # the default experiment: 30 steps, ~7 min on 2 CPU cores from an empty cache
-                                   # (the SFT + draft warm-ups take ~3.5 min of it and are cached in cache/ for reruns)
+                                   # (the SFT + draft warm-ups take ~4 min of it and are cached in cache/ for reruns)
     python train.py --preset smoke           # every code path at a small size, ~2.5 min from scratch
     python train.py --cold_start             # the rollout draft starts untrained and is only co-trained online
     python train.py --steps=40 --lr=2e-4 --out runs/mine      # any Config field as --key=value or --key value
@@ -22,7 +22,8 @@ The pieces of a run live in experiment.py (build, rollout, update, evaluate) and
 Under torchrun (WORLD_SIZE > 1) the same loop runs on a DP x PP x CP mesh (--pp, --cp, --dp; default pp=2, cp=2):
 every DP replica generates its share of the prompts with a full policy + draft copy, the update runs through the
 pipeline with CP inside each stage and the draft's TTT loss on the last stage (dist_step.py), then every rank refits
-its full copy. Only rank 0 evaluates, prints and writes files.
+its full copy. Only rank 0 evaluates, prints and writes files. Models live on each rank's own GPU when CUDA is present
+(--device=auto; experiment.pick_device), else on the CPU.
 
     torchrun --standalone --nproc_per_node=4 train.py                         # the default run on pp=2 x cp=2, ~7 min
     torchrun --standalone --nproc_per_node=4 train.py --preset smoke          # pp=2 x cp=2, ~2.5 min on 2 CPU cores
@@ -55,6 +56,7 @@ class Config:
     seed: int = 0
     threads: int = 1  # 1 is robust on a shared 2-core machine (2 threads spin-wait when cores are busy)
     warmup_threads: int = 2  # the warm-ups run alone (under torchrun on rank 0 while the others wait): use the cores
+    device: str = "auto"  # auto: each process's own GPU when CUDA is present and every local rank gets one, else CPU
     out: str = ""  # "" -> runs/<name>
     cache_dir: str = "cache"
     # task (task.py)
@@ -119,7 +121,7 @@ class Config:
                   ("eval_every", self.eval_every >= 1), ("prompts_per_step", self.prompts_per_step >= 1),
                   ("temperature", self.temperature > 0), ("ttt_passes", self.ttt_passes >= 1),
                   ("threads", self.threads >= 1), ("warmup_threads", self.warmup_threads >= 1),
-                  ("rollout_batch", self.rollout_batch >= 1),
+                  ("rollout_batch", self.rollout_batch >= 1), ("device", self.device in ("auto", "cpu", "cuda")),
                   ("updates", self.updates <= self.prompts_per_step * self.group_size),
                   ("pp", self.pp >= 1), ("cp", self.cp >= 1), ("dp", self.dp >= 0),
                   ("schedule", self.schedule in ("afab", "1f1b")), ("dist_timeout", self.dist_timeout >= 1),
@@ -132,6 +134,8 @@ class Config:
             if not ok:
                 raise ValueError(f"{key}={getattr(self, key)!r} is out of range")
         GRPOConfig(loss_norm=self.loss_norm, eps_low=self.eps_low, eps_high=self.eps_high)  # validates those keys
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda': CUDA is not available here (use --device=auto or --device=cpu)")
         if self.hf_mode:
             if not os.path.isfile(os.path.join(self.model, "config.json")):
                 raise ValueError(f"model={self.model!r}: the directory has no config.json (expected an HF checkpoint)")
@@ -236,10 +240,13 @@ def train(cfg: Config) -> dict:
         os.makedirs(out_dir, exist_ok=True)
     t_start = time.perf_counter()
     s = build(cfg, log=print) if d is None else build_distributed(cfg, d, log=print_)
+    dev = next(s.policy.parameters()).device
     if d is not None:
         g = d.grid
-        print_(f"mesh: dp={g.dp} x pp={g.pp} x cp={g.cp} = {d.world} ranks (gloo for CPU tensors), "
-               f"{cfg.schedule} over layers {d.cotrainer.split}")
+        print_(f"mesh: dp={g.dp} x pp={g.pp} x cp={g.cp} = {d.world} ranks, models on {dev.type} "
+               f"({'NCCL' if dev.type == 'cuda' else 'gloo'}), {cfg.schedule} over layers {d.cotrainer.split}")
+    else:
+        print_(f"one process, models on {dev}")
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
     mf = open(metrics_path if main else os.devnull, "w")
     rows, evals = [], []

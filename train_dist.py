@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from experiment import Setup, _update_stats, build, rollout
+from experiment import Setup, _update_stats, build, pick_device, rollout
 from rl_loop import RolloutBatch, padded_causal_attention, reference_logp, rollout_kl
 
 if TYPE_CHECKING:
@@ -38,8 +38,9 @@ class Dist:
 def init_distributed(cfg: Config) -> Dist:
     """torchrun's env contract (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) -> process group and mesh.
 
-    Backend: gloo for CPU tensors (the models here live on CPU), NCCL for CUDA tensors when a GPU is present.
-    Every collective waits at most cfg.dist_timeout s, so a dead rank makes its peers fail instead of hang."""
+    Backend: gloo for CPU tensors, NCCL for CUDA tensors when a GPU is present; the models live on
+    experiment.pick_device(cfg) (this rank's GPU, or the CPU). Every collective waits at most cfg.dist_timeout s, so a
+    dead rank makes its peers fail instead of hang."""
     import datetime
 
     from pipeline import Grid
@@ -52,8 +53,9 @@ def init_distributed(cfg: Config) -> Dist:
         raise ValueError(f"dp={dp}: needs micro_batches >= dp and prompts_per_step >= dp (got {cfg.micro_batches}, "
                          f"{cfg.prompts_per_step}): every DP replica takes whole micro-batches and whole prompt groups")
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():  # NCCL wants one current device per process (ranks may share one GPU)
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    dev = pick_device(cfg)
+    if dev.type == "cuda":  # NCCL wants the process's current device set before its first collective
+        torch.cuda.set_device(dev)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.dist_timeout))
     grid = Grid.build(pp=cfg.pp, cp=cfg.cp, dp=dp)
     return Dist(grid, dist.get_rank(), world, perm_gen=torch.Generator().manual_seed(cfg.seed + 31))

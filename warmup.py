@@ -67,11 +67,12 @@ def sft_policy(policy: Transformer, tok, source, *, steps: int, batch: int, lr: 
     rng = random.Random(seed)
     opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     losses, t0 = [], time.time()
+    dev = next(policy.parameters()).device
     policy.train()
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup=max(steps // 20, 1))
-        tokens, cu, mask = sft_batch(tok, source, batch, p_explicit, rng)
+        tokens, cu, mask = (t.to(dev) for t in sft_batch(tok, source, batch, p_explicit, rng))
         logits = policy(tokens, cu, attn_fn=padded_causal_attention).logits  # (T, V)
         loss = -(next_token_logp(logits, tokens, cu) * mask).sum() / mask.sum()
         if not math.isfinite(loss.item()):
@@ -88,14 +89,15 @@ def sft_policy(policy: Transformer, tok, source, *, steps: int, batch: int, lr: 
 
 
 def warm_policy(model_cfg: ModelConfig, tok, source, *, steps: int, batch: int, lr: float, p_explicit: float,
-                seed: int, cache_dir: str = "cache", log_every: int = 0) -> tuple[Transformer, str, bool]:
-    """The SFT'd policy, from `cache_dir` when an identical warm-up was run before. Returns (policy, key, loaded)."""
+                seed: int, cache_dir: str = "cache", log_every: int = 0, device=None) -> tuple[Transformer, str, bool]:
+    """The SFT'd policy on `device` (default CPU), from `cache_dir` when an identical warm-up was run before.
+    Returns (policy, key, loaded). The cache key leaves the device out: a CPU-trained policy serves a GPU run."""
     key = cache_key("policy", model_cfg, task.VOCAB, source.__dict__, steps, batch, lr, p_explicit, seed)
     path = os.path.join(cache_dir, f"policy-{key}")
     if os.path.isfile(os.path.join(path, "config.json")):
-        return Transformer.from_pretrained(path), key, True
+        return Transformer.from_pretrained(path).to(device), key, True
     torch.manual_seed(seed)
-    policy = Transformer(model_cfg)
+    policy = Transformer(model_cfg).to(device)  # initialised on the CPU: the same weights on every device
     sft_policy(policy, tok, source, steps=steps, batch=batch, lr=lr, p_explicit=p_explicit, seed=seed,
                log_every=log_every)
     tmp = f"{path}.tmp{os.getpid()}"
@@ -132,12 +134,14 @@ def warm_draft(policy: Transformer, tsk, *, steps: int, batch: int, lr: float, p
         return Eagle3Draft.load(path, policy), True
     torch.manual_seed(seed)
     draft = Eagle3Draft.from_target(policy)
-    rng, g = random.Random(seed + 1), torch.Generator().manual_seed(seed + 1)
+    dev = next(policy.parameters()).device
+    rng, g = random.Random(seed + 1), torch.Generator(device=dev).manual_seed(seed + 1)
     prompts = [tsk.encode_prompt(p) for p in tsk.sample(pool, rng, "train")]
     responses = []
     for i in range(0, pool, 256):
-        responses += speculative.generate(policy, None, prompts[i: i + 256], max_new_tokens=max_new_tokens,
-                                          temperature=1.0, eos_id=tsk.tok.eos_id, generator=g).tokens
+        responses += [r.cpu() for r in speculative.generate(policy, None, prompts[i: i + 256],
+                                                            max_new_tokens=max_new_tokens, temperature=1.0,
+                                                            eos_id=tsk.tok.eos_id, generator=g).tokens]
     tr = DraftTrainer(draft, torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0), num_passes=num_passes,
                       attn_fn=draft_attn_fn)
     t0 = time.time()
@@ -147,7 +151,7 @@ def warm_draft(policy: Transformer, tsk, *, steps: int, batch: int, lr: float, p
         idx = rng.sample(range(pool), batch)
         zeros = torch.zeros(batch)
         mb = RolloutBatch.from_rollouts([prompts[i] for i in idx], [responses[i] for i in idx],
-                                        [torch.zeros(responses[i].numel()) for i in idx], zeros, zeros.bool())
+                                        [torch.zeros(responses[i].numel()) for i in idx], zeros, zeros.bool()).to(dev)
         with torch.no_grad():
             out = policy(mb.tokens, mb.cu_seqlens, attn_fn=attn_fn, tap_layers=draft.tap_layers)
         loss, m = draft_loss(tr, out.taps, out.logits, mb)
@@ -171,10 +175,10 @@ def warm_draft(policy: Transformer, tsk, *, steps: int, batch: int, lr: float, p
 def evaluate_policy(policy, tok, problems, max_new_tokens: int, *, temperature: float, format_weight: float,
                     seed: int = 0) -> dict:
     """Mean reward, accuracy, explicit-step fraction and response length on `problems`."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
     prompts = [task.encode_prompt(tok, p) for p in problems]
-    resp = speculative.generate(policy, None, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                eos_id=tok.eos_id, generator=g).tokens
+    resp = [r.cpu() for r in speculative.generate(policy, None, prompts, max_new_tokens=max_new_tokens,
+                                                  temperature=temperature, eos_id=tok.eos_id, generator=g).tokens]
     R, parts = task.score(tok, problems, resp, format_weight)
     return {"reward": float(R.mean()), "correct": float(parts["correct"].mean()),
             "explicit": float(parts["explicit"].mean()), "resp_len": sum(r.numel() for r in resp) / len(resp)}

@@ -114,6 +114,10 @@ def test_rollout_batch_layout_and_select():
     assert s.tokens.tolist() == [3, 7, 8] and s.cu_seqlens.tolist() == [0, 3]
     assert torch.allclose(s.old_logp, torch.tensor([0.0, math.log(0.25), math.log(0.25)]))
     assert s.adv.tolist() == [-1.0]
+    assert b.to("cpu") is b  # already there: no copy
+    m = b.to("meta")  # every tensor moves (meta: a device without data, available on any machine)
+    assert all(getattr(m, k).device.type == "meta" and getattr(m, k).shape == getattr(b, k).shape
+               for k in ("tokens", "cu_seqlens", "resp_mask", "old_logp", "adv", "valid")) and m.ref_logp is None
 
 
 def test_policy_loss_hand_value_with_k3_and_skipped_group():

@@ -3,7 +3,9 @@ import json
 import os
 
 import pytest
+import torch
 
+from experiment import build, pick_device
 from train import PRESETS, Config, parse_args, train
 
 
@@ -28,6 +30,7 @@ def test_parse_args_types_presets_and_flags():
     (["--model=giant"], "model='giant': expected a preset"),
     (["--lr", "--steps=3"], "--lr: expected --lr=<float> or --lr <float>"),
     (["--draft_warmup_batch=99", "--draft_warmup_pool=8"], "draft_warmup_batch=99"),
+    (["--device=gpu"], "device='gpu'"),
 ])
 def test_parse_args_rejects_bad_input_naming_the_key(argv, match):
     with pytest.raises(ValueError, match=match):
@@ -53,3 +56,38 @@ def test_test_preset_runs_end_to_end_then_reuses_the_cache(tmp_path):
     s2 = train(parse_args(["--preset=test", f"--cache_dir={cache}", "--out", str(tmp_path / "run2"), "--cold_start"]))
     assert s2["warmup_cached"] == {"policy": True, "draft": True} and s2["cold_start"] is True
     assert "accept_len_cold" not in s2  # the rollout draft IS the cold-start one
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_device_cuda_without_cuda_is_an_error():
+    with pytest.raises(ValueError, match="device='cuda': CUDA is not available"):
+        parse_args(["--device=cuda"])
+
+
+def test_pick_device_one_gpu_per_rank(monkeypatch):
+    """auto: the process's own GPU when every local rank gets one, else the CPU; cuda: an error instead. (CUDA is
+    faked here: pick_device only reads the counts, it allocates nothing.)"""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert pick_device(Config(device="auto")) == torch.device("cuda", 1)
+    assert pick_device(Config(device="cuda")) == torch.device("cuda", 1)
+    assert pick_device(Config(device="cpu")) == torch.device("cpu")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # 4 ranks, 2 GPUs: NCCL cannot share one
+    assert pick_device(Config(device="auto")) == torch.device("cpu")
+    with pytest.raises(ValueError, match="device='cuda': 4 processes on this node but 2 GPU"):
+        pick_device(Config(device="cuda"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert pick_device(Config(device="auto")) == torch.device("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_test_preset_on_cuda(tmp_path):
+    """The whole loop with every model on the GPU: warm-ups, speculative rollouts, update, eval, summary."""
+    cfg = parse_args(["--preset=test", "--device=cuda", f"--cache_dir={tmp_path / 'cache'}", f"--out={tmp_path / 'run'}"])
+    s = build(cfg, log=lambda *a, **k: None)
+    models = [s.policy, s.ref, s.frozen] + [tr.draft for tr in s.drafts.values()]
+    assert all(p.is_cuda for m in models for p in m.parameters()) and s.gen.device.type == "cuda"
+    summary = train(cfg)
+    assert summary["steps"] == PRESETS["test"]["steps"] and summary["accept_len_cotrained"] >= 1.0
