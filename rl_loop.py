@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from branch_mask import as_ring
+from branch_mask import as_ring, seq_ids  # noqa: F401  (seq_ids: re-exported for dist_step)
 
 LOSS_NORMS = ("seq-mean", "token-mean", "global-token", "constant")
 
@@ -55,11 +55,6 @@ def pack(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
     cu[1:] = lens.cumsum(0)
     return torch.cat(seqs), cu
-
-
-def seq_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:  # (S+1,) -> (T,) which sequence each token belongs to
-    cu = cu_seqlens.long()
-    return torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), cu[1:] - cu[:-1])
 
 
 @dataclass
