@@ -32,14 +32,15 @@ import os
 import torch
 
 from attention_blocks import Segment, get_backend, merge_
-from branch_mask import as_ring, branch_attention_mask, check_cp_padded
+from branch_mask import branch_attention_mask, check_cp_padded
+from ring import as_ring
 
 
 def ring_branch_attention(q, k, v, cu_seqlens, branch_k=None, branch_v=None, *, group=None, softmax_scale=None,
                           return_lse=False, backend="torch"):
     """q (T, Hq, D), k, v (T, Hkv, D), branch_k/v (T, P, Hkv, D) or None: this rank's zigzag shard.
     cu_seqlens int32 (S+1): the *global, CP-padded* boundaries. group: None (no CP), a torch ProcessGroup, or a
-    branch_mask.Ring. Returns out (T, Hq, D) in q's dtype, and lse (T, Hq) (natural log, fp32; fp64 for fp64 inputs)
+    ring.Ring. Returns out (T, Hq, D) in q's dtype, and lse (T, Hq) (natural log, fp32; fp64 for fp64 inputs)
     if return_lse. Both are differentiable. As the policy's attention under CP:
     model(tokens_shard, cu_seqlens, position_ids=positions_shard, attn_fn=partial(ring_branch_attention, group=g))."""
     ring = as_ring(group)
@@ -222,7 +223,7 @@ if __name__ == "__main__":
             print(f"gloo cp={dist.get_world_size()}: max |error| vs dense fp64 (out, lse, 5 grads) = {err:.2e}")
         dist.destroy_process_group()
     else:
-        from branch_mask import run_ranks
+        from ring import run_ranks
         for cp in (1, 2, 3, 4):
             errs = run_ranks(cp, lambda ring: _demo_case(ring.rank, ring.size, ring))
             print(f"threads cp={cp}: max |error| vs dense fp64 (out, lse, 5 grads) = {max(errs):.2e}")

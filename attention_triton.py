@@ -408,7 +408,8 @@ register_backend("triton", TritonBlocks())
 # ------------------------------------------------------------------------------------------------------------- demo
 if __name__ == "__main__":
     from attention_cp import reference_branch_attention, ring_branch_attention
-    from branch_mask import cu_seqlens_from_lengths, pad_for_cp, run_ranks, zigzag_shard, zigzag_unshard
+    from branch_mask import cu_seqlens_from_lengths, pad_for_cp, zigzag_shard, zigzag_unshard
+    from ring import run_ranks
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32  # the interpreter has no bf16 dot

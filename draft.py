@@ -35,9 +35,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from branch_mask import as_ring, cp_shift, pad_for_cp, shift_packed, zigzag_shard
-from model import (EMBED_TAP, MLP, Attention, KVCache, ModelConfig, RMSNorm, Transformer, check_tap_layers,
-                   default_tap_layers, positions_from_cu_seqlens, rope_cos_sin)
+import branch_mask
+from branch_mask import cp_shift, pad_for_cp, shift_packed, zigzag_shard
+from model import (EMBED_TAP, MLP, Attention, KVCache, ModelConfig, RMSNorm, Transformer, at_least_f32,
+                   check_tap_layers, default_tap_layers, rope_cos_sin)
+from ring import as_ring
 
 
 @dataclass
@@ -225,7 +227,7 @@ class Eagle3Draft(nn.Module):
 
         taps {layer: (T, H)} (detached here: no draft gradient reaches the policy) and tokens (T,) are the packed batch,
         or this rank's zigzag shard of it under CP; cu_seqlens (S+1) the global boundaries (CP-padded under CP;
-        without CP any lengths). group: None, a torch ProcessGroup or a branch_mask.Ring. attn_fn defaults to
+        without CP any lengths). group: None, a torch ProcessGroup or a ring.Ring. attn_fn defaults to
         attention_cp.ring_branch_attention (tests pass the dense oracle)."""
         if num_passes < 1:
             raise ValueError(f"num_passes={num_passes}: expected >= 1")
@@ -311,11 +313,11 @@ class Eagle3Draft(nn.Module):
         if hard_labels:  # the sampled token x_{i+d+1} must be one the draft can name
             valid = [m & self.t2d[y] for m, y in zip(valid, labels)]
         count = _ring_sum(torch.stack([m.sum() for m in valid]).double(), ring)  # (P,) sync point under CP
-        logp = torch.log_softmax(_f32(teacher_logits.detach()), -1)  # (T, V) the teacher at every position
+        logp = torch.log_softmax(at_least_f32(teacher_logits.detach()), -1)  # (T, V) the teacher at every position
         loss, stats, agree_prev = 0.0, [], torch.ones(T, dtype=torch.bool, device=tokens.device)
         for d, (h, m) in enumerate(zip(hs, valid), 1):
             p_log = shifted(logp, d, 0.0)  # (T, V) teacher p_{i+d}
-            q_log = torch.log_softmax(_f32(self.logits(h)), -1)  # (T, Vd)
+            q_log = torch.log_softmax(at_least_f32(self.logits(h)), -1)  # (T, Vd)
             if hard_labels:
                 ce = -q_log.gather(-1, _to_draft_id(self, labels[d - 1])[:, None])[:, 0]
             else:  # soft CE against the teacher restricted (renormalised) to the draft vocabulary
@@ -369,10 +371,6 @@ def draft_device(embed) -> torch.device:  # where a draft sharing `embed` (see E
     return _embed_weight(embed).device
 
 
-def _f32(x):  # at least fp32 for softmax statistics (fp64 stays fp64)
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
 def _to_draft_id(draft: Eagle3Draft, y):  # (T,) target ids -> draft ids (0 where outside the draft vocabulary)
     if draft.cfg.draft_vocab_size == draft.cfg.vocab_size:
         return y
@@ -402,7 +400,7 @@ def _pad_if_needed(cu_seqlens, ring):
 
 
 def _local_positions(cu_seqlens, ring):  # (T_local,) RoPE position of this rank's tokens
-    pos = positions_from_cu_seqlens(cu_seqlens)  # O(T_global) integers, no activations
+    pos = branch_mask.position_ids(cu_seqlens)  # O(T_global) integers, no activations
     return pos if ring.size == 1 else zigzag_shard(pos, cu_seqlens, ring.size, ring.rank)
 
 

@@ -25,12 +25,14 @@ import speculative
 import task
 import warmup
 from draft import Eagle3Draft
+from hf_io import from_pretrained
 from model import ModelConfig, Transformer
+from attention_padded import padded_branch_attention, padded_causal_attention
 from rl_loop import (DraftTrainer, GRPOConfig, RolloutBatch, check_finite_weights, cotrain_step, group_advantages,
-                     padded_branch_attention, padded_causal_attention, reference_logp, rollout_kl)
+                     reference_logp, rollout_kl)
 
 if TYPE_CHECKING:
-    from train import Config
+    from config import Config
 
 
 # --------------------------------------------------------------------------------------------------- the pieces
@@ -79,7 +81,7 @@ def build_policy(cfg: Config, tsk, log=print, device=None) -> tuple[Transformer,
     """-> (policy on `device`, cache key, loaded): the SFT'd policy of the built-in task (cached), or the HF checkpoint
     as is."""
     if cfg.hf_mode:
-        policy = Transformer.from_pretrained(cfg.model).to(device)
+        policy = from_pretrained(cfg.model).to(device)
         key = warmup.cache_key("hf", warmup.fingerprint(cfg.model), warmup.fingerprint(cfg.data))
         n = sum(p.numel() for p in policy.parameters())
         log(f"policy: HF checkpoint {cfg.model} ({policy.cfg.architecture}, {n:,} parameters); "

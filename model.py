@@ -26,7 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kv_cache import KVCache  # noqa: F401  (re-exported: model.KVCache)
+import branch_mask
+from kv_cache import KVCache
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 EMBED_TAP = -1  # tap id of the input embeddings (the "hidden state after layer -1")
@@ -102,6 +103,11 @@ def check_tap_layers(tap_layers, n_layers: int) -> tuple[int, ...]:
 
 
 # ----------------------------------------------------------------------------------------------------------- layers
+def at_least_f32(x: torch.Tensor) -> torch.Tensor:
+    """x in fp32 at least, for softmax and log-sum-exp statistics of bf16 / fp16 logits (fp64 stays fp64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -317,7 +323,7 @@ class Transformer(nn.Module):
         if position_ids is None:
             if int(cu_seqlens[-1]) != T:
                 raise ValueError(f"cu_seqlens[-1]={int(cu_seqlens[-1])} does not match the token count T={T}")
-            position_ids = positions_from_cu_seqlens(cu_seqlens)
+            position_ids = branch_mask.position_ids(cu_seqlens)
         elif position_ids.shape != (T,):
             raise ValueError(f"position_ids: expected shape ({T},), got {tuple(position_ids.shape)}")
         attn_fn = attn_fn or packed_causal_attention
@@ -347,16 +353,6 @@ class Transformer(nn.Module):
         return KVCache(self.cfg, batch, max_len, layers=[int(k) for k in self.model.layers],
                        dtype=dtype, device=next(self.parameters()).device)
 
-    @classmethod
-    def from_pretrained(cls, path: str, layers=None, dtype=torch.float32) -> "Transformer":
-        """Load a local HF directory (LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM); see hf_io.py."""
-        from hf_io import from_pretrained
-        return from_pretrained(path, layers=layers, dtype=dtype)
-
-    def save_pretrained(self, path: str):
-        from hf_io import save_pretrained
-        save_pretrained(self, path)
-
     def load_slice(self, full_state_dict: dict, strict: bool = True):
         """Load just this stage's part of a full model's state dict."""
         own = self.state_dict()
@@ -364,13 +360,6 @@ class Transformer(nn.Module):
         if strict and missing:
             raise ValueError(f"state dict lacks {len(missing)} keys this stage needs, e.g. {missing[:3]}")
         self.load_state_dict({k: full_state_dict[k] for k in own if k in full_state_dict}, strict=strict)
-
-
-def positions_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """(S+1,) boundaries -> (T,) position of each token within its sequence."""
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lens)
-    return torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device) - starts
 
 
 @torch.no_grad()

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from model import Transformer
+from model import Transformer, at_least_f32
 
 
 @dataclass
@@ -47,12 +47,8 @@ class Rollout:
 
 
 # ------------------------------------------------------------------------------------------------ the sampling rule
-def _f32(x):  # at least fp32 for softmax statistics (fp64 stays fp64)
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
 def probs(logits, temperature: float):  # (..., V) -> p (..., V) at temperature tau > 0
-    return torch.softmax(_f32(logits) / temperature, dim=-1)
+    return torch.softmax(at_least_f32(logits) / temperature, dim=-1)
 
 
 def accept_prob(p_d, q_d):
@@ -96,7 +92,7 @@ def _sample(logits, temperature, generator):  # (B, V) -> (B,), and the probabil
 
 
 def _logprob(logits, tokens, temperature):  # (B, S, V), (B, S) -> (B, S) log p(token)
-    z = _f32(logits) if temperature == 0 else _f32(logits) / temperature
+    z = at_least_f32(logits) if temperature == 0 else at_least_f32(logits) / temperature
     return torch.log_softmax(z, -1).gather(-1, tokens[..., None])[..., 0]
 
 
@@ -157,7 +153,7 @@ def generate(target: Transformer, draft=None, prompts=(), *, max_new_tokens: int
     y, _ = _sample(z, temperature, generator)
     width = max_new_tokens + 2 * (k + 1)  # output buffer; finished rows keep writing harmlessly past their end
     toks = torch.zeros(B, width, dtype=torch.long, device=dev)
-    lps = torch.zeros(B, width, dtype=_f32(z).dtype, device=dev)
+    lps = torch.zeros(B, width, dtype=at_least_f32(z).dtype, device=dev)
     toks[:, 0], lps[:, 0] = y, _logprob(z[:, None], y[:, None], temperature)[:, 0]
     n_gen = torch.ones(B, dtype=torch.long, device=dev)  # tokens generated per row so far
     live = rows  # original index of each row still in the batch

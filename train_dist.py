@@ -18,10 +18,11 @@ import torch
 import torch.distributed as dist
 
 from experiment import Setup, _update_stats, build, pick_device, rollout
-from rl_loop import RolloutBatch, padded_causal_attention, reference_logp, rollout_kl
+from attention_padded import padded_causal_attention
+from rl_loop import RolloutBatch, reference_logp, rollout_kl
 
 if TYPE_CHECKING:
-    from train import Config
+    from config import Config
 
 
 # ---------------------------------------------------------------------------------------- distributed (torchrun)

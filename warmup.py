@@ -26,9 +26,10 @@ import torch
 import speculative
 import task
 from draft import Eagle3Draft
+from hf_io import from_pretrained, save_pretrained
 from model import ModelConfig, Transformer
-from rl_loop import (DraftTrainer, RolloutBatch, check_finite_weights, draft_loss, next_token_logp, pack,
-                     padded_causal_attention)
+from attention_padded import padded_causal_attention
+from rl_loop import DraftTrainer, RolloutBatch, check_finite_weights, draft_loss, next_token_logp, pack
 
 
 HINT = "stopping, nothing cached. Try a lower --sft_lr / --draft_warmup_lr"
@@ -95,13 +96,13 @@ def warm_policy(model_cfg: ModelConfig, tok, source, *, steps: int, batch: int, 
     key = cache_key("policy", model_cfg, task.VOCAB, source.__dict__, steps, batch, lr, p_explicit, seed)
     path = os.path.join(cache_dir, f"policy-{key}")
     if os.path.isfile(os.path.join(path, "config.json")):
-        return Transformer.from_pretrained(path).to(device), key, True
+        return from_pretrained(path).to(device), key, True
     torch.manual_seed(seed)
     policy = Transformer(model_cfg).to(device)  # initialised on the CPU: the same weights on every device
     sft_policy(policy, tok, source, steps=steps, batch=batch, lr=lr, p_explicit=p_explicit, seed=seed,
                log_every=log_every)
     tmp = f"{path}.tmp{os.getpid()}"
-    policy.save_pretrained(tmp)
+    save_pretrained(policy, tmp)
     os.replace(tmp, path) if not os.path.exists(path) else None  # another run may have finished first: keep theirs
     return policy, key, False
 
@@ -187,7 +188,7 @@ def evaluate_policy(policy, tok, problems, max_new_tokens: int, *, temperature: 
 if __name__ == "__main__":
     import sys
 
-    from train import parse_args  # the same settings (and so the same cache entries) as `python train.py ...`
+    from config import parse_args  # the same settings (and so the same cache entries) as `python train.py ...`
     c = parse_args(sys.argv[1:])
     torch.set_num_threads(c.threads)
     if c.hf_mode:

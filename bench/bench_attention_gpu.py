@@ -133,7 +133,7 @@ def make_inputs(L, cfg, dtype, seed=0):
 def run_ring(inputs, L, cfg, backend, backward):
     """One forward (and backward) of the whole simulated ring; returns rank 0's output (for the cross-check)."""
     from attention_cp import ring_branch_attention
-    from branch_mask import run_ranks
+    from ring import run_ranks
     cu = torch.tensor([0, L], dtype=torch.int32)
 
     def rank(ring):

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from draft import Eagle3Draft  # noqa: E402
+from hf_io import from_pretrained, save_pretrained  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from speculative import generate  # noqa: E402
 
@@ -153,7 +154,7 @@ def cached(cfg, lang):
           f"{cfg.draft_new_tokens}-{cfg.draft_steps}x{cfg.draft_batch}-P{cfg.ttt_passes}-t{cfg.temperature}-{cfg.seed}"
     path = os.path.join(cfg.cache, key)
     if os.path.isfile(os.path.join(path, "draft", "config.json")):
-        policy = Transformer.from_pretrained(os.path.join(path, "policy")).eval()
+        policy = from_pretrained(os.path.join(path, "policy")).eval()
         with open(os.path.join(path, "draft_metrics.json")) as f:
             return policy, Eagle3Draft.load(os.path.join(path, "draft"), policy).eval(), json.load(f), 0.0
     t0 = time.perf_counter()
@@ -161,7 +162,7 @@ def cached(cfg, lang):
     policy = train_policy(cfg, lang)
     print("training the draft on the policy's own samples ...")
     draft, metrics = train_draft(cfg, policy, lang)
-    policy.save_pretrained(os.path.join(path, "policy"))
+    save_pretrained(policy, os.path.join(path, "policy"))
     draft.save(os.path.join(path, "draft"))
     with open(os.path.join(path, "draft_metrics.json"), "w") as f:
         json.dump(metrics, f)

@@ -11,7 +11,8 @@ if not torch.cuda.is_available():  # before importing attention_triton: on CPU i
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from attention_cp import reference_branch_attention, ring_branch_attention  # noqa: E402
-from branch_mask import cu_seqlens_from_lengths, pad_for_cp, run_ranks, zigzag_shard, zigzag_unshard  # noqa: E402
+from branch_mask import cu_seqlens_from_lengths, pad_for_cp, zigzag_shard, zigzag_unshard  # noqa: E402
+from ring import run_ranks  # noqa: E402
 
 NAMES = ("out", "lse", "dq", "dk", "dv", "dbk", "dbv")
 

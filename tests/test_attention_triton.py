@@ -20,7 +20,8 @@ import attention_triton  # noqa: E402  (after TRITON_INTERPRET)
 from attention_blocks import Segment, TorchBlocks, register_backend  # noqa: E402
 from attention_cp import ring_branch_attention  # noqa: E402
 from attention_triton import TritonBlocks, tile_table  # noqa: E402
-from branch_mask import run_ranks, zigzag_shard  # noqa: E402
+from branch_mask import zigzag_shard  # noqa: E402
+from ring import run_ranks  # noqa: E402
 from attention_cases import assert_all_close, make_case, reference, unshard_all  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

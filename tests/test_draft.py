@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from attention_cp import reference_branch_attention
-from branch_mask import pad_for_cp, run_ranks, zigzag_shard
+from branch_mask import pad_for_cp, zigzag_shard
+from ring import run_ranks
 from dist_util import run_distributed
 from draft import DraftConfig, Eagle3Draft
 from model import EMBED_TAP, ModelConfig, Transformer, default_tap_layers

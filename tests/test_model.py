@@ -6,10 +6,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from branch_mask import position_ids
 from hf_io import from_pretrained, save_pretrained
 import model
 from model import (EMBED_TAP, ModelConfig, Transformer, check_tap_layers, default_tap_layers, greedy_generate,
-                   positions_from_cu_seqlens, rope_cos_sin)
+                   rope_cos_sin)
 
 transformers = pytest.importorskip("transformers")
 
@@ -241,8 +242,8 @@ def test_rope_table_equals_direct(dtype):
     model._ROPE_TABLES.clear()
 
 
-def test_positions_from_cu_seqlens():
-    assert positions_from_cu_seqlens(cu([3, 1, 2])).tolist() == [0, 1, 2, 0, 0, 1]
+def test_position_ids():
+    assert position_ids(cu([3, 1, 2])).tolist() == [0, 1, 2, 0, 0, 1]
 
 
 def test_bad_input_errors():

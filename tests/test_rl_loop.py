@@ -6,7 +6,8 @@ import torch
 
 from model import ModelConfig, Transformer, packed_causal_attention
 from rl_loop import (DraftTrainer, GRPOConfig, RolloutBatch, aggregate, clipped_surrogate, cotrain_step,
-                     group_advantages, k3, next_token_logp, pack, padded_causal_attention, policy_loss, rollout_kl)
+                     group_advantages, k3, next_token_logp, pack, policy_loss, rollout_kl)
+from attention_padded import padded_branch_attention, padded_causal_attention
 
 
 # ---------------------------------------------------------------------------------------------------- advantages
@@ -265,7 +266,6 @@ def test_cotrain_micro_batches_match_one_batch_for_global_token_norm():
 
 def test_padded_branch_attention_matches_the_dense_oracle_forward_and_backward():
     from attention_cp import reference_branch_attention
-    from rl_loop import padded_branch_attention
 
     def oracle(q, k, v, cu, bk, bv, softmax_scale):
         return reference_branch_attention(q, k, v, cu, bk, bv, softmax_scale=softmax_scale)[0]

@@ -8,6 +8,7 @@ from hypothesis import given, strategies as st
 
 import speculative
 from draft import Eagle3Draft
+from hf_io import from_pretrained
 from model import KVCache, ModelConfig, Transformer, greedy_generate
 from speculative import accept_prob, generate, residual
 
@@ -98,7 +99,7 @@ def test_greedy_equals_transformers(tmp_path):
                                    initializer_range=0.1)
     hf = transformers.LlamaForCausalLM(cfg).double().eval()
     hf.save_pretrained(tmp_path)
-    policy = Transformer.from_pretrained(str(tmp_path), dtype=torch.float64).eval()
+    policy = from_pretrained(str(tmp_path), dtype=torch.float64).eval()
     draft = Eagle3Draft.from_target(policy)
     prompts = ragged_prompts(torch.Generator().manual_seed(3), 3, 61, 2, 6)
     r = generate(policy, draft, prompts, max_new_tokens=16, num_draft_tokens=3, temperature=0)

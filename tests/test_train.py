@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from experiment import build, pick_device
-from train import PRESETS, Config, parse_args, train
+from config import PRESETS, Config, parse_args
+from train import train
 
 
 def test_parse_args_types_presets_and_flags():

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from experiment import build, check_finite
-from train import parse_args, train
+from config import parse_args
+from train import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FINITE = {"loss_policy": 0.1, "loss_draft": 2.0, "grad_norm": 0.5}

@@ -14,7 +14,8 @@ import torch
 from experiment import build, rollout
 from hf_task import HFTask, math_answer_reward
 from hf_util import write_jsonl, write_tiny_llama
-from train import parse_args, train
+from config import parse_args
+from train import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
