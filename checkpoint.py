@@ -133,7 +133,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _step_dirs(folder: Path) -> list[tuple[int, Path]]:
+def step_dirs(folder: Path) -> list[tuple[int, Path]]:
     """(step, path) of every `step_<n>` directory in `folder`, newest first."""
     if not folder.is_dir():
         return []
@@ -259,7 +259,7 @@ def _drop_later(folder: Path, step: int) -> None:
     before them, so they are another history (an older run in the same folder, or a continuation this run abandoned
     by resuming earlier); left in place, the next --resume would pick them up. Done before the new save commits, so
     no crash can leave a later stale checkpoint beside this run's."""
-    for s, p in _step_dirs(folder):
+    for s, p in step_dirs(folder):
         if s > step:
             warnings.warn(f"deleting {p}: a checkpoint of step {s} > {step}, from another history than this run's",
                           stacklevel=3)
@@ -268,7 +268,7 @@ def _drop_later(folder: Path, step: int) -> None:
 
 def _prune(folder: Path, step: int, keep_last: int) -> None:
     """Delete complete checkpoints older than the newest `keep_last` up to `step`; the new one is always kept."""
-    older = [p for s, p in _step_dirs(folder) if s < step and (p / MANIFEST).is_file()]  # newest first
+    older = [p for s, p in step_dirs(folder) if s < step and (p / MANIFEST).is_file()]  # newest first
     for p in older[keep_last - 1:]:
         _remove(p)
 
@@ -322,7 +322,7 @@ def latest_checkpoint(folder) -> Path | None:
     folder = Path(folder)
     for stale in sorted(folder.glob(TMP + "*")) if folder.is_dir() else []:
         warnings.warn(f"ignoring {stale}: temporary directory left by an interrupted save", stacklevel=2)
-    for _, path in _step_dirs(folder):
+    for _, path in step_dirs(folder):
         problem = _problem(path)
         if problem is None:
             return path
