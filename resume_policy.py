@@ -94,7 +94,7 @@ def require_checkpoint(path, folder) -> Path:
         return Path(path)
     folder = Path(folder)
     damaged = len(step_dirs(folder))
-    why = (f"its {damaged} checkpoint(s) are damaged or incomplete (see the warnings above)" if damaged
+    why = (f"its {damaged} checkpoint(s) are damaged or incomplete, see the warnings above" if damaged
            else "it holds no checkpoint" if folder.is_dir() else "no such directory")
     raise NoCheckpointError(f"--resume: no valid checkpoint in {folder} ({why}); nothing to continue. Run without "
                             f"--resume to start a new run (with --overwrite, or a new --out, if {folder} has any)")
