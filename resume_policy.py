@@ -15,6 +15,10 @@ checkpoints in <out>/ckpt (checkpoint.py). The rules, one function each:
     every save                 checkpoint.save_checkpoint deletes checkpoints of later steps (another history), so a
                                later --resume cannot jump into an older run's future.
 
+    all of the above, once    start_run: what the loop calls before it writes anything; rank 0 decides, every rank
+                               gets the same answer (the checkpoint to load, or the same error), so no rank is left
+                               waiting in a collective for one that raised.
+
 Everything here reads JSON (the manifest) or moves directories: no checkpoint file is unpickled.
 
     python -c "from resume_policy import check_fresh_out_dir; check_fresh_out_dir('runs/default')"
@@ -152,3 +156,34 @@ def check_resumable(path, config: dict, mesh: tuple, may_change=RESUME_MAY_CHANG
     if (saved.get("version"), saved.get("commit")) != (here["version"], here["commit"]):
         warnings.warn(f"{path} was written by cospec {saved.get('version')} at commit {saved.get('commit')}, this is "
                       f"{here['version']} at {here['commit']}: resuming with the new code", stacklevel=2)
+
+
+# ---- the one call the loop makes ----
+
+_RAISE = {"NoCheckpointError": NoCheckpointError, "FileExistsError": FileExistsError,
+          "FileNotFoundError": FileNotFoundError, "ValueError": ValueError, "OSError": OSError}
+
+
+def start_run(out_dir, config: dict, mesh: tuple, *, rank: int = 0, share=None) -> tuple[Path | None, list[str]]:
+    """Apply the rules above before the run writes anything: -> (checkpoint to load or None, notes to print).
+
+    config: asdict(cfg) (its `resume` and `overwrite` fields choose the case); mesh: (pp, cp, dp), (1, 1, 1) for one
+    process. Rank 0 does the work (it alone hashes checkpoints and moves files); `share(obj)` must return rank 0's
+    obj on every rank (e.g. a dist.broadcast_object_list of one item; None with one process). Every rank then returns
+    the same path, or raises the same error (NoCheckpointError, FileExistsError, ValueError) -- a collective."""
+    verdict = None
+    if rank == 0:
+        try:
+            if config.get("resume"):
+                path = checkpoint_to_resume(Path(out_dir) / "ckpt")
+                check_resumable(path, config, mesh)
+                verdict = ("ok", str(path), [f"resume: from {path}"])
+            else:
+                verdict = ("ok", None, prepare_fresh_out_dir(out_dir, bool(config.get("overwrite"))))
+        except (OSError, ValueError) as e:  # e.g. a permission error moving files: every rank must hear of it too
+            verdict = ("error", next(c.__name__ for c in type(e).__mro__ if c.__name__ in _RAISE), str(e))
+    if share is not None:
+        verdict = share(verdict)
+    if verdict[0] == "error":
+        raise _RAISE[verdict[1]](verdict[2])
+    return (None if verdict[1] is None else Path(verdict[1])), (verdict[2] if rank == 0 else [])

@@ -310,3 +310,24 @@ def test_cu_seqlens_that_differ_across_cp_ranks_fail_on_every_rank():
     errors = run_distributed(_cu_worker, 2, args=([a, b],), timeout=60)
     for e in errors:
         assert e is not None and "cu_seqlens differ across the CP group: group rank(s) [1] disagree" in e
+
+
+# --------------------------------------------------------------------------- the loop's one call: start_run
+def test_start_run_gives_every_rank_the_same_checkpoint_or_the_same_error(tmp_path):
+    from resume_policy import start_run
+    fresh = {**CFG, "resume": False}
+    assert start_run(tmp_path, fresh, (1, 1, 1)) == (None, [])  # an empty directory: a fresh run may start
+    _save(tmp_path / "ckpt", 2, config=CFG, mesh=(1, 1, 1))
+    verdicts = []
+    share = lambda v: verdicts.append(v) or v  # noqa: E731 -- one process: rank 0's verdict is everyone's
+    with pytest.raises(FileExistsError, match="holds checkpoints of an earlier run"):
+        start_run(tmp_path, fresh, (1, 1, 1), share=share)
+    with pytest.raises(FileExistsError, match="holds checkpoints of an earlier run"):  # rank 1 gets rank 0's error
+        start_run(tmp_path, fresh, (1, 1, 1), rank=1, share=lambda v: verdicts[-1])
+    path, notes = start_run(tmp_path, {**CFG, "resume": True}, (1, 1, 1))
+    assert path == tmp_path / "ckpt" / "step_000002" and notes == [f"resume: from {path}"]
+    with pytest.raises(ValueError, match="lr: checkpoint 0.0003, now 0.1"):
+        start_run(tmp_path, {**CFG, "resume": True, "lr": 0.1}, (1, 1, 1))
+    assert start_run(tmp_path, {**fresh, "overwrite": True}, (1, 1, 1))[0] is None
+    with pytest.raises(NoCheckpointError, match="--resume: no valid checkpoint"):  # --overwrite deleted them
+        start_run(tmp_path, {**CFG, "resume": True}, (1, 1, 1))
