@@ -10,7 +10,8 @@
    with fixed pseudo-random odd weights w_i, and one all_gather of that 8-byte number per rank compares them. Cost
    per step: hashing O(S) ints on the host, one tiny collective (cp * 8 bytes) and one host sync (reading the
    result); nothing inside the ring. Measured on gloo, 2-4 processes sharing 2 CPU cores: hash 0.1-1.2 ms, hash +
-   collective + check 2-11 ms per step (S = 64..1024 sequences, 2..8 micro-batches), against training steps of
+   collective + check 1-11 ms per step (S = 64..1024 sequences, 2..8 micro-batches; bench/bench_consistency.py),
+   against training steps of
    seconds. On NCCL it is one latency-bound 8-byte all_gather (not measured here). A change at a single position
    always changes f (w_i is odd, so d * w_i = 0 mod 2^64 needs d = 0 mod 2^64); other changes collide with
    probability about 2^-64.
