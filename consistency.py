@@ -11,10 +11,9 @@
    per step: hashing O(S) ints on the host, one tiny collective (cp * 8 bytes) and one host sync (reading the
    result); nothing inside the ring. Measured on gloo, 2-4 processes sharing 2 CPU cores: hash 0.1-1.2 ms, hash +
    collective + check 1-11 ms per step (S = 64..1024 sequences, 2..8 micro-batches; bench/bench_consistency.py),
-   against training steps of
-   seconds. On NCCL it is one latency-bound 8-byte all_gather (not measured here). A change at a single position
-   always changes f (w_i is odd, so d * w_i = 0 mod 2^64 needs d = 0 mod 2^64); other changes collide with
-   probability about 2^-64.
+   against training steps of seconds. On NCCL it is one latency-bound 8-byte all_gather (not measured here). A
+   change at a single position always changes f (w_i is odd, so d * w_i = 0 mod 2^64 needs d = 0 mod 2^64); other
+   changes collide with probability about 2^-64.
 2. Finite attention inputs. NaN or inf in q, k or v turns whole rows into NaN with no word. check_finite names the
    tensor, how many values and the first bad row; it reads the tensor back (a host sync), so it is for debug runs.
 
