@@ -1,11 +1,14 @@
 """Lossless batched speculative sampling (chain drafts): a draft proposes k tokens, the policy verifies k+1 at once.
 
-One step per row, with p the policy's and q the draft's next-token distributions, both at temperature tau:
-  1. draft:   d_j ~ q_j(. | x, d_<j)                 j = 1..k       (k cheap draft forwards, the draft's own KV cache)
+`generate` is a short driver over named steps: `prefill` (one policy forward over the prompts, the first token, the
+draft's trunk over the prompt), then until every row is done `compact` (drop finished rows) and, per step and row, with
+p the policy's and q the draft's next-token distributions, both at temperature tau:
+  1. propose: d_j ~ q_j(. | x, d_<j)                 j = 1..k       (k cheap draft forwards, the draft's own KV cache)
   2. verify:  p_1..p_{k+1} from ONE policy forward over [x_t, d_1..d_k] (its KV cache; taps for the draft come free)
   3. accept:  d_j with probability min(1, p_j(d_j) / q_j(d_j)), left to right; n = number accepted before the first
               rejection; then y ~ norm(max(p_{n+1} - q_{n+1}, 0)) (residual), or y ~ p_{k+1} when n = k (bonus)
   4. commit:  d_1..d_n, y; roll both KV caches back past the rejected entries (rows advance by different amounts)
+and `finish` truncates each row at EOS / max_new_tokens.
 Every emitted token is distributed exactly as policy sampling [Leviathan et al. 2023; Chen et al. 2023]; tau = 0 is
 greedy (accept iff d_j = argmax p_j) and reproduces plain greedy decoding token for token. The acceptance length is
 the number of generated tokens per policy forward, bonus included (1.0 = no speedup). The log-probs returned for GRPO
