@@ -31,6 +31,8 @@ import shutil
 import warnings
 from pathlib import Path
 
+import torch.distributed as dist
+
 from checkpoint import TMP, step_dirs, code_version, latest_checkpoint, read_manifest
 
 RESULTS = ("metrics.jsonl", "summary.json", "train.png")  # what train.py writes into <out> besides ckpt/
@@ -164,13 +166,22 @@ _RAISE = {"NoCheckpointError": NoCheckpointError, "FileExistsError": FileExistsE
           "FileNotFoundError": FileNotFoundError, "ValueError": ValueError, "OSError": OSError}
 
 
+def _from_rank0(obj):
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def start_run(out_dir, config: dict, mesh: tuple, *, rank: int = 0, share=None) -> tuple[Path | None, list[str]]:
     """Apply the rules above before the run writes anything: -> (checkpoint to load or None, notes to print).
 
     config: asdict(cfg) (its `resume` and `overwrite` fields choose the case); mesh: (pp, cp, dp), (1, 1, 1) for one
-    process. Rank 0 does the work (it alone hashes checkpoints and moves files); `share(obj)` must return rank 0's
-    obj on every rank (e.g. a dist.broadcast_object_list of one item; None with one process). Every rank then returns
-    the same path, or raises the same error (NoCheckpointError, FileExistsError, ValueError) -- a collective."""
+    process. Rank 0 does the work (it alone hashes checkpoints and moves files) and `share(obj)` hands its verdict to
+    every rank (default: a broadcast from rank 0 when torch.distributed runs with world > 1, else nothing to share).
+    Every rank then returns the same path, or raises the same error (NoCheckpointError, FileExistsError, ValueError,
+    OSError): a collective when world > 1."""
+    if share is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        share = _from_rank0
     verdict = None
     if rank == 0:
         try:
