@@ -259,11 +259,12 @@ def _drop_later(folder: Path, step: int) -> None:
     before them, so they are another history (an older run in the same folder, or a continuation this run abandoned
     by resuming earlier); left in place, the next --resume would pick them up. Done before the new save commits, so
     no crash can leave a later stale checkpoint beside this run's."""
-    for s, p in step_dirs(folder):
-        if s > step:
-            warnings.warn(f"deleting {p}: a checkpoint of step {s} > {step}, from another history than this run's",
-                          stacklevel=3)
-            _remove(p)
+    later = sorted((s, p) for s, p in step_dirs(folder) if s > step)
+    if later:
+        warnings.warn(f"deleting the checkpoints of steps {', '.join(str(s) for s, _ in later)} > {step} in {folder}: "
+                      "another history than this run's", stacklevel=3)
+    for _, p in later:
+        _remove(p)
 
 
 def _prune(folder: Path, step: int, keep_last: int) -> None:

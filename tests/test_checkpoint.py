@@ -184,7 +184,7 @@ def test_pruning_keeps_the_newest_and_never_the_new_one(tmp_path):
     for s in range(1, 6):
         _save(tmp_path, s, keep_last=2)
     assert _steps(tmp_path) == [4, 5]
-    with pytest.warns(UserWarning, match="deleting .*step_000005: a checkpoint of step 5 > 3"):
+    with pytest.warns(UserWarning, match="deleting the checkpoints of steps 4, 5 > 3 in "):
         _save(tmp_path, 3, keep_last=None)  # keep all: still only steps up to the new one are kept
     assert _steps(tmp_path) == [3]
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
@@ -197,7 +197,7 @@ def test_a_save_deletes_checkpoints_of_later_steps_so_resume_never_picks_them(tm
         _save(tmp_path, s, keep_last=None)
     (tmp_path / ".tmp-step_000008").mkdir()  # and an interrupted save of the older run
     for keep in (None, 1):
-        with pytest.warns(UserWarning, match=r"deleting .*step_000007: a checkpoint of step 7 > 4, from another"):
+        with pytest.warns(UserWarning, match=r"deleting the checkpoints of steps 5, 6, 7 > 4 in .*: another history"):
             new = save_checkpoint(tmp_path, 4, states={"w": {"x": torch.zeros(1)}}, rng=capture_rng(), keep_last=keep)
         assert _steps(tmp_path) == [4] and latest_checkpoint(tmp_path) == new
         assert torch.equal(load_checkpoint(new)["states"]["w"]["x"], torch.zeros(1))
