@@ -331,3 +331,13 @@ def test_start_run_gives_every_rank_the_same_checkpoint_or_the_same_error(tmp_pa
     assert start_run(tmp_path, {**fresh, "overwrite": True}, (1, 1, 1))[0] is None
     with pytest.raises(NoCheckpointError, match="--resume: no valid checkpoint"):  # --overwrite deleted them
         start_run(tmp_path, {**CFG, "resume": True}, (1, 1, 1))
+
+
+def test_a_checkpoint_of_the_old_unsafe_format_is_skipped_by_name_and_resume_stops(tmp_path):
+    path = _save(tmp_path / "ckpt", 3, config=CFG, mesh=(1, 1, 1))
+    m = json.loads((path / "MANIFEST.json").read_text())
+    (path / "MANIFEST.json").write_text(json.dumps({**m, "format": "cospec-checkpoint/1"}))
+    with pytest.warns(UserWarning, match=r"skipping checkpoint .*step_000003: unreadable MANIFEST.json .*format "
+                                         r"'cospec-checkpoint/1', expected 'cospec-checkpoint/2'"):
+        with pytest.raises(NoCheckpointError, match="its 1 checkpoint.s. are damaged or incomplete"):
+            checkpoint_to_resume(tmp_path / "ckpt")
