@@ -94,7 +94,7 @@ class Config:
     def __post_init__(self):
         """Every field against its row of CHECKS (all failures in one error), then the checks across the mode."""
         types = {f.name: f.type for f in dataclasses.fields(self)}
-        bad = [_problem(k, getattr(self, k), _TYPE_CHECKS[t]) for k, t in types.items()]
+        bad = [_problem(k, getattr(self, k), _TYPE_CHECKS[t]) for k, t in types.items() if t in _TYPE_CHECKS]
         bad = [e for e in bad if e] or [_problem(k, getattr(self, k), CHECKS[k], self) for k in types if k in CHECKS]
         if any(bad):
             raise ValueError("; ".join(e for e in bad if e))
@@ -114,7 +114,6 @@ class Config:
     def hf_mode(self) -> bool:
         """--model names a directory (an HF checkpoint) rather than a model.ModelConfig preset."""
         return self.model not in MODEL_PRESETS and os.path.isdir(self.model)
-
 
 
 # ---- every field checked: one row per field, (test(value, cfg), what is expected) ----
