@@ -55,6 +55,7 @@ class DraftConfig:
     draft_vocab_size: Optional[int] = None  # None -> the full target vocabulary
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096  # the target's (the serving config must cover its context)
 
     def __post_init__(self):
         self.tap_layers = check_tap_layers(self.tap_layers, self.target_num_layers)
@@ -143,7 +144,7 @@ class Eagle3Draft(nn.Module):
                           num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
                           head_dim=c.head_dim, tap_layers=taps, target_num_layers=c.num_hidden_layers,
                           draft_vocab_size=None if ids is None else ids.numel(), rms_norm_eps=c.rms_norm_eps,
-                          rope_theta=c.rope_theta)
+                          rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings)
         embed = target if embed is None else embed
         if isinstance(embed, Transformer) and not hasattr(embed.model, "embed_tokens"):
             raise ValueError("embed: this pipeline stage has no input embedding; pass the policy's embedding weight")
@@ -345,6 +346,12 @@ class Eagle3Draft(nn.Module):
             tmp = os.path.join(path, f".{name}.tmp")
             write(tmp)
             os.replace(tmp, os.path.join(path, name))  # each file lands atomically
+
+    def export(self, path: str, *, dtype=torch.bfloat16):
+        """The serving format vLLM's and SGLang's LlamaForCausalLMEagle3 load (export.py): config.json +
+        model.safetensors, floats in `dtype`, written atomically. Needs exactly 3 taps, none on the last layer."""
+        from export import export_draft  # export.py reads a draft; the draft does not need it to train
+        export_draft(self, path, dtype=dtype)
 
     @classmethod
     def load(cls, path: str, embed) -> "Eagle3Draft":
