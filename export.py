@@ -15,8 +15,9 @@ commits in the README): vLLM's top-level `eagle_aux_hidden_state_layer_ids` = ta
 *entering* layer i, so the last layer's output cannot be captured), SGLang's `eagle_config.
 eagle_aux_hidden_state_layer_ids` = tap (it adds the one itself). cospec's tap t is the output of layer t (0-indexed).
 
+    draft.export(path)                                    # the draft alone (Eagle3Draft.export calls export_draft)
     write_servables(out, policy, draft, tokenizer_dir)    # <out>/policy/ (HF checkpoint) + <out>/draft/ (this export)
-    python export.py OUT                                   # exports a random `tiny` policy + draft, prints the config
+    python export.py runs/default/draft                   # reads an export back and checks it as the engines load it
 
 Each directory lands atomically: written under a temporary sibling name, then renamed into place (a reader sees the
 old directory or the new one, never half of one; between the two renames the path is briefly absent).
@@ -149,13 +150,42 @@ def atomic_dir(path: str, write):
     shutil.rmtree(old, ignore_errors=True)
 
 
+def check_export(path: str) -> dict:
+    """Read an exported draft back and check it the way the engines will load it: the architecture, exactly the
+    WEIGHTS names with their shapes, bf16/fp floats, int64 d2t mapping into the target vocabulary, t2d its image, 3 aux
+    ids in both conventions. Returns the config."""
+    from safetensors.torch import load_file
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    if cfg.get("architectures") != [ARCHITECTURE]:
+        raise ValueError(f"{path}: architectures={cfg.get('architectures')}, expected [{ARCHITECTURE!r}]")
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    H, Vd, V, D = cfg["hidden_size"], cfg["draft_vocab_size"], cfg["vocab_size"], cfg["head_dim"]
+    shapes = {"fc.weight": (H, NUM_AUX * cfg["target_hidden_size"]), "lm_head.weight": (Vd, H), "norm.weight": (H,),
+              "midlayer.self_attn.q_proj.weight": (cfg["num_attention_heads"] * D, 2 * H),
+              "midlayer.self_attn.k_proj.weight": (cfg["num_key_value_heads"] * D, 2 * H), "d2t": (Vd,), "t2d": (V,)}
+    problems = [f"weights {sorted(set(sd) ^ set(WEIGHTS))} differ from {ARCHITECTURE}'s"] * (set(sd) != set(WEIGHTS))
+    problems += [f"{k} has shape {tuple(sd[k].shape)}, expected {s}" for k, s in shapes.items()
+                 if k in sd and tuple(sd[k].shape) != s]
+    if "d2t" in sd and "t2d" in sd and not problems:
+        ids = torch.arange(Vd) + sd["d2t"]
+        if sd["d2t"].dtype != torch.int64 or int(ids.min()) < 0 or int(ids.max()) >= V or ids.unique().numel() != Vd:
+            problems.append("d2t: expected int64 offsets to distinct target ids")
+        elif not torch.equal(sd["t2d"], torch.zeros(V, dtype=torch.bool).index_fill(0, ids, True)):
+            problems.append("t2d: expected exactly the target ids d2t maps to")
+    v_ids, s_ids = cfg.get("eagle_aux_hidden_state_layer_ids"), cfg.get("eagle_config", {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    if not (isinstance(s_ids, list) and len(s_ids) == NUM_AUX and v_ids == vllm_aux_ids(s_ids)):
+        problems.append(f"aux ids: vLLM {v_ids} must be SGLang's {s_ids} + 1, {NUM_AUX} of them")
+    if problems:
+        raise ValueError(f"{path}: not a servable EAGLE-3 draft: " + "; ".join(problems))
+    return cfg
+
+
 if __name__ == "__main__":
-    from draft import Eagle3Draft
-    from model import ModelConfig, Transformer
     if len(sys.argv) != 2:
-        sys.exit("usage: python export.py OUT_DIR")
-    torch.manual_seed(0)
-    target = Transformer(ModelConfig.preset("tiny"))
-    write_servables(sys.argv[1], target, Eagle3Draft.from_target(target))
-    print(open(os.path.join(sys.argv[1], "draft", "config.json")).read())
-    print(f"wrote {sys.argv[1]}/policy and {sys.argv[1]}/draft")
+        sys.exit("usage: python export.py DRAFT_DIR     # checks an exported draft (e.g. runs/<name>/draft)")
+    c = check_export(sys.argv[1])
+    print(f"{sys.argv[1]}: {ARCHITECTURE}, H={c['hidden_size']}, draft vocab {c['draft_vocab_size']} of "
+          f"{c['vocab_size']}, aux ids vLLM {c['eagle_aux_hidden_state_layer_ids']} / SGLang "
+          f"{c['eagle_config']['eagle_aux_hidden_state_layer_ids']}, {c['torch_dtype']}: ok")

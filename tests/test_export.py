@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import export
 from draft import Eagle3Draft
@@ -169,6 +169,17 @@ def test_bf16_export_dtypes_and_shapes(tmp_path):
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == taps
     assert torch.equal(W["lm_head.weight"], draft.lm_head.weight.detach().to(torch.bfloat16))
     assert torch.equal(W["d2t"] + torch.arange(40), torch.arange(10, 50))
+    assert export.check_export(str(tmp_path / "draft")) == cfg
+
+
+def test_check_export_names_what_is_wrong(tmp_path):
+    _, draft = _pair()
+    draft.export(str(tmp_path / "d"))
+    sd = load_file(str(tmp_path / "d" / "model.safetensors"))
+    sd["midlayers.0.fc.weight"] = sd.pop("fc.weight")  # a name SGLang would silently ignore
+    save_file(sd, str(tmp_path / "d" / "model.safetensors"))
+    with pytest.raises(ValueError, match="fc.weight"):
+        export.check_export(str(tmp_path / "d"))
 
 
 def test_unexportable_taps_are_clear_errors(tmp_path):
@@ -195,6 +206,7 @@ def test_write_servables_layout_and_overwrite(tmp_path):
     with open(tmp_path / "out" / "draft" / "config.json") as f:
         cfg = json.load(f)
     assert cfg["max_position_embeddings"] == policy.cfg.max_position_embeddings
+    export.check_export(str(tmp_path / "out" / "draft"))
     with pytest.raises(ValueError, match="whole model"):
         export.write_servables(str(tmp_path / "x"), Transformer(policy.cfg, layers=(0, 2)), draft)
     with pytest.raises(ValueError, match="tokenizer_dir"):
