@@ -58,6 +58,7 @@ class Config:
     draft_lam: float = 1.0  # total = L_policy + draft_lam * L_draft
     draft_grad_clip: float = 1.0
     ttt_passes: int = 3
+    draft_vocab: int = 0  # N > 0: the draft names only the N most frequent response tokens of its warm-up (0 = full)
     # RL
     steps: int = 30
     prompts_per_step: int = 32  # 8 prompts x 8 samples per step left the GRPO update mostly noise
@@ -102,6 +103,7 @@ class Config:
                   ("eval_fraction", 0 < self.eval_fraction < 1), ("max_prompt_tokens", self.max_prompt_tokens >= 1),
                   ("sft_steps", self.sft_steps >= 1), ("draft_warmup_steps", self.draft_warmup_steps >= 0),
                   ("draft_warmup_lr", self.draft_warmup_lr > 0), ("draft_lr", self.draft_lr > 0),
+                  ("draft_vocab", self.draft_vocab >= 0),
                   ("draft_warmup_batch", 1 <= self.draft_warmup_batch <= self.draft_warmup_pool)]
         for key, ok in checks:
             if not ok:

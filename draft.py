@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 
 import branch_mask
 from branch_mask import cp_shift, pad_for_cp, shift_packed, zigzag_shard
+from draft_vocab import maps as draft_vocab_maps
 from model import (EMBED_TAP, MLP, Attention, KVCache, ModelConfig, RMSNorm, Transformer, at_least_f32,
                    check_tap_layers, default_tap_layers, rope_cos_sin)
 from ring import as_ring
@@ -126,7 +127,8 @@ class Eagle3Draft(nn.Module):
     def from_target(cls, target: Transformer, *, tap_layers=None, draft_vocab=None, intermediate_size=None,
                     embed=None) -> "Eagle3Draft":
         """A draft matched to `target`: its head config, taps (default `default_tap_layers(n)`), LM head and final norm
-        copied from the policy's (rows of `draft_vocab`, a 1-D tensor of target ids, when the vocabulary is reduced),
+        copied from the policy's (rows of `draft_vocab`, a 1-D tensor of target ids, when the vocabulary is reduced:
+        draft_vocab.select_draft_vocab picks them),
         the embedding shared (`embed` overrides it on a pipeline stage that lacks one)."""
         if not target.is_last:
             raise ValueError("target: needs the last pipeline stage (the LM head initialises the draft's)")
@@ -158,9 +160,9 @@ class Eagle3Draft(nn.Module):
                 draft.lm_head.weight.copy_(w)
             else:
                 draft.lm_head.weight.copy_(w[ids])
-                draft.d2t.copy_(ids - torch.arange(ids.numel()))
-                draft.t2d.zero_()
-                draft.t2d[ids] = True
+                d2t, t2d = draft_vocab_maps(ids.to(p.device), c.vocab_size)
+                draft.d2t.copy_(d2t)
+                draft.t2d.copy_(t2d)
         return draft
 
     # -- the shared pieces -----------------------------------------------------------------------------------------
