@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 import task
+from logger import parse_backends
 from model import PRESETS as MODEL_PRESETS
 from rl_loop import GRPOConfig
 
@@ -86,6 +87,7 @@ class Config:
     schedule: str = "1f1b"  # pipeline.SCHEDULES
     # checkpoints (checkpoint.py): every ckpt_every steps into <out>/ckpt (0: never); --resume continues the latest
     ckpt_every: int = 0
+    log: str = "jsonl"  # comma list: metrics.jsonl always, plus "tensorboard" (<out>/tb) and/or "wandb" (offline)
     resume: bool = False
     dist_timeout: int = 1800  # seconds any collective may wait (a dead or stuck rank fails the job instead of hanging)
 
@@ -108,6 +110,7 @@ class Config:
         for key, ok in checks:
             if not ok:
                 raise ValueError(f"{key}={getattr(self, key)!r} is out of range")
+        parse_backends(self.log)  # names the unknown backend
         GRPOConfig(loss_norm=self.loss_norm, eps_low=self.eps_low, eps_high=self.eps_high)  # validates those keys
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda': CUDA is not available here (use --device=auto or --device=cpu)")
