@@ -41,7 +41,10 @@ class Config:
     # policy and SFT warm-up. HF mode: --model=DIR (an HF checkpoint directory: Llama / Qwen2 / Qwen3 + tokenizer.json)
     # with --data=prompts.jsonl: the checkpoint as the policy (no SFT), its tokenizer, a math-answer reward (hf_task.py)
     model: str = "mini"  # model.ModelConfig preset (vocab_size is the task's), or an HF checkpoint directory
-    data: str = ""  # HF mode: jsonl with "prompt" and "answer" fields
+    data: str = ""  # HF mode: jsonl or parquet, a prompt and an answer per row (hf_data.py)
+    prompt_key: str = "prompt"  # HF mode: the row's prompt field (a string, or a chat: [{"role", "content"}, ...])
+    answer_key: str = "answer"  # HF mode: the answer field; a dotted key reaches in (reward_model.ground_truth)
+    chat_template: str = ""  # HF mode, chat prompts: "" the checkpoint's template, a file or a Jinja string, or "none"
     eval_fraction: float = 0.1  # HF mode: share of the distinct prompts held out for eval
     max_prompt_tokens: int = 1024  # HF mode: longer prompts are dropped at load time
     max_new_tokens: int = 0  # response budget; 0: the task's own (built-in: its longest well-formed response; HF: 256)
@@ -118,10 +121,11 @@ class Config:
             if not os.path.isfile(os.path.join(self.model, "config.json")):
                 raise ValueError(f"model={self.model!r}: the directory has no config.json (expected an HF checkpoint)")
             if not self.data:
-                raise ValueError(f"model={self.model!r} is an HF checkpoint: HF mode needs --data=prompts.jsonl "
-                                 "(one {\"prompt\": ..., \"answer\": ...} per line)")
+                raise ValueError(f"model={self.model!r} is an HF checkpoint: HF mode needs --data=prompts.jsonl or "
+                                 ".parquet (a prompt and an answer per row)")
             if not os.path.isfile(self.data):
-                raise ValueError(f"data={self.data!r}: no such file (expected jsonl with 'prompt' and 'answer')")
+                raise ValueError(f"data={self.data!r}: no such file (expected jsonl or parquet with a prompt and an "
+                                 "answer per row)")
         else:
             if self.model not in MODEL_PRESETS:
                 raise ValueError(f"model={self.model!r}: expected a preset {sorted(MODEL_PRESETS)} or an HF checkpoint "
