@@ -50,3 +50,10 @@ def test_warm_draft_builds_a_reduced_vocabulary_from_the_policys_responses(tmp_p
     assert loaded and torch.equal(again.d2t, draft.d2t)  # cached under a key that includes draft_vocab
     full, loaded = warmup.warm_draft(policy, tsk, **kw)
     assert not loaded and full.cfg.draft_vocab_size == policy.cfg.vocab_size
+
+
+def test_config_draft_vocab_is_checked():
+    from config import parse_args
+    assert parse_args([]).draft_vocab == 0 and parse_args(["--draft_vocab=12"]).draft_vocab == 12
+    with pytest.raises(ValueError, match="draft_vocab=-1"):
+        parse_args(["--draft_vocab=-1"])

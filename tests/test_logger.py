@@ -50,3 +50,10 @@ def test_tensorboard_gets_the_same_numbers(tmp_path):
                     "eval/accept_cotrained"}
     ev = ea.Scalars("train/time/rollout")[0]
     assert ev.step == 1 and ev.value == pytest.approx(1.5)
+
+
+def test_config_log_is_checked():
+    from config import parse_args
+    assert parse_args(["--log=jsonl,tensorboard"]).log == "jsonl,tensorboard"
+    with pytest.raises(ValueError, match="log='tb'"):
+        parse_args(["--log=tb"])
