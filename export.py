@@ -108,11 +108,22 @@ def export_draft(draft, path: str, *, dtype=torch.bfloat16, max_position_embeddi
     atomic_dir(path, write)
 
 
-def write_servables(out_dir: str, policy, draft, tokenizer_dir: str | None = None, *, dtype=torch.bfloat16):
+def write_servables(out_dir: str, policy, draft, tokenizer_dir: str | None = None, *, dtype=torch.bfloat16,
+                    require_draft: bool = True) -> dict:
     """<out_dir>/policy/: the policy as an HF checkpoint (hf_io.save_pretrained, the policy's own dtype) plus, in HF
     mode, the tokenizer files of `tokenizer_dir` (the checkpoint the run started from); <out_dir>/draft/: the export.
-    `policy` must be whole (re-assembled from the pipeline stages) and `draft` the rollout draft. Call on one rank."""
+    `policy` must be whole (re-assembled from the pipeline stages) and `draft` the rollout draft. Call on one rank.
+    A draft the engines cannot load (a policy under 4 layers: fewer than 3 taps) is an error, or with
+    require_draft=False is skipped (no draft/ directory). Returns {"policy": path, "draft": path or None, "skipped":
+    None or why}."""
     from hf_io import save_pretrained  # here, not at the top: the draft export needs no policy code
+    try:
+        check_exportable(draft.cfg.tap_layers, draft.cfg.target_num_layers)
+        skipped = None
+    except ValueError as e:
+        if require_draft:
+            raise
+        skipped = str(e)
     if policy.layer_range != (0, policy.cfg.num_hidden_layers):
         raise ValueError("policy: needs the whole model (re-assemble the pipeline stages first), got layers "
                          f"{policy.layer_range} of {policy.cfg.num_hidden_layers}")
@@ -129,8 +140,11 @@ def write_servables(out_dir: str, policy, draft, tokenizer_dir: str | None = Non
             if os.path.isfile(os.path.join(tokenizer_dir, name)):
                 shutil.copy2(os.path.join(tokenizer_dir, name), os.path.join(tmp, name))
     atomic_dir(os.path.join(out_dir, "policy"), write_policy)
+    if skipped:
+        return {"policy": os.path.join(out_dir, "policy"), "draft": None, "skipped": skipped}
     export_draft(draft, os.path.join(out_dir, "draft"), dtype=dtype,
                  max_position_embeddings=policy.cfg.max_position_embeddings)
+    return {"policy": os.path.join(out_dir, "policy"), "draft": os.path.join(out_dir, "draft"), "skipped": None}
 
 
 def atomic_dir(path: str, write):

@@ -211,6 +211,13 @@ def test_write_servables_layout_and_overwrite(tmp_path):
         export.write_servables(str(tmp_path / "x"), Transformer(policy.cfg, layers=(0, 2)), draft)
     with pytest.raises(ValueError, match="tokenizer_dir"):
         export.write_servables(str(tmp_path / "x"), policy, draft, tokenizer_dir=str(tmp_path))
+    small, _ = _pair(n_layers=3)  # 2 taps: the policy is servable, the draft is not
+    small_draft = Eagle3Draft.from_target(small)
+    with pytest.raises(ValueError, match="exactly 3"):
+        export.write_servables(str(tmp_path / "s"), small, small_draft)
+    got = export.write_servables(str(tmp_path / "s"), small, small_draft, require_draft=False)
+    assert got["draft"] is None and "exactly 3" in got["skipped"]
+    assert sorted(os.listdir(tmp_path / "s")) == ["policy"]
 
 
 def test_write_servables_copies_the_tokenizer_in_hf_mode(tmp_path):
