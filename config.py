@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from logger import BACKENDS, parse_backends
 from model import PRESETS as MODEL_PRESETS
 from pipeline import SCHEDULES
 from rl_loop import LOSS_NORMS
@@ -42,7 +43,10 @@ class Config:
     # policy and SFT warm-up. HF mode: --model=DIR (an HF checkpoint directory: Llama / Qwen2 / Qwen3 + tokenizer.json)
     # with --data=prompts.jsonl: the checkpoint as the policy (no SFT), its tokenizer, a math-answer reward (hf_task.py)
     model: str = "mini"  # model.ModelConfig preset (vocab_size is the task's), or an HF checkpoint directory
-    data: str = ""  # HF mode: jsonl with "prompt" and "answer" fields
+    data: str = ""  # HF mode: jsonl or parquet, a prompt and an answer per row (hf_data.py)
+    prompt_key: str = "prompt"  # HF mode: the row's prompt field (a string, or a chat: [{"role", "content"}, ...])
+    answer_key: str = "answer"  # HF mode: the answer field; a dotted key reaches in (reward_model.ground_truth)
+    chat_template: str = ""  # HF mode, chat prompts: "" the checkpoint's template, a file or a Jinja string, or "none"
     eval_fraction: float = 0.1  # HF mode: share of the distinct prompts held out for eval
     max_prompt_tokens: int = 1024  # HF mode: longer prompts are dropped at load time
     max_new_tokens: int = 0  # response budget; 0: the task's own (built-in: its longest well-formed response; HF: 256)
@@ -60,6 +64,7 @@ class Config:
     draft_lam: float = 1.0  # total = L_policy + draft_lam * L_draft
     draft_grad_clip: float = 1.0
     ttt_passes: int = 3
+    draft_vocab: int = 0  # N > 0: the draft names only the N most frequent response tokens of its warm-up (0 = full)
     # RL
     steps: int = 30
     prompts_per_step: int = 32  # 8 prompts x 8 samples per step left the GRPO update mostly noise
@@ -87,6 +92,7 @@ class Config:
     schedule: str = "1f1b"  # pipeline.SCHEDULES
     # checkpoints (checkpoint.py): every ckpt_every steps into <out>/ckpt (0: never); --resume continues the latest
     ckpt_every: int = 0
+    log: str = "jsonl"  # comma list: metrics.jsonl always, plus "tensorboard" (<out>/tb) and/or "wandb" (offline)
     resume: bool = False
     overwrite: bool = False  # a fresh run into an <out> whose ckpt/ holds checkpoints deletes them (resume_policy.py)
     dist_timeout: int = 1800  # seconds any collective may wait (a dead or stuck rank fails the job instead of hanging)
@@ -105,7 +111,7 @@ class Config:
                 raise ValueError(f"model={self.model!r}: the directory has no config.json (expected an HF checkpoint)")
             if not self.data:
                 raise ValueError(f"model={self.model!r} is an HF checkpoint: HF mode needs --data=prompts.jsonl "
-                                 "(one {\"prompt\": ..., \"answer\": ...} per line)")
+                                 "or .parquet (a prompt and an answer per row)")
         elif self.data:
             raise ValueError(f"data={self.data!r}: prompts from a file need --model=<HF checkpoint directory> "
                              "(the built-in task generates its own)")
@@ -153,7 +159,12 @@ CHECKS = {
     "format_weight":      at_least(0),
     "model":              ((lambda v, c: v in MODEL_PRESETS or os.path.isdir(v)),
                            f"a preset ({', '.join(sorted(MODEL_PRESETS))}) or an HF checkpoint directory"),
-    "data":               ((lambda v, c: v == "" or os.path.isfile(v)), "'' or a jsonl file with prompt and answer"),
+    "data":               ((lambda v, c: v == "" or os.path.isfile(v)),
+                           "'' or a jsonl / parquet file with a prompt and an answer per row"),
+    "prompt_key":         ((lambda v, c: v != ""), "a field name (non-empty)"),
+    "answer_key":         ((lambda v, c: v != ""), "a field name (non-empty)"),
+    "chat_template":      ((lambda v, c: v == "" or v == "none" or os.path.isfile(v) or "{" in v),
+                           "'' (the checkpoint's), 'none', a template file or a Jinja string"),
     "eval_fraction":      ((lambda v, c: 0 < v < 1), "in (0, 1)"),
     "max_prompt_tokens":  at_least(1),
     "max_new_tokens":     ((lambda v, c: v >= 0), ">= 0 (0 = the task's own)"),
@@ -163,6 +174,7 @@ CHECKS = {
     "cold_start":         FLAG,
     "cold_arm":           FLAG,
     "draft_warmup_steps": at_least(0),
+    "draft_vocab":        ((lambda v, c: v >= 0), ">= 0 (0 = the full vocabulary)"),
     "draft_warmup_batch": ((lambda v, c: 1 <= v <= c.draft_warmup_pool), "in [1, draft_warmup_pool={draft_warmup_pool}]"),
     "draft_warmup_lr":    above(0),
     "draft_warmup_pool":  at_least(1),
@@ -194,10 +206,19 @@ CHECKS = {
     "dp":                 ((lambda v, c: v >= 0), ">= 0 (0 = world / (pp * cp))"),
     "schedule":           one_of(*SCHEDULES),
     "ckpt_every":         ((lambda v, c: v >= 0), ">= 0 (0 = never)"),
+    "log":                ((lambda v, c: _backends_ok(v)), f"a comma list of {', '.join(BACKENDS)}"),
     "resume":             FLAG,
     "overwrite":          ((lambda v, c: not (v and c.resume)), "false with --resume (a resume keeps the run's files)"),
     "dist_timeout":       at_least(1),
 }
+
+def _backends_ok(spec: str) -> bool:
+    try:
+        parse_backends(spec)
+        return True
+    except ValueError:
+        return False
+
 
 _TYPE_CHECKS = {
     "int":   ((lambda v, c: isinstance(v, int) and not isinstance(v, bool)), "an integer"),

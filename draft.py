@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 
 import branch_mask
 from branch_mask import cp_shift, pad_for_cp, shift_packed, zigzag_shard
+from draft_vocab import maps as draft_vocab_maps
 from model import (EMBED_TAP, MLP, Attention, KVCache, ModelConfig, RMSNorm, Transformer, at_least_f32,
                    check_tap_layers, default_tap_layers, rope_cos_sin)
 from ring import as_ring
@@ -55,6 +56,7 @@ class DraftConfig:
     draft_vocab_size: Optional[int] = None  # None -> the full target vocabulary
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096  # the target's (the serving config must cover its context)
 
     def __post_init__(self):
         self.tap_layers = check_tap_layers(self.tap_layers, self.target_num_layers)
@@ -125,7 +127,8 @@ class Eagle3Draft(nn.Module):
     def from_target(cls, target: Transformer, *, tap_layers=None, draft_vocab=None, intermediate_size=None,
                     embed=None) -> "Eagle3Draft":
         """A draft matched to `target`: its head config, taps (default `default_tap_layers(n)`), LM head and final norm
-        copied from the policy's (rows of `draft_vocab`, a 1-D tensor of target ids, when the vocabulary is reduced),
+        copied from the policy's (rows of `draft_vocab`, a 1-D tensor of target ids, when the vocabulary is reduced:
+        draft_vocab.select_draft_vocab picks them),
         the embedding shared (`embed` overrides it on a pipeline stage that lacks one)."""
         if not target.is_last:
             raise ValueError("target: needs the last pipeline stage (the LM head initialises the draft's)")
@@ -143,7 +146,7 @@ class Eagle3Draft(nn.Module):
                           num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
                           head_dim=c.head_dim, tap_layers=taps, target_num_layers=c.num_hidden_layers,
                           draft_vocab_size=None if ids is None else ids.numel(), rms_norm_eps=c.rms_norm_eps,
-                          rope_theta=c.rope_theta)
+                          rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings)
         embed = target if embed is None else embed
         if isinstance(embed, Transformer) and not hasattr(embed.model, "embed_tokens"):
             raise ValueError("embed: this pipeline stage has no input embedding; pass the policy's embedding weight")
@@ -157,9 +160,9 @@ class Eagle3Draft(nn.Module):
                 draft.lm_head.weight.copy_(w)
             else:
                 draft.lm_head.weight.copy_(w[ids])
-                draft.d2t.copy_(ids - torch.arange(ids.numel()))
-                draft.t2d.zero_()
-                draft.t2d[ids] = True
+                d2t, t2d = draft_vocab_maps(ids.to(p.device), c.vocab_size)
+                draft.d2t.copy_(d2t)
+                draft.t2d.copy_(t2d)
         return draft
 
     # -- the shared pieces -----------------------------------------------------------------------------------------
@@ -345,6 +348,12 @@ class Eagle3Draft(nn.Module):
             tmp = os.path.join(path, f".{name}.tmp")
             write(tmp)
             os.replace(tmp, os.path.join(path, name))  # each file lands atomically
+
+    def export(self, path: str, *, dtype=torch.bfloat16):
+        """The serving format vLLM's and SGLang's LlamaForCausalLMEagle3 load (export.py): config.json +
+        model.safetensors, floats in `dtype`, written atomically. Needs exactly 3 taps, none on the last layer."""
+        from export import export_draft  # export.py reads a draft; the draft does not need it to train
+        export_draft(self, path, dtype=dtype)
 
     @classmethod
     def load(cls, path: str, embed) -> "Eagle3Draft":

@@ -1,9 +1,10 @@
-"""HF mode data: prompts from a jsonl file, an HF checkpoint's own tokenizer, and a verifiable math-answer reward.
+"""HF mode task: prompts from a jsonl / parquet file, an HF checkpoint's own tokenizer, a verifiable math reward.
 
 The built-in task (task.py) brings its own tiny tokenizer and problem generator; with a real checkpoint the prompts come
 from a file and the tokens from the checkpoint's tokenizer.json (the `tokenizers` library, no transformers needed).
-Each jsonl line is {"prompt": "...", "answer": "..."}; the prompt is fed as plain text -- no chat template is applied,
-so write the prompts the way the checkpoint expects them (an instruct model wants its template baked into the text).
+Each row holds a prompt and an answer (keys --prompt_key / --answer_key, default "prompt" / "answer"); a string prompt
+is fed as plain text, a chat prompt ([{"role": ..., "content": ...}]) is rendered with the checkpoint's chat template
+(hf_data.py; --chat_template forces another or `none`). A prompt plus the response budget must fit the model's context.
 
 The reward is R = 1[extract(response) == answer], with the final answer taken, in order of preference, from the last
 \\boxed{...}, the last "#### x", the last "answer: x" / "the answer is x", else the last number in the text. Numbers are
@@ -13,7 +14,7 @@ strings. The reference may be a bare answer or a GSM8K-style solution ending in 
     python hf_task.py MODEL_DIR prompts.jsonl     # prints the split sizes, special tokens and a few encoded prompts
 
 Usage (the same interface as task.CountUpTask, so the experiment runs on either):
-    t = HFTask(model_dir, "prompts.jsonl")
+    t = HFTask(model_dir, "prompts.jsonl", prompt_key="prompt", answer_key="answer", chat_template="")
     problems = t.sample(8, random.Random(0))            # or t.eval_set(64): the fixed held-out split
     prompts = [t.encode_prompt(p) for p in problems]    # 1-D LongTensors, BOS as the tokenizer wants it
     R, parts = t.score(problems, responses)             # responses: generated ids, maybe ending in t.tok.eos_id
@@ -25,11 +26,12 @@ import os
 import random
 import re
 import sys
-from dataclasses import dataclass
 from fractions import Fraction
 
 import torch
 from tokenizers import Tokenizer as _HFTokenizer
+
+from hf_data import ChatTemplate, Example, load_examples
 
 
 # -------------------------------------------------------------------------------------------------- the reward
@@ -105,41 +107,9 @@ def math_answer_reward(response_text: str, answer) -> float:
 
 
 # ------------------------------------------------------------------------------------------------------- the data
-@dataclass(frozen=True)
-class Example:
-    prompt: str
-    answer: str
-    line: int  # 1-based line in the jsonl file, for error messages and logs
-
-
-def load_jsonl(path: str) -> list[Example]:
-    """Read {"prompt": str, "answer": str | number} lines; blank lines are skipped, anything else wrong is an error."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"data={path!r}: no such file (expected jsonl with 'prompt' and 'answer' fields)")
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            for key in ("prompt", "answer"):
-                if key not in row:
-                    raise ValueError(f"{where}: missing field {key!r} (fields: {sorted(row)})")
-            prompt, answer = row["prompt"], row["answer"]
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise ValueError(f"{where}: 'prompt' must be a non-empty string, got {prompt!r:.60}")
-            if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
-                raise ValueError(f"{where}: 'answer' must be a non-empty string or a number, got {answer!r:.60}")
-            out.append(Example(prompt, str(answer), n))
-    if not out:
-        raise ValueError(f"data={path!r}: the file holds no examples")
-    return out
+def load_jsonl(path: str, **kw) -> list[Example]:
+    """hf_data.load_examples (jsonl or parquet; kept under its first name)."""
+    return load_examples(path, **kw)
 
 
 # -------------------------------------------------------------------------------------------------- the tokenizer
@@ -204,7 +174,8 @@ class HFTask:
     """
 
     def __init__(self, model_dir: str, data_path: str, *, eval_fraction: float = 0.1, seed: int = 0,
-                 max_prompt_tokens: int = 1024, max_new_tokens: int = 256):
+                 max_prompt_tokens: int = 1024, max_new_tokens: int = 256, prompt_key: str = "prompt",
+                 answer_key: str = "answer", chat_template: str = ""):
         if not 0.0 <= eval_fraction < 1.0:
             raise ValueError(f"eval_fraction={eval_fraction}: expected 0 <= eval_fraction < 1")
         if max_new_tokens < 1:
@@ -224,12 +195,20 @@ class HFTask:
             raise ValueError(f"model={model_dir!r}: special token ids {bad} are outside the model's vocab_size="
                              f"{self.model_vocab_size}")
         self.max_prompt_tokens = max_prompt_tokens
-        examples = load_jsonl(data_path)
-        kept = [e for e in examples if len(self.encode_prompt(e)) <= max_prompt_tokens]
+        self.template = ChatTemplate.for_checkpoint(model_dir, chat_template)  # None: no template (or disabled)
+        examples = load_examples(data_path, prompt_key=prompt_key, answer_key=answer_key, template=self.template)
+        lens = [len(self.encode_prompt(e)) for e in examples]
+        kept = [e for e, n in zip(examples, lens) if n <= max_prompt_tokens]
         self.dropped = len(examples) - len(kept)
         if not kept:
             raise ValueError(f"data={data_path!r}: all {len(examples)} prompts exceed max_prompt_tokens="
                              f"{max_prompt_tokens}")
+        ctx = int(cfg.get("max_position_embeddings", 0)) or None
+        longest = max((n, e.line) for e, n in zip(examples, lens) if n <= max_prompt_tokens)
+        if ctx is not None and longest[0] + max_new_tokens > ctx:
+            raise ValueError(f"{data_path}:{longest[1]}: a prompt of {longest[0]} tokens + max_new_tokens="
+                             f"{max_new_tokens} exceeds the model's context (max_position_embeddings={ctx}); lower "
+                             "--max_prompt_tokens (longer prompts are dropped) or --max_new_tokens")
         texts = sorted({e.prompt for e in kept})
         random.Random(seed).shuffle(texts)
         n_eval = max(1, round(eval_fraction * len(texts))) if eval_fraction > 0 else 0
@@ -257,7 +236,10 @@ class HFTask:
         return list(pool) if k is None or k >= len(pool) else random.Random(seed).sample(pool, k)
 
     def encode_prompt(self, p: Example) -> torch.Tensor:  # (Tp,)
-        """tokenizer.json's post-processor decides on BOS (Llama adds it, Qwen does not); add_bos_token forces it."""
+        """tokenizer.json's post-processor decides on BOS (Llama adds it, Qwen does not); add_bos_token forces it.
+        A rendered chat prompt already holds its special tokens (the template wrote them): nothing is added."""
+        if p.chat:
+            return torch.tensor(self.tok.tk.encode(p.prompt, add_special_tokens=False).ids, dtype=torch.long)
         ids = self.tok.tk.encode(p.prompt, add_special_tokens=True).ids
         if self.tok.add_bos and ids[:1] != [self.tok.bos_id]:
             ids = [self.tok.bos_id] + ids

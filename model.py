@@ -83,14 +83,23 @@ PRESETS = {
 
 
 def default_tap_layers(n_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's low / middle / high taps (1, n//2 - 1, n - 4), 0-indexed.
+    """EAGLE-3's low / middle / high taps (1, n//2 - 1, n - 4), 0-indexed; vLLM and SGLang default to the same layers
+    (their ids are one higher: they capture the state *entering* a layer).
 
-    Rule for small n: each id is clamped into [0, n-1], then duplicates are dropped (sorted ascending), so n = 1 gives
-    (0,), n = 2 gives (0, 1), n = 4 gives (0, 1), n >= 8 gives three distinct layers. The draft's fc takes len(taps)*H.
+    Rule for small n. n >= 4: three distinct taps in [0, n-2] -- the engines' `fc` reads exactly 3 states and none may
+    be the last layer's output (export.py) -- got by sorting the clamped ids and pushing each collision up one layer:
+    n = 4 -> (0, 1, 2), n = 5 -> (1, 2, 3), n = 6 -> (1, 2, 3), n = 7 -> (1, 2, 3), n >= 8 unchanged (1, n//2-1, n-4).
+    n < 4 (trainable, not exportable): clamp into [0, n-1] and drop duplicates: n = 1 -> (0,), 2 -> (0, 1), 3 -> (0, 1).
     """
     if n_layers < 1:
         raise ValueError(f"n_layers={n_layers}: expected >= 1")
-    return tuple(sorted({min(max(i, 0), n_layers - 1) for i in (1, n_layers // 2 - 1, n_layers - 4)}))
+    ideal = (1, n_layers // 2 - 1, n_layers - 4)
+    if n_layers < 4:
+        return tuple(sorted({min(max(i, 0), n_layers - 1) for i in ideal}))
+    taps = []
+    for i in sorted(min(max(i, 0), n_layers - 2) for i in ideal):
+        taps.append(max(i, taps[-1] + 1) if taps else i)  # never past n-2: the ideal ids are <= n-4 and n//2-1
+    return tuple(taps)
 
 
 def check_tap_layers(tap_layers, n_layers: int) -> tuple[int, ...]:

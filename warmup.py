@@ -27,7 +27,8 @@ import speculative
 import task
 from draft import Eagle3Draft
 from hf_io import from_pretrained, save_pretrained
-from model import ModelConfig, Transformer
+from draft_vocab import select_draft_vocab
+from model import ModelConfig, Transformer, default_tap_layers
 from attention_padded import padded_causal_attention
 from rl_loop import DraftTrainer, RolloutBatch, check_finite_weights, draft_loss, next_token_logp, pack
 
@@ -120,21 +121,21 @@ def fingerprint(path: str) -> list:
 
 def warm_draft(policy: Transformer, tsk, *, steps: int, batch: int, lr: float, pool: int, max_new_tokens: int,
                num_passes: int, seed: int, policy_key: str, cache_dir: str = "cache", attn_fn=None, draft_attn_fn=None,
-               log_every: int = 0) -> tuple[Eagle3Draft, bool]:
+               log_every: int = 0, draft_vocab: int = 0) -> tuple[Eagle3Draft, bool]:
     """A draft fitted offline to the warm policy's own samples (cached). Returns (draft, loaded).
     tsk: the task (task.CountUpTask or hf_task.HFTask): its train prompts and EOS. steps = 0: an untrained draft.
+    draft_vocab = N > 0: the draft names only the N most frequent target tokens of the sampled responses (draft_vocab.py).
 
     1. sample `pool` responses from the policy (plain sampling at temperature 1: the distribution RL starts from);
     2. each step: `batch` of them -> policy forward (no grad) for taps + logits -> TTT loss -> AdamW step."""
-    if steps == 0:
+    if steps == 0 and draft_vocab == 0:
         torch.manual_seed(seed)
         return Eagle3Draft.from_target(policy), False
-    key = cache_key("draft", policy_key, steps, batch, lr, pool, max_new_tokens, num_passes, seed)
+    taps = default_tap_layers(policy.cfg.num_hidden_layers)  # in the key: cached drafts of an older tap rule differ
+    key = cache_key("draft", policy_key, steps, batch, lr, pool, max_new_tokens, num_passes, seed, taps, draft_vocab)
     path = os.path.join(cache_dir, f"draft-{key}")
-    if os.path.isfile(os.path.join(path, "config.json")):
+    if steps and os.path.isfile(os.path.join(path, "config.json")):
         return Eagle3Draft.load(path, policy), True
-    torch.manual_seed(seed)
-    draft = Eagle3Draft.from_target(policy)
     dev = next(policy.parameters()).device
     rng, g = random.Random(seed + 1), torch.Generator(device=dev).manual_seed(seed + 1)
     prompts = [tsk.encode_prompt(p) for p in tsk.sample(pool, rng, "train")]
@@ -143,6 +144,11 @@ def warm_draft(policy: Transformer, tsk, *, steps: int, batch: int, lr: float, p
         responses += [r.cpu() for r in speculative.generate(policy, None, prompts[i: i + 256],
                                                             max_new_tokens=max_new_tokens, temperature=1.0,
                                                             eos_id=tsk.tok.eos_id, generator=g).tokens]
+    torch.manual_seed(seed)
+    ids = select_draft_vocab(responses, policy.cfg.vocab_size, draft_vocab) if draft_vocab else None
+    draft = Eagle3Draft.from_target(policy, draft_vocab=ids)
+    if steps == 0:
+        return draft, False
     tr = DraftTrainer(draft, torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0), num_passes=num_passes,
                       attn_fn=draft_attn_fn)
     t0 = time.time()

@@ -3,6 +3,7 @@ trip, vocab check, jsonl errors by line, the split, the math-answer reward by ha
 import json
 import random
 import shutil
+import sys
 
 import pytest
 import torch
@@ -196,7 +197,7 @@ def test_end_to_end_on_a_tiny_random_llama(tok_dir, tmp_path):
     V = HFTokenizer(str(tok_dir)).vocab_size
     data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"What is {a} * 3?", "answer": 3 * a} for a in range(10)])
     policy = from_pretrained(str(d)).eval()
-    t = HFTask(str(d), data, eval_fraction=0.3, seed=0)
+    t = HFTask(str(d), data, eval_fraction=0.3, seed=0, max_new_tokens=16)  # context 256
     assert t.model_vocab_size == policy.cfg.vocab_size == V + 3 and t.tok.eos_id == EOS  # config.json's ids
     probs = t.eval_set()
     prompts = [t.encode_prompt(p) for p in probs]
@@ -205,7 +206,7 @@ def test_end_to_end_on_a_tiny_random_llama(tok_dir, tmp_path):
     # make a token the greedy row 0 emits the EOS, so stopping and the decode cut are exercised on real output
     stop = int(greedy[0][4])
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": stop}))
-    t = HFTask(str(d), data, eval_fraction=0.3, seed=0)
+    t = HFTask(str(d), data, eval_fraction=0.3, seed=0, max_new_tokens=16)  # context 256
     assert t.tok.eos_id == stop and t.eval_set() == probs
     out = speculative.generate(policy, None, prompts, max_new_tokens=12, temperature=0.0, eos_id=t.tok.eos_id)
     for g, s in zip(greedy, out.tokens):
@@ -222,3 +223,111 @@ def test_end_to_end_on_a_tiny_random_llama(tok_dir, tmp_path):
     wrong = [torch.tensor(t.tok.encode(f"#### {int(p.answer) + 1}") + [stop] + t.tok.encode(p.answer)) for p in probs]
     assert t.score(probs, right)[0].tolist() == [1.0] * len(probs)
     assert t.score(probs, wrong)[0].tolist() == [0.0] * len(probs)  # the answer after EOS does not count
+
+
+# ------------------------------------------------------------------------ jsonl / parquet, keys, chat templates
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+            "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}<|{{ m['role'] }}|>{{ m['content'] }}"
+            "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
+
+
+def _chat_dir(tmp_path, template=TEMPLATE):
+    d = tmp_path / "chat_tok"
+    write_tokenizer(d, {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "add_bos_token": True,
+                        **({"chat_template": template} if template else {})})
+    (d / "config.json").write_text(json.dumps({"vocab_size": 400, "max_position_embeddings": 64}))
+    return d
+
+
+def _parquet(path, rows):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.Table.from_pylist(rows), str(path))
+    return str(path)
+
+
+def test_parquet_rows_with_nested_keys_read_like_jsonl(tmp_path):
+    rows = [{"question": f"What is {a} + 1?", "reward_model": {"ground_truth": str(a + 1)}, "id": a} for a in range(8)]
+    pq_path = _parquet(tmp_path / "p.parquet", rows)
+    js_path = write_jsonl(tmp_path / "p.jsonl", rows)
+    kw = dict(prompt_key="question", answer_key="reward_model.ground_truth", max_new_tokens=8)
+    a, b = (HFTask(str(_chat_dir(tmp_path)), p, **kw) for p in (pq_path, js_path))
+    assert a.splits == b.splits and a.splits["train"][0].answer == str(int(a.splits["train"][0].prompt[8]) + 1)
+    with pytest.raises(ValueError, match=r"p.parquet:1: missing field 'answer' \(--answer_key"):
+        HFTask(str(_chat_dir(tmp_path)), pq_path, prompt_key="question", max_new_tokens=8)
+    with pytest.raises(ValueError, match=r"p.jsonl:1: missing field 'prompt' \(--prompt_key"):
+        HFTask(str(_chat_dir(tmp_path)), js_path, max_new_tokens=8)
+    empty = _parquet(tmp_path / "e.parquet", [])
+    with pytest.raises(ValueError, match="e.parquet.*holds no examples"):
+        load_jsonl(empty)
+
+
+def test_parquet_without_pyarrow_or_pandas_names_the_extra(tmp_path, monkeypatch):
+    path = _parquet(tmp_path / "p.parquet", [{"prompt": "a", "answer": 1}])
+    for mod in ("pyarrow", "pyarrow.parquet", "pandas"):
+        monkeypatch.setitem(sys.modules, mod, None)
+    with pytest.raises(ImportError, match=r"p.parquet.*pyarrow.*\.\[parquet\]"):
+        load_jsonl(path)
+
+
+def test_chat_prompts_render_with_the_checkpoints_template(tmp_path):
+    d = _chat_dir(tmp_path)
+    data = write_jsonl(tmp_path / "c.jsonl", [{"prompt": CHAT, "answer": 5}, {"prompt": "plain 1 + 1", "answer": 2},
+                                              {"prompt": [{"role": "user", "content": "4 - 1?"}], "answer": 3}])
+    t = HFTask(str(d), data, eval_fraction=0.0, max_new_tokens=8)
+    ex = {e.line: e for e in t.splits["train"]}
+    assert ex[1].chat and ex[1].prompt == "<s><|system|>Be brief.</s><|user|>What is 2 + 3?</s><|assistant|>"
+    assert not ex[2].chat and ex[2].prompt == "plain 1 + 1"  # strings are fed as they are
+    ids = t.encode_prompt(ex[1]).tolist()
+    assert ids[0] == BOS and ids.count(BOS) == 1  # the template's <s>, none added on top
+    assert t.encode_prompt(ex[2]).tolist()[0] == BOS  # the post-processor's for a plain prompt
+    forced = tmp_path / "t.jinja"
+    forced.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    t2 = HFTask(str(d), data, eval_fraction=0.0, max_new_tokens=8, chat_template=str(forced))
+    assert {e.line: e.prompt for e in t2.splits["train"]}[1] == "Be brief.\nWhat is 2 + 3?\n"
+    with pytest.raises(ValueError, match=r"c.jsonl:1: 'prompt' is a chat .* no chat template"):
+        HFTask(str(d), data, max_new_tokens=8, chat_template="none")
+    with pytest.raises(ValueError, match=r"c.jsonl:1: 'prompt' is a chat .* no chat template"):
+        HFTask(str(_chat_dir(tmp_path / "b", template=None)), data, max_new_tokens=8)
+    with pytest.raises(ValueError, match="chat_template='nope'"):
+        HFTask(str(d), data, max_new_tokens=8, chat_template="nope")
+
+
+def test_template_errors_name_the_line(tmp_path, monkeypatch):
+    d = _chat_dir(tmp_path)
+    bad_role = write_jsonl(tmp_path / "r.jsonl", [{"prompt": "ok", "answer": 1},
+                                                  {"prompt": [{"role": "tool", "content": "x"}], "answer": 1}])
+    with pytest.raises(ValueError, match=r"r.jsonl:2: the chat template .* cannot render.*unknown role tool"):
+        HFTask(str(d), bad_role, max_new_tokens=8)
+    bad_msg = write_jsonl(tmp_path / "m.jsonl", [{"prompt": [{"role": "user"}], "answer": 1}])
+    with pytest.raises(ValueError, match=r"m.jsonl:1: a chat prompt is a non-empty list"):
+        HFTask(str(d), bad_msg, max_new_tokens=8)
+    chat = write_jsonl(tmp_path / "c.jsonl", [{"prompt": CHAT, "answer": 5}])
+    with pytest.raises(ValueError, match="does not parse"):
+        HFTask(str(d), chat, max_new_tokens=8, chat_template="{% for m in messages %}")
+    monkeypatch.setitem(sys.modules, "jinja2", None)
+    with pytest.raises(ImportError, match=r"jinja2.*\.\[chat\]"):
+        HFTask(str(d), chat, max_new_tokens=8)
+
+
+def test_prompt_longer_than_the_context_is_an_error(tmp_path):
+    d = _chat_dir(tmp_path)  # max_position_embeddings 64
+    data = write_jsonl(tmp_path / "l.jsonl", [{"prompt": "short", "answer": 1},
+                                              {"prompt": "What is 12 + 30? " * 6, "answer": 1}])
+    with pytest.raises(ValueError, match=r"l.jsonl:2: a prompt of \d+ tokens \+ max_new_tokens=40 exceeds the model's "
+                                         r"context \(max_position_embeddings=64\)"):
+        HFTask(str(d), data, max_new_tokens=40)
+    assert HFTask(str(d), data, max_new_tokens=40, max_prompt_tokens=10, eval_fraction=0).dropped == 1  # dropped first
+
+
+def test_rendering_equals_transformers_apply_chat_template(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="compares with transformers' apply_chat_template")
+    d = _chat_dir(tmp_path)
+    tk = transformers.PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), bos_token="<s>",
+                                              eos_token="</s>", pad_token="<pad>")
+    from hf_data import ChatTemplate
+    for template in (TEMPLATE, "{% for m in messages %}{{ m | tojson }}{% endfor %}{{ '<gen>' if add_generation_prompt }}"):
+        want = tk.apply_chat_template(CHAT, chat_template=template, tokenize=False, add_generation_prompt=True)
+        got = ChatTemplate(template, "test", {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"})
+        assert got.render(CHAT, "here") == want

@@ -124,12 +124,15 @@ def test_taps_are_hidden_after_layer():
 def test_default_tap_rule():
     assert default_tap_layers(32) == (1, 15, 28)
     assert default_tap_layers(8) == (1, 3, 4)
-    assert default_tap_layers(6) == (1, 2)  # (1, 2, 2) deduplicated
-    assert default_tap_layers(4) == (0, 1)  # (1, 1, 0) -> sorted unique
-    assert default_tap_layers(2) == (0, 1) and default_tap_layers(1) == (0,)
-    for n in range(1, 40):
+    assert default_tap_layers(6) == (1, 2, 3)  # (1, 2, 2): the collision pushed up one layer
+    assert default_tap_layers(4) == (0, 1, 2)  # (1, 1, 0) -> sorted (0, 1, 1) -> (0, 1, 2)
+    assert default_tap_layers(5) == (1, 2, 3)
+    assert default_tap_layers(3) == (0, 1) and default_tap_layers(2) == (0, 1) and default_tap_layers(1) == (0,)
+    for n in range(1, 200):
         t = default_tap_layers(n)
         assert all(0 <= i < n for i in t) and list(t) == sorted(set(t))
+        if n >= 4:  # exportable to vLLM / SGLang: exactly 3 taps, none on the last layer
+            assert len(t) == 3 and max(t) <= n - 2
     with pytest.raises(ValueError, match="tap_layers"):
         check_tap_layers((0, 4), 4)
     with pytest.raises(ValueError, match="tap_layers"):
