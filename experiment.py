@@ -57,7 +57,8 @@ def build_task(cfg: Config):
     if cfg.hf_mode:
         from hf_task import HFTask
         return HFTask(cfg.model, cfg.data, eval_fraction=cfg.eval_fraction, seed=cfg.seed,
-                      max_prompt_tokens=cfg.max_prompt_tokens, max_new_tokens=cfg.max_new_tokens or 256)
+                      max_prompt_tokens=cfg.max_prompt_tokens, max_new_tokens=cfg.max_new_tokens or 256,
+                      prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, chat_template=cfg.chat_template)
     tsk = task.CountUpTask(cfg.min_steps, cfg.max_steps, cfg.format_weight)
     tsk.max_new_tokens = cfg.max_new_tokens or tsk.max_new_tokens
     return tsk
@@ -68,7 +69,8 @@ def build_policy(cfg: Config, tsk, log=print, device=None) -> tuple[Transformer,
     as is."""
     if cfg.hf_mode:
         policy = from_pretrained(cfg.model).to(device)
-        key = warmup.cache_key("hf", warmup.fingerprint(cfg.model), warmup.fingerprint(cfg.data))
+        key = warmup.cache_key("hf", warmup.fingerprint(cfg.model), warmup.fingerprint(cfg.data), cfg.prompt_key,
+                               cfg.answer_key, cfg.chat_template)  # what shapes the prompts shapes the draft's warm-up
         n = sum(p.numel() for p in policy.parameters())
         log(f"policy: HF checkpoint {cfg.model} ({policy.cfg.architecture}, {n:,} parameters); "
             f"{sum(map(len, tsk.splits.values()))} prompts from {cfg.data} ({len(tsk.splits['eval'])} held out, "
@@ -112,7 +114,7 @@ def build_models(cfg: Config, dev: torch.device, log=print) -> Setup:
                                           max_new_tokens=tsk.max_new_tokens, num_passes=cfg.ttt_passes, seed=cfg.seed,
                                           policy_key=pkey, cache_dir=cfg.cache_dir, attn_fn=padded_causal_attention,
                                           draft_attn_fn=padded_branch_attention,
-                                          log_every=max(cfg.draft_warmup_steps // 4, 1))
+                                          log_every=max(cfg.draft_warmup_steps // 4, 1), draft_vocab=cfg.draft_vocab)
         t2 = time.perf_counter()
     finally:
         torch.set_num_threads(threads)
@@ -127,9 +129,10 @@ def build_models(cfg: Config, dev: torch.device, log=print) -> Setup:
                             grad_clip=cfg.draft_grad_clip, num_passes=cfg.ttt_passes, attn_fn=padded_branch_attention)
 
     torch.manual_seed(cfg.seed + 7)
-    drafts = {"cotrained": trainer(Eagle3Draft.from_target(policy) if cfg.cold_start else warm)}
+    vocab = warm.draft_to_target if cfg.draft_vocab else None  # every arm names the same draft tokens
+    drafts = {"cotrained": trainer(Eagle3Draft.from_target(policy, draft_vocab=vocab) if cfg.cold_start else warm)}
     if cfg.cold_arm and not cfg.cold_start:
-        drafts["cold"] = trainer(Eagle3Draft.from_target(policy))
+        drafts["cold"] = trainer(Eagle3Draft.from_target(policy, draft_vocab=vocab))
     grpo = GRPOConfig(eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta=cfg.beta, std_norm=cfg.std_norm,
                       loss_norm=cfg.loss_norm, max_len=tsk.max_new_tokens)
     return Setup(cfg, tsk, policy, ref, drafts, frozen, None, tsk.eval_set(cfg.eval_prompts, cfg.seed + 1234),

@@ -10,10 +10,12 @@ Records: {"kind": "train", "step", reward..., "time": {"rollout", "policy_train"
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import TYPE_CHECKING
 
+from logger import MetricsLogger, parse_backends
 from plots import plot_run
 
 if TYPE_CHECKING:
@@ -29,16 +31,15 @@ class Report:
         self.rows, self.evals = [], []
         if main:
             os.makedirs(out_dir, exist_ok=True)
-        self.metrics_path = os.path.join(out_dir, "metrics.jsonl")
-        self.file = open(self.metrics_path if main else os.devnull, "w")
+        self.metrics_path = os.path.join(out_dir, "metrics.jsonl")  # + TensorBoard / wandb with --log (logger.py)
+        self.logger = MetricsLogger(out_dir, parse_backends(cfg.log), enabled=main, config=dataclasses.asdict(cfg))
 
     def print(self, *a, **k):
         if self.main:
             print(*a, **k, flush=True)
 
     def _write(self, record: dict):
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        self.logger.log(record)
 
     def restore(self, records: list):
         """A resumed run's records so far (from its checkpoint): nothing lost, nothing repeated."""
@@ -71,7 +72,7 @@ class Report:
 
     def finish(self, warm: dict, wall_s: float) -> dict:
         """summary.json and train.png (rank 0); returns the summary ({} on other ranks)."""
-        self.file.close()
+        self.logger.close()
         if not self.main:
             return {}
         c = self.cfg

@@ -43,6 +43,7 @@ import torch
 from config import Config, parse_args
 from eval_arms import evaluate
 from experiment import build
+from export import write_servables
 from mesh import make_mesh
 from report import HEADER, Report
 from resume import load_run, save_run
@@ -97,9 +98,21 @@ def train(cfg: Config) -> dict:
         rep.eval(ev)
         if cfg.ckpt_every and step % cfg.ckpt_every == 0:
             save_run(s, mesh, ckpt_dir, step, rep.records())
+            serve(s, mesh, out_dir, rep)
+    serve(s, mesh, out_dir, rep)
     summary = rep.finish(s.warm_info, time.perf_counter() - t_start)
     mesh.close()
     return summary
+
+
+def serve(s, mesh, out_dir: str, rep: Report):
+    """<out>/policy (an HF checkpoint, with the tokenizer in HF mode) and <out>/draft (the EAGLE-3 export vLLM and
+    SGLang load) from rank 0's full copies: what an inference engine would serve next (export.py)."""
+    if mesh.main:
+        c = s.cfg
+        w = write_servables(out_dir, s.policy, s.drafts["cotrained"].draft, c.model if c.hf_mode else None,
+                            require_draft=False)
+        rep.print(f"servable: {w['policy']}" + (f", {w['draft']}" if w["draft"] else f" (no draft: {w['skipped']})"))
 
 
 if __name__ == "__main__":

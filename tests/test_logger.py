@@ -55,5 +55,5 @@ def test_tensorboard_gets_the_same_numbers(tmp_path):
 def test_config_log_is_checked():
     from config import parse_args
     assert parse_args(["--log=jsonl,tensorboard"]).log == "jsonl,tensorboard"
-    with pytest.raises(ValueError, match="log='tb'"):
+    with pytest.raises(ValueError, match="--log=tb: expected a comma list of jsonl, tensorboard, wandb"):
         parse_args(["--log=tb"])

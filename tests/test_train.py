@@ -8,6 +8,7 @@ import torch
 from experiment import build
 from mesh import make_mesh, pick_device
 from config import PRESETS, Config, parse_args
+from export import check_export
 from train import train
 
 
@@ -57,6 +58,8 @@ def test_test_preset_runs_end_to_end_then_reuses_the_cache(tmp_path):
     assert [r["step"] for r in rows if r["kind"] == "eval"] == [0, 1, 2]  # eval_every=1
     assert json.load(open(out / "summary.json")) == s
     assert os.path.getsize(out / "train.png") > 10_000
+    assert (out / "policy" / "config.json").is_file()  # the servable directories (export.write_servables)
+    assert check_export(str(out / "draft"))["architectures"] == ["LlamaForCausalLMEagle3"]
     assert sorted(os.listdir(cache)) == sorted(f for f in os.listdir(cache) if f.startswith(("policy-", "draft-")))
     # second run: the warm-ups come from the cache; --cold_start swaps the rollout draft for an untrained one
     s2 = train(parse_args(["--preset=test", f"--cache_dir={cache}", "--out", str(tmp_path / "run2"), "--cold_start"]))
