@@ -64,6 +64,7 @@ class Config:
     group_size: int = 8
     temperature: float = 1.0
     num_draft_tokens: int = 3
+    tree: tuple = ()  # a tree draft (b_1,...,b_k), --tree=2,2,1 (speculative_tree.py); (): the chain of num_draft_tokens
     rollout_batch: int = 32  # rows per generate call (the rollout engine's batch), speculative and autoregressive alike
     lr: float = 3e-4
     grad_clip: float = 1.0
@@ -106,6 +107,11 @@ class Config:
         for key, ok in checks:
             if not ok:
                 raise ValueError(f"{key}={getattr(self, key)!r} is out of range")
+        self.tree = tuple(self.tree)
+        if self.tree and (any(not isinstance(b, int) or b < 1 for b in self.tree)
+                          or len(self.tree) != self.num_draft_tokens):
+            raise ValueError(f"tree={self.tree!r}: expected branching factors >= 1, as many as num_draft_tokens="
+                             f"{self.num_draft_tokens} (the tree's depth); e.g. --tree=2,2,1 with num_draft_tokens=3")
         GRPOConfig(loss_norm=self.loss_norm, eps_low=self.eps_low, eps_high=self.eps_high)  # validates those keys
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda': CUDA is not available here (use --device=auto or --device=cpu)")
@@ -189,6 +195,8 @@ def _convert(key: str, val: str, typ: str):
             if val.lower() not in ("true", "false", "1", "0"):
                 raise ValueError
             return val.lower() in ("true", "1")
+        if typ == "tuple":  # --tree=2,2,1; --tree= (empty) is ()
+            return tuple(int(v) for v in val.split(",") if v.strip())
         return {"int": int, "float": float, "str": str}[typ](val)
     except ValueError:
         raise ValueError(f"--{key}={val!r}: expected a value of type {typ}") from None

@@ -222,7 +222,8 @@ class Eagle3Draft(nn.Module):
 
     def tree_step(self, cache: KVCache, tokens, h, tree):
         """One level of a draft tree (speculative_tree.py): tokens (B, N) the level's nodes, h (B, N, H) their parents'
-        states, tree = (depth, visible, base) for KVCache.begin_tree -> h (B, N, H) and target-vocab logits (B, N, V)."""
+        states, tree = (depth, visible, base) for KVCache.begin_tree -> h (B, N, H) and target-vocab logits (B, N, V).
+        """
         h = self._cached(cache, self.embed(tokens), h, tree)
         return h, self.target_logits(h)
 

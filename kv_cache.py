@@ -56,17 +56,18 @@ class KVCache:
         base (B,): where each row's tree began (the nodes appended since then are earlier levels of the same tree);
         depth (S,) long: node s sits at position base + depth[s]; visible (S, M) bool with M = lengths - base + S (the
         same for every row): node s attends to every slot < base (the row's sequence) and to the tree slot base + m iff
-        visible[s, m] (its ancestors and itself: branch_mask.tree_mask). The nodes are written at slots lengths..+S-1."""
+        visible[s, m] (its ancestors and itself: branch_mask.tree_mask). The nodes are written at slots
+        lengths + 0..S-1."""
         base = torch.as_tensor(base, dtype=torch.long, device=self.lengths.device)
         depth = torch.as_tensor(depth, dtype=torch.long, device=self.lengths.device)
         S, M = visible.shape
         if depth.shape != (S,) or base.shape != self.lengths.shape:
             raise ValueError(f"begin_tree: depth {tuple(depth.shape)} / base {tuple(base.shape)}: expected ({S},) and "
                              f"{tuple(self.lengths.shape)}")
-        if bool((self.lengths - base + S != M).any()):  # host sync: one per tree forward
+        Lk, bad = torch.stack([self.lengths.max() + S, (self.lengths - base + S != M).any()]).tolist()  # one sync
+        if bad:
             raise ValueError(f"begin_tree: visible has {M} columns; every row needs lengths - base + S = "
                              f"{(self.lengths - base + S).tolist()}")
-        Lk = int(self.lengths.max()) + S
         if Lk > self.max_len:
             raise ValueError(f"KV cache overflow: a row would reach length {Lk} > max_len={self.max_len}")
         slots = self.positions(S)  # (B, S) where the nodes are written

@@ -166,6 +166,7 @@ def generate(target: Transformer, draft=None, prompts=(), *, max_new_tokens: int
         raise ValueError(f"num_draft_tokens={num_draft_tokens}: with tree={tree.branching} expected 0 or its depth "
                          f"{tree.k}")
     k = (tree.k if tree is not None else num_draft_tokens) if draft is not None else 0
+    tree = tree if k else None  # no draft: plain sampling
     if max_new_tokens == 0:
         dev = next(target.parameters()).device
         empty = [torch.zeros(0, dtype=torch.long, device=dev)] * len(prompts)

@@ -127,7 +127,8 @@ def tree_rule(p, q, cand, u, tree: Tree):
             rej = trying & ~acc
             nxt, took = torch.where(acc, c, nxt), took | acc
             pj = torch.where(rej[:, None], _residual(pj, qj), pj)
-            qj = torch.where(rej[:, None], _without(qj, x), qj)
+            if i < b - 1:  # the last child's rejection ends the level: no next draw to renormalise q for
+                qj = torch.where(rej[:, None], _without(qj, x), qj)
         r = torch.where((alive & ~took)[:, None], pj, r)  # step 3: every child rejected -> the final residual
         alive, cur = took, torch.where(took, nxt, cur)
         path[:, j] = torch.where(took, nxt, 0)

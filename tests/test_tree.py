@@ -272,10 +272,9 @@ def test_batched_rule_equals_naive(branching):
     g = torch.Generator().manual_seed(0)
     p = torch.softmax(3 * torch.randn(B, 1 + tree.num_nodes, V, generator=g, dtype=torch.float64), -1)
     q = torch.softmax(3 * torch.randn(B, tree.level[tree.k], V, generator=g, dtype=torch.float64), -1)
-    cand = torch.stack([torch.cat([torch.zeros(1, dtype=torch.long)] + [torch.randperm(V, generator=g)[:b]
-                                                                          for c in range(tree.level[tree.k])
-                                                                          for b in [tree.branching[int(tree.depth[c])]]])
-                        for _ in range(B)])
+    sizes = [tree.branching[int(tree.depth[c])] for c in range(tree.level[tree.k])]  # children per internal node
+    root = torch.zeros(1, dtype=torch.long)
+    cand = torch.stack([torch.cat([root] + [torch.randperm(V, generator=g)[:b] for b in sizes]) for _ in range(B)])
     u = torch.rand(B, 1 + tree.num_nodes, generator=g, dtype=torch.float64)
     path, n, r, a = tree_rule(p, q, cand, u, tree)
     for b in range(B):
@@ -358,3 +357,16 @@ def test_sampling_test_has_power(small_vocab_pair, monkeypatch):
     monkeypatch.setattr(speculative_tree, "_residual", lambda p, q: p)
     tv, bound, _ = tv_first3(small_vocab_pair, 1.0, (2, 2), seed=3)
     assert tv > 2 * bound
+
+
+def test_config_tree_flag():
+    from config import parse_args
+    assert parse_args(["--preset", "test", "--tree=2,2,1"]).tree == (2, 2, 1)
+    assert parse_args(["--preset", "test", "--tree=3,1,1,1", "--num_draft_tokens=4"]).tree == (3, 1, 1, 1)
+    assert parse_args(["--preset", "test", "--tree="]).tree == ()
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        parse_args(["--preset", "test", "--tree=2,2"])
+    with pytest.raises(ValueError, match="tree"):
+        parse_args(["--preset", "test", "--tree=2,0,1"])
+    with pytest.raises(ValueError, match="tuple"):
+        parse_args(["--preset", "test", "--tree=2,x,1"])
