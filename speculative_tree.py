@@ -114,24 +114,26 @@ def tree_rule(p, q, cand, u, tree: Tree):
     a = torch.full(cand.shape, float("nan"), dtype=p.dtype, device=p.device)
     r = p[:, 0]
     for j, b in enumerate(tree.branching, 1):
+        kids = tree.first_child[cur][:, None] + torch.arange(b, device=p.device)  # (B, b) in draw order
+        xs = cand.gather(1, kids)
         pj, qj = p[rows, cur], q[rows, cur]  # (B, V) step 1
-        first, took, nxt = tree.first_child[cur], torch.zeros_like(alive), cur
-        for i in range(b):  # step 2: the children in draw order
-            c = first + i  # (B,)
-            x = cand[rows, c]
-            px, qx = pj.gather(-1, x[:, None])[:, 0], qj.gather(-1, x[:, None])[:, 0]
-            ai = torch.where(qx > 0, (px / qx.clamp_min(torch.finfo(qx.dtype).tiny)).clamp(max=1.0), 0.0)
-            trying = alive & ~took
-            a[rows, c] = torch.where(trying, ai, a[rows, c])
-            acc = trying & (u[rows, c] < ai)
-            rej = trying & ~acc
-            nxt, took = torch.where(acc, c, nxt), took | acc
-            pj = torch.where(rej[:, None], _residual(pj, qj), pj)
+        ai = []
+        for i in range(b):  # step 2. Child i is tried only after 1..i-1 were rejected, so its (p, q) are the
+            x = xs[:, i : i + 1]  # updates by those children alone: no per-row branching is needed
+            px, qx = pj.gather(-1, x)[:, 0], qj.gather(-1, x)[:, 0]
+            ai.append(torch.where(qx > 0, (px / qx.clamp_min(torch.finfo(qx.dtype).tiny)).clamp(max=1.0), 0.0))
+            pj = _residual(pj, qj)
             if i < b - 1:  # the last child's rejection ends the level: no next draw to renormalise q for
-                qj = torch.where(rej[:, None], _without(qj, x), qj)
+                qj = _without(qj, x[:, 0])
+        ai = torch.stack(ai, 1)  # (B, b)
+        acc = u.gather(1, kids) < ai
+        took = alive & acc.any(1)
+        first = acc.long().argmax(1)  # the first accepted child (0 if none)
+        tried = torch.arange(b, device=p.device)[None] <= torch.where(took, first, b - 1)[:, None]
+        a.scatter_(1, kids, torch.where(alive[:, None] & tried, ai, a.gather(1, kids)))  # (stopped rows: unchanged)
         r = torch.where((alive & ~took)[:, None], pj, r)  # step 3: every child rejected -> the final residual
-        alive, cur = took, torch.where(took, nxt, cur)
-        path[:, j] = torch.where(took, nxt, 0)
+        alive, cur = took, torch.where(took, kids.gather(1, first[:, None])[:, 0], cur)
+        path[:, j] = torch.where(took, cur, 0)
     r = torch.where(alive[:, None], p[rows, cur], r)  # a leaf reached: the bonus token ~ p(. | leaf)
     return path, (path[:, 1:] > 0).sum(1), r, a
 
