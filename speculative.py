@@ -11,6 +11,8 @@ greedy (accept iff d_j = argmax p_j) and reproduces plain greedy decoding token 
 the number of generated tokens per policy forward, bonus included (1.0 = no speedup). The log-probs returned for GRPO
 are the policy's, log softmax(logits / tau) (tau = 0: of the raw logits), read from the verification forwards.
 
+Tree drafts (several candidates per position, verified in the same one forward): speculative_tree.py, generate(tree=).
+
     python speculative.py      # tiny random policy + draft: greedy exactness and the stats of a sampled rollout
 
 Letters: B batch rows, k draft tokens per step, V vocab, H hidden.
