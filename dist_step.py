@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from consistency import check_same_cu_seqlens
 from pipeline import Grid, Microbatch, PipelineSchedule, build_stage, shard_for_cp, split_layers
 from rl_loop import GRPOConfig, RolloutBatch, aggregate, draft_mask, seq_ids, token_logp, token_losses
 
@@ -108,6 +109,7 @@ class DistCotrainer:
     def step(self, batch: RolloutBatch, cfg: GRPOConfig, micro_batches: int = 1) -> dict:
         g, K = self.grid, len(self.drafts)
         mbs = microbatches(batch, grpo_weights(batch, cfg, micro_batches), micro_batches, g)
+        check_same_cu_seqlens([mb.cu_seqlens for mb in mbs], g.cp_group)  # once per step: 8 bytes, no per-call sync
         dev = next(self.stage.parameters()).device
         mbs = [Microbatch(mb.tokens.to(dev), mb.cu_seqlens.to(dev),
                           None if mb.position_ids is None else mb.position_ids.to(dev),

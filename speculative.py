@@ -1,11 +1,14 @@
 """Lossless batched speculative sampling (chain drafts): a draft proposes k tokens, the policy verifies k+1 at once.
 
-One step per row, with p the policy's and q the draft's next-token distributions, both at temperature tau:
-  1. draft:   d_j ~ q_j(. | x, d_<j)                 j = 1..k       (k cheap draft forwards, the draft's own KV cache)
+`generate` is a short driver over named steps: `prefill` (one policy forward over the prompts, the first token, the
+draft's trunk over the prompt), then until every row is done `compact` (drop finished rows) and, per step and row, with
+p the policy's and q the draft's next-token distributions, both at temperature tau:
+  1. propose: d_j ~ q_j(. | x, d_<j)                 j = 1..k       (k cheap draft forwards, the draft's own KV cache)
   2. verify:  p_1..p_{k+1} from ONE policy forward over [x_t, d_1..d_k] (its KV cache; taps for the draft come free)
   3. accept:  d_j with probability min(1, p_j(d_j) / q_j(d_j)), left to right; n = number accepted before the first
               rejection; then y ~ norm(max(p_{n+1} - q_{n+1}, 0)) (residual), or y ~ p_{k+1} when n = k (bonus)
   4. commit:  d_1..d_n, y; roll both KV caches back past the rejected entries (rows advance by different amounts)
+and `finish` truncates each row at EOS / max_new_tokens.
 Every emitted token is distributed exactly as policy sampling [Leviathan et al. 2023; Chen et al. 2023]; tau = 0 is
 greedy (accept iff d_j = argmax p_j) and reproduces plain greedy decoding token for token. The acceptance length is
 the number of generated tokens per policy forward, bonus included (1.0 = no speedup). The log-probs returned for GRPO
@@ -99,7 +102,7 @@ def _logprob(logits, tokens, temperature):  # (B, S, V), (B, S) -> (B, S) log p(
     return torch.log_softmax(z, -1).gather(-1, tokens[..., None])[..., 0]
 
 
-def _check(target, draft, prompts, max_new_tokens, k, temperature):
+def _check(target, draft, prompts, max_new_tokens, k, temperature, eos_id=None):
     if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
         raise ValueError("prompts: expected a non-empty list of 1-D token tensors")
     for i, p in enumerate(prompts):
@@ -116,6 +119,15 @@ def _check(target, draft, prompts, max_new_tokens, k, temperature):
         raise ValueError(f"temperature={temperature}: expected >= 0 (0 = greedy)")
     if not (target.is_first and target.is_last):
         raise ValueError("target: generation needs the whole policy, not a pipeline-stage slice")
+    V = target.cfg.vocab_size
+    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, int) or not 0 <= eos_id < V):
+        raise ValueError(f"eos_id={eos_id!r}: expected an int token id in [0, vocab_size={V}) or None (a row would "
+                         "never stop at an id the policy cannot sample)")
+    ids = torch.cat(list(prompts))  # one min/max for the whole batch: two host syncs, not two per prompt
+    if int(ids.min()) < 0 or int(ids.max()) >= V:
+        i = next(i for i, p in enumerate(prompts) if int(p.min()) < 0 or int(p.max()) >= V)
+        raise ValueError(f"prompts[{i}]: token ids must lie in [0, vocab_size={V}), got min {int(prompts[i].min())} "
+                         f"max {int(prompts[i].max())}")
     if draft is not None:
         c, dc = target.cfg, draft.cfg
         if dc.vocab_size != c.vocab_size:
@@ -161,7 +173,7 @@ def generate(target: Transformer, draft=None, prompts=(), *, max_new_tokens: int
     draft=None or num_draft_tokens=0: plain autoregressive sampling through the same code (the baseline).
     tree=(b_1, ..., b_k): a tree draft instead of the chain (speculative_tree.py; num_draft_tokens must be 0 or k);
     None or () is the chain."""
-    _check(target, draft, prompts, max_new_tokens, num_draft_tokens, temperature)
+    _check(target, draft, prompts, max_new_tokens, num_draft_tokens, temperature, eos_id)
     t0 = time.perf_counter()
     tree = speculative_tree.Tree(tree) if tree else None
     if tree is not None and num_draft_tokens not in (0, tree.k):
