@@ -71,6 +71,7 @@ class Config:
     group_size: int = 8
     temperature: float = 1.0
     num_draft_tokens: int = 3
+    tree: tuple = ()  # a tree draft (b_1,...,b_k), --tree=2,2,1 (speculative_tree.py); (): the chain of num_draft_tokens
     rollout_batch: int = 32  # rows per generate call (the rollout engine's batch), speculative and autoregressive alike
     lr: float = 3e-4
     grad_clip: float = 1.0
@@ -187,6 +188,10 @@ CHECKS = {
     "group_size":         at_least(2),  # GRPO's advantage is relative to the group: one sample has none
     "temperature":        above(0),
     "num_draft_tokens":   at_least(1),
+    "tree":               ((lambda v, c: isinstance(v, tuple) and all(type(b) is int and b >= 1 for b in v)
+                                         and len(v) in (0, c.num_draft_tokens)),
+                           "() or branching factors >= 1, as many as num_draft_tokens={num_draft_tokens} (the tree's "
+                           "depth), e.g. --tree=2,2,1"),
     "rollout_batch":      at_least(1),
     "lr":                 above(0),
     "grad_clip":          above(0),  # a negative bound flips the gradient: the update would ascend
@@ -235,6 +240,8 @@ def _show(v) -> str:
         return str(v).lower()
     if isinstance(v, str):
         return v if v else "''"
+    if isinstance(v, tuple):  # --tree=2,2,1
+        return ",".join(_show(x) for x in v) if v else "''"
     r = repr(v)
     return r[:-2] if isinstance(v, float) and r.endswith(".0") else r
 
@@ -302,6 +309,8 @@ def _convert(key: str, val: str, typ: str):
             if val.lower() not in ("true", "false", "1", "0"):
                 raise ValueError
             return val.lower() in ("true", "1")
+        if typ == "tuple":  # --tree=2,2,1; --tree= (empty) is ()
+            return tuple(int(v) for v in val.split(",") if v.strip())
         return {"int": int, "float": float, "str": str}[typ](val)
     except ValueError:
         raise ValueError(f"--{key}={val!r}: expected a value of type {typ}") from None

@@ -197,9 +197,9 @@ class Eagle3Draft(nn.Module):
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache(self.lcfg, batch, max_len, layers=[0], dtype=self.fc.weight.dtype, device=self.fc.weight.device)
 
-    def _cached(self, cache: KVCache, e, h):  # e, h (B, N, H) -> (B, N, H), N entries appended per row
+    def _cached(self, cache: KVCache, e, h, tree=None):  # e, h (B, N, H) -> (B, N, H), N entries appended per row
         N = e.shape[1]
-        pos = cache.begin(N)  # (B, N)
+        pos = cache.begin(N) if tree is None else cache.begin_tree(*tree)  # (B, N)
         cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
         attn = self.midlayer.self_attn
         h = self.midlayer(e, h, lambda x: attn.forward_cached(x, cos, sin, cache, 0))
@@ -221,6 +221,13 @@ class Eagle3Draft(nn.Module):
     def step(self, cache: KVCache, tokens, h):
         """One more pass at every row's anchor: tokens (B,) the previous pass's proposal, h (B, H) its state."""
         h = self._cached(cache, self.embed(tokens)[:, None], h[:, None])[:, 0]
+        return h, self.target_logits(h)
+
+    def tree_step(self, cache: KVCache, tokens, h, tree):
+        """One level of a draft tree (speculative_tree.py): tokens (B, N) the level's nodes, h (B, N, H) their parents'
+        states, tree = (depth, visible, base) for KVCache.begin_tree -> h (B, N, H) and target-vocab logits (B, N, V).
+        """
+        h = self._cached(cache, self.embed(tokens), h, tree)
         return h, self.target_logits(h)
 
     # -- training: multi-pass TTT over packed (optionally zigzag-sharded) sequences ----------------------------------

@@ -5,6 +5,10 @@ per row: `write` appends S entries to every row at its current length (rows that
 `rollback(lengths)` shortens rows in O(1) (entries past a row's length are never attended), and `keep_rows` drops
 finished rows from the batch. model.Transformer.forward_cached drives it: begin(S) -> write per layer -> commit().
 
+Tree drafts (speculative_tree.py) append S tree nodes instead of a chain: `begin_tree` gives node s the position
+base + depth[s] and lets it see the rows' committed prefix plus its own ancestors; after verification `keep_path`
+moves each row's accepted root-to-leaf path to the front of the block, so the cache again holds one sequence per row.
+
 Letters: B rows, S new entries per row, L = max_len, Hkv heads, D head dim.
 """
 from __future__ import annotations
@@ -45,6 +49,48 @@ class KVCache:
         mask = torch.arange(Lk, device=pos.device)[None, None, :] <= pos[:, :, None]  # (B, S, Lk) causal per row
         self._pending = (S, pos, rows, mask)
         return pos
+
+    def begin_tree(self, depth, visible, base) -> torch.Tensor:
+        """Start a forward that appends S tree nodes to every row -> their RoPE positions (B, S).
+
+        base (B,): where each row's tree began (the nodes appended since then are earlier levels of the same tree);
+        depth (S,) long: node s sits at position base + depth[s]; visible (S, M) bool with M = lengths - base + S (the
+        same for every row): node s attends to every slot < base (the row's sequence) and to the tree slot base + m iff
+        visible[s, m] (its ancestors and itself: branch_mask.tree_mask). The nodes are written at slots
+        lengths + 0..S-1."""
+        base = torch.as_tensor(base, dtype=torch.long, device=self.lengths.device)
+        depth = torch.as_tensor(depth, dtype=torch.long, device=self.lengths.device)
+        S, M = visible.shape
+        if depth.shape != (S,) or base.shape != self.lengths.shape:
+            raise ValueError(f"begin_tree: depth {tuple(depth.shape)} / base {tuple(base.shape)}: expected ({S},) and "
+                             f"{tuple(self.lengths.shape)}")
+        Lk, bad = torch.stack([self.lengths.max() + S, (self.lengths - base + S != M).any()]).tolist()  # one sync
+        if bad:
+            raise ValueError(f"begin_tree: visible has {M} columns; every row needs lengths - base + S = "
+                             f"{(self.lengths - base + S).tolist()}")
+        if Lk > self.max_len:
+            raise ValueError(f"KV cache overflow: a row would reach length {Lk} > max_len={self.max_len}")
+        slots = self.positions(S)  # (B, S) where the nodes are written
+        rows = torch.arange(self.batch, device=slots.device)[:, None].expand(-1, S)
+        rel = torch.arange(Lk, device=slots.device)[None] - base[:, None]  # (B, Lk) key slot relative to the tree
+        tree = visible.to(slots.device)[:, rel.clamp(0, M - 1)].permute(1, 0, 2)  # (B, S, Lk)
+        mask = (rel < 0)[:, None] | (tree & (rel < M)[:, None])  # prefix, or an ancestor inside the tree
+        self._pending = (S, slots, rows, mask)
+        return base[:, None] + depth[None]
+
+    def keep_path(self, base, path):
+        """Keep one root-to-leaf path per row of the tree appended after `base` (B,): tree slot path[b, j] (B, m)
+        moves to slot base[b] + j and every row's length becomes base + m (entries past a row's accepted length are
+        junk that the caller's rollback drops). A gather, then a scatter: the sources are read before any is
+        overwritten."""
+        base = torch.as_tensor(base, dtype=torch.long, device=self.lengths.device)
+        m = path.shape[1]
+        src = base[:, None] + path  # (B, m)
+        dst = base[:, None] + torch.arange(m, device=path.device)
+        rows = torch.arange(self.batch, device=path.device)[:, None]
+        for t in (self.k, self.v):  # (layers, B, Hkv, L, D); the indexed view is (B, m, layers, Hkv, D)
+            t[:, rows, :, dst] = t[:, rows, :, src]
+        self.lengths = base + m
 
     def write(self, layer: int, k, v):
         """k, v (B, S, Hkv, D) -> this layer's K, V (B, Hkv, Lk, D) up to the longest row, and mask (B, S, Lk)."""

@@ -42,7 +42,7 @@ def generate(s: Setup, draft, prompts: list, seed=None):
         r = speculative.generate(s.policy, draft, prompts[i: i + c.rollout_batch],
                                  max_new_tokens=s.task.max_new_tokens,
                                  num_draft_tokens=c.num_draft_tokens if draft is not None else 0,
-                                 temperature=c.temperature, eos_id=s.task.tok.eos_id, generator=gen)
+                                 temperature=c.temperature, eos_id=s.task.tok.eos_id, generator=gen, tree=c.tree)
         toks += [t.cpu() for t in r.tokens]  # rollouts are scored, packed and exchanged on the host
         lps += [lp.cpu() for lp in r.logprobs]
         for k in st:

@@ -14,6 +14,8 @@ greedy (accept iff d_j = argmax p_j) and reproduces plain greedy decoding token 
 the number of generated tokens per policy forward, bonus included (1.0 = no speedup). The log-probs returned for GRPO
 are the policy's, log softmax(logits / tau) (tau = 0: of the raw logits), read from the verification forwards.
 
+Tree drafts (several candidates per position, verified in the same one forward): speculative_tree.py, generate(tree=).
+
     python speculative.py      # tiny random policy + draft: greedy exactness and the stats of a sampled rollout
 
 Letters: B batch rows, k draft tokens per step, V vocab, H hidden.
@@ -26,6 +28,7 @@ from typing import Optional
 
 import torch
 
+import speculative_tree
 from model import Transformer, at_least_f32
 
 
@@ -163,25 +166,38 @@ class _Decode:
 
 @torch.inference_mode()
 def generate(target: Transformer, draft=None, prompts=(), *, max_new_tokens: int, num_draft_tokens: int = 0,
-             temperature: float = 1.0, eos_id: Optional[int] = None, generator=None) -> Rollout:
+             temperature: float = 1.0, eos_id: Optional[int] = None, generator=None, tree=None) -> Rollout:
     """Sample up to max_new_tokens per prompt (ragged prompts, per-row EOS) with speculative decoding:
     prefill, then per step compact -> propose (k draft forwards) -> verify (one policy forward) -> commit.
 
-    draft=None or num_draft_tokens=0: plain autoregressive sampling through the same code (the baseline)."""
+    draft=None or num_draft_tokens=0: plain autoregressive sampling through the same code (the baseline).
+    tree=(b_1, ..., b_k): a tree draft instead of the chain (speculative_tree.py; num_draft_tokens must be 0 or k);
+    None or () is the chain."""
     _check(target, draft, prompts, max_new_tokens, num_draft_tokens, temperature, eos_id)
     t0 = time.perf_counter()
-    k = num_draft_tokens if draft is not None else 0
+    tree = speculative_tree.Tree(tree) if tree else None
+    if tree is not None and num_draft_tokens not in (0, tree.k):
+        raise ValueError(f"num_draft_tokens={num_draft_tokens}: with tree={tree.branching} expected 0 or its depth "
+                         f"{tree.k}")
+    k = (tree.k if tree is not None else num_draft_tokens) if draft is not None else 0
+    tree = tree if k else None  # no draft: plain sampling
     if max_new_tokens == 0:
         dev = next(target.parameters()).device
         empty = [torch.zeros(0, dtype=torch.long, device=dev)] * len(prompts)
         return Rollout(empty, [torch.zeros(0, device=dev)] * len(prompts), SpecStats())
-    s = prefill(target, draft if k else None, prompts, k, temperature, eos_id, max_new_tokens, generator)
+    s = prefill(target, draft if k else None, prompts, k, temperature, eos_id, max_new_tokens, generator,
+                span=1 + tree.num_nodes if tree is not None else 0)
     while (n_done := int(s.done.sum())) < s.live.numel():  # sync point: one per step
         compact(s, n_done)
         if k == 0:
             z = target.forward_cached(s.y[:, None], s.pcache).logits  # (b, 1, V)
             n, (y, _) = torch.zeros_like(s.y), _sample(z[:, 0], temperature, generator)
             commit(s, y[:, None], z, n)
+        elif tree is not None:
+            nodes, q = speculative_tree.propose(draft, s, tree)
+            block, z, n, taps = speculative_tree.verify_step(target, s, tree, nodes, q)
+            s.h, s.zq = draft.extend(s.dcache, block, taps, n)
+            commit(s, block, z, n)
         else:
             d, q = propose(draft, s)
             block, z, n, taps = verify_step(target, s, d, q)
@@ -190,15 +206,15 @@ def generate(target: Transformer, draft=None, prompts=(), *, max_new_tokens: int
     return finish(s, time.perf_counter() - t0)
 
 
-def prefill(target, draft, prompts, k: int, temperature, eos_id, max_new_tokens, generator) -> _Decode:
+def prefill(target, draft, prompts, k: int, temperature, eos_id, max_new_tokens, generator, span: int = 0) -> _Decode:
     """Step 0. One policy forward over the right-padded prompts (each row then rolls back to its own length), the
     first token y ~ p(. | prompt), and the draft's trunk over the prompt: entry j = (token j+1, taps at j), the last
-    one fed the sampled y."""
+    one fed the sampled y. span: entries one step appends past the last kept token (default k+1; a tree's 1+N)."""
     dev = next(target.parameters()).device
     B = len(prompts)
     lens = torch.tensor([p.numel() for p in prompts], device=dev)
     rows = torch.arange(B, device=dev)
-    max_len = int(lens.max()) + max_new_tokens + k + 1  # a step may run k+1 entries past the last kept token
+    max_len = int(lens.max()) + max_new_tokens + max(k + 1, span)  # a step may run k+1 entries past the last kept one
     x = torch.zeros(B, int(lens.max()), dtype=torch.long, device=dev)
     for b, p in enumerate(prompts):
         x[b, : p.numel()] = p.to(dev)

@@ -11,8 +11,14 @@ batch sizes 1, 8, 64 and k = 2, 4, 6 draft tokens at temperature 1, runs interle
 alike; the median of `repeats` runs is reported. Exactness is checked on the way: at temperature 0 the speculative
 tokens must equal the autoregressive ones.
 
+Tree drafts (speculative_tree.py) run beside the chains: `trees` (6-22 nodes, depth 2-6) at every batch, and all
+drafts again at batches 1 and 8 at `hot_temperature`, where the policy is flatter and the per-position acceptance drops
+to ~0.7-0.85 (the regime trees are for). `costs` times the two terms a speculative step is made of, a policy forward
+over S tokens and a draft level of width n, at each batch: they bound what any chain or tree can gain on this machine.
+
     python bench/bench_rollout.py                    # ~3-5 min on 2 CPU cores (training included; cached afterwards)
     python bench/bench_rollout.py --repeats=5 --threads=2 --batches=1,8
+    python bench/bench_rollout.py --trees=2,2,1:3,2,1 --hot_temperature=0   # other trees (':'-separated), no hot rows
 
 Writes bench/results/rollout.json (rows: batch, k, tokens_per_s_ar, tokens_per_s_spec, speedup, acceptance_length, ...;
 best_speedup) and bench/results/rollout.md (the markdown table). Trained weights are cached under
@@ -36,6 +42,7 @@ from draft import Eagle3Draft  # noqa: E402
 from hf_io import from_pretrained, save_pretrained  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from speculative import generate  # noqa: E402
+from speculative_tree import Tree  # noqa: E402
 
 
 @dataclass
@@ -52,6 +59,8 @@ class BenchConfig:
     ttt_passes: int = 5
     batches: tuple = (1, 8, 64)
     ks: tuple = (2, 4, 6)
+    trees: str = "3,1:2,1,1:2,2,1:2,2,1,1:2,1,1,1,1,1:2,2,1,1,1,1"  # (b_1,...,b_k) ':'-separated, 6-22 nodes; "": none
+    hot_temperature: float = 1.5  # the chains and trees again at batches 1 and 8 at this temperature (0: skip)
     max_new_tokens: int = 96
     prompt_len: int = 8
     temperature: float = 1.0
@@ -170,62 +179,137 @@ def cached(cfg, lang):
 
 
 # --------------------------------------------------------------------------------------------------- measuring
+def drafts(cfg) -> list:
+    """[(label, k, tree)]: autoregressive first, then the chains, then the trees."""
+    trees = [tuple(int(b) for b in t.split(",")) for t in cfg.trees.split(":") if t.strip()]
+    return ([("AR", 0, None)] + [(f"chain k={k}", k, None) for k in cfg.ks] +
+            [(f"tree {','.join(map(str, t))}", len(t), t) for t in trees])
+
+
+def measure(cfg, policy, draft, prompts, B: int, tau: float) -> list:
+    """Every draft at batch B and temperature tau, interleaved (AR, chains, trees, AR, ...), medians of `repeats`."""
+    run = lambda k, tree: generate(  # noqa: E731
+        policy, draft, prompts[:B], max_new_tokens=cfg.max_new_tokens, num_draft_tokens=k if tree is None else 0,
+        temperature=tau, tree=tree, generator=torch.Generator().manual_seed(cfg.seed))
+    ds = drafts(cfg)
+    res = {label: [] for label, _, _ in ds}
+    for _ in range(cfg.repeats):
+        for label, k, tree in ds:
+            res[label].append(run(k, tree).stats)
+    ar = statistics.median(s.tokens_per_s for s in res["AR"])
+    rows = []
+    for label, k, tree in ds[1:]:
+        st = res[label]
+        sp = statistics.median(s.tokens_per_s for s in st)
+        acc = statistics.mean(s.acceptance_length for s in st)
+        per_pos = [round(statistics.mean(s.accept_per_position[j] for s in st), 3) for j in range(k)]
+        rows.append(dict(batch=B, temperature=tau, draft=label, k=k, tree=list(tree or ()),
+                         nodes=Tree(tree).num_nodes if tree else k, tokens_per_s_ar=round(ar, 1),
+                         tokens_per_s_spec=round(sp, 1), speedup=round(sp / ar, 2), acceptance_length=round(acc, 2),
+                         accept_per_position=per_pos, policy_forwards_ar=res["AR"][0].policy_forwards,
+                         policy_forwards_spec=st[0].policy_forwards))
+        print(f"B={B:3d} tau={tau} {label:>16}: AR {ar:8.1f} tok/s  spec {sp:8.1f} tok/s  speedup {sp / ar:5.2f}x  "
+              f"tokens/forward {acc:.2f}  per position {per_pos}")
+    return rows
+
+
+@torch.inference_mode()
+def costs(cfg, policy, draft, B: int, reps: int = 20) -> dict:
+    """Median ms of a policy forward over S tokens per row (a chain of S-1 drafts, or a tree of S-1 nodes: same
+    shapes) after a 64-token prefix, and of one draft level of width n, at batch B."""
+    def timed(fn):
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return round(1e3 * statistics.median(ts), 3)
+
+    x = torch.randint(policy.cfg.vocab_size, (B, 64))
+    pcache = policy.new_cache(B, 128)
+    out = policy.forward_cached(x, pcache, tap_layers=draft.tap_layers)
+    dcache = draft.new_cache(B, 128)
+    h, _ = draft.extend(dcache, x, out.taps, torch.full((B,), 63))
+    L = pcache.lengths.clone()
+
+    def verify(S):
+        policy.forward_cached(x[:, :S], pcache, tap_layers=draft.tap_layers)
+        pcache.rollback(L)
+
+    def level(n):
+        t = torch.ones(1 + n, dtype=torch.long)
+        draft.tree_step(dcache, x[:, :n], h[:, None].expand(-1, n, -1), (t[1:] - 1, torch.eye(n, dtype=torch.bool),
+                                                                        dcache.lengths.clone()))
+        dcache.rollback(dcache.lengths - n)
+
+    return dict(batch=B, policy_forward_ms={S: timed(lambda: verify(S)) for S in (1, 3, 5, 7, 11, 16, 23)},
+                draft_level_ms={n: timed(lambda: level(n)) for n in (1, 2, 4, 8)})
+
+
 def main(cfg: BenchConfig):
     torch.set_num_threads(cfg.threads)
     lang = PhraseLanguage(64, cfg.phrases, cfg.seed)
     policy, draft, metrics, train_s = cached(cfg, lang)
     g = torch.Generator().manual_seed(cfg.seed + 3)
     prompts = list(lang.sample(max(cfg.batches), cfg.prompt_len, g))  # held-out: a fresh generator stream
-    run = lambda B, k, tau=cfg.temperature: generate(  # noqa: E731
-        policy, draft, prompts[:B], max_new_tokens=cfg.max_new_tokens, num_draft_tokens=k, temperature=tau,
-        generator=torch.Generator().manual_seed(cfg.seed))
-    exact = all([a.tolist() for a in run(B, 0, 0.0).tokens] == [a.tolist() for a in run(B, k, 0.0).tokens]
-                for B in cfg.batches[:2] for k in cfg.ks)  # greedy exactness, held on the benchmark's own models
-    print(f"greedy speculative == autoregressive: {exact}")
-    run(1, max(cfg.ks))  # warm-up
+    greedy = lambda B, k, tree: [a.tolist() for a in generate(  # noqa: E731
+        policy, draft, prompts[:B], max_new_tokens=cfg.max_new_tokens, num_draft_tokens=k if tree is None else 0,
+        temperature=0.0, tree=tree).tokens]
+    exact = all(greedy(B, 0, None) == greedy(B, k, tree) for B in cfg.batches[:2] for _, k, tree in drafts(cfg)[1:])
+    print(f"greedy speculative (chains and trees) == autoregressive: {exact}")
+    generate(policy, draft, prompts[:1], max_new_tokens=cfg.max_new_tokens, num_draft_tokens=max(cfg.ks))  # warm-up
     rows, load = [], os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     for B in cfg.batches:
-        res = {k: [] for k in (0,) + tuple(cfg.ks)}
-        for _ in range(cfg.repeats):  # interleaved: AR, k=2, k=4, k=6, AR, ...
-            for k in res:
-                res[k].append(run(B, k).stats)
-        ar = statistics.median(s.tokens_per_s for s in res[0])
-        for k in cfg.ks:
-            sp = statistics.median(s.tokens_per_s for s in res[k])
-            acc = statistics.mean(s.acceptance_length for s in res[k])
-            per_pos = [round(statistics.mean(s.accept_per_position[j] for s in res[k]), 3) for j in range(k)]
-            rows.append(dict(batch=B, k=k, tokens_per_s_ar=round(ar, 1), tokens_per_s_spec=round(sp, 1),
-                             speedup=round(sp / ar, 2), acceptance_length=round(acc, 2), accept_per_position=per_pos,
-                             policy_forwards_ar=res[0][0].policy_forwards,
-                             policy_forwards_spec=res[k][0].policy_forwards))
-            print(f"B={B:3d} k={k}: AR {ar:8.1f} tok/s  spec {sp:8.1f} tok/s  speedup {sp / ar:5.2f}x  "
-                  f"acceptance length {acc:.2f}  per position {per_pos}")
-    best = max(rows, key=lambda r: r["speedup"])
+        rows += measure(cfg, policy, draft, prompts, B, cfg.temperature)
+    for B in [b for b in cfg.batches if b <= 8] if cfg.hot_temperature > 0 else []:
+        rows += measure(cfg, policy, draft, prompts, B, cfg.hot_temperature)
+    cost = [costs(cfg, policy, draft, B) for B in cfg.batches]
+    for c in cost:
+        print(f"B={c['batch']:3d}: policy forward ms by tokens per row {c['policy_forward_ms']}; draft level ms by "
+              f"width {c['draft_level_ms']}")
+    best = {}
+    for r in rows:  # the best chain and the best tree per (batch, temperature)
+        key = (r["batch"], r["temperature"], r["draft"].split()[0])
+        if key not in best or r["speedup"] > best[key]["speedup"]:
+            best[key] = r
+    chain = max((r for r in rows if r["tree"] == []), key=lambda r: r["speedup"])
     result = dict(
-        config=asdict(cfg), rows=rows, best_speedup=best["speedup"], best=dict(batch=best["batch"], k=best["k"]),
+        config=asdict(cfg), rows=rows, costs=cost, best_speedup=chain["speedup"],
+        best=dict(batch=chain["batch"], k=chain["k"]),
+        best_per_batch=[dict(batch=b, temperature=t, kind=kind, draft=r["draft"], speedup=r["speedup"],
+                             tokens_per_forward=r["acceptance_length"]) for (b, t, kind), r in best.items()],
         greedy_exact=exact, draft_train_metrics=metrics, train_seconds=round(train_s, 1),
         machine=dict(platform=platform.platform(), cpus=os.cpu_count(), threads=cfg.threads,
                      torch=torch.__version__, load_avg_1min_at_start=load),
         policy_parameters=sum(p.numel() for p in policy.parameters()),
         draft_parameters=sum(p.numel() for p in draft.parameters()))
-    table = markdown(rows)
+    table = markdown(rows) + "\n\n" + markdown_costs(cost)
     print("\n" + table)
     os.makedirs(os.path.dirname(cfg.out), exist_ok=True)
     with open(cfg.out, "w") as f:
         json.dump(result, f, indent=2)
     with open(os.path.splitext(cfg.out)[0] + ".md", "w") as f:
         f.write(table + "\n")
-    print(f"best speedup {best['speedup']}x (B={best['batch']}, k={best['k']}); wrote {cfg.out}")
+    print(f"best chain speedup {chain['speedup']}x (B={chain['batch']}, k={chain['k']}); wrote {cfg.out}")
     return result
 
 
 def markdown(rows) -> str:
-    head = (f"| batch | k | AR tok/s | spec tok/s | speedup | acceptance length | acceptance per position |\n"
-            f"|---:|---:|---:|---:|---:|---:|---|")
-    body = [f"| {r['batch']} | {r['k']} | {r['tokens_per_s_ar']:.0f} | {r['tokens_per_s_spec']:.0f} | "
-            f"**{r['speedup']:.2f}x** | {r['acceptance_length']:.2f} | "
+    head = (f"| batch | tau | draft | nodes | AR tok/s | spec tok/s | speedup | tokens / policy forward | "
+            f"acceptance per depth |\n|---:|---:|---|---:|---:|---:|---:|---:|---|")
+    body = [f"| {r['batch']} | {r['temperature']:g} | {r['draft']} | {r['nodes']} | {r['tokens_per_s_ar']:.0f} | "
+            f"{r['tokens_per_s_spec']:.0f} | **{r['speedup']:.2f}x** | {r['acceptance_length']:.2f} | "
             f"{', '.join(f'{a:.2f}' for a in r['accept_per_position'])} |" for r in rows]
     return "\n".join([head] + body)
+
+
+def markdown_costs(cost) -> str:
+    S, n = list(cost[0]["policy_forward_ms"]), list(cost[0]["draft_level_ms"])
+    head = ("| batch | " + " | ".join(f"policy fwd S={s}" for s in S) + " | " +
+            " | ".join(f"draft level n={w}" for w in n) + " |\n|---:|" + "---:|" * (len(S) + len(n)))
+    body = [f"| {c['batch']} | " + " | ".join(f"{v:.2f}" for v in c["policy_forward_ms"].values()) + " | " +
+            " | ".join(f"{v:.2f}" for v in c["draft_level_ms"].values()) + " |" for c in cost]
+    return "\n".join([head] + body) + "\n\n(milliseconds, median; S = tokens per row in one verification forward)"
 
 
 if __name__ == "__main__":
