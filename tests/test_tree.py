@@ -315,7 +315,7 @@ def small_vocab_pair():
         for p in policy.parameters():
             if p.dim() == 2:
                 p.mul_(25)
-    draft = Eagle3Draft.from_target(policy, draft_vocab=[0, 2, 3, 5])
+    draft = Eagle3Draft.from_target(policy, draft_vocab=[0, 2, 3, 5], tap_layers=(0, 1))  # the taps it was tuned on
     with torch.no_grad():
         draft.lm_head.weight.normal_(0, 1.0)
     return policy, draft
