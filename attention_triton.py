@@ -31,6 +31,7 @@ of 2), P branch entries per anchor, BM / BN query / key rows per tile, BR rows p
 """
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -42,7 +43,7 @@ except ImportError as e:  # the message names the backend: this module is import
     raise ImportError('backend="triton" needs the triton package (pip install triton; on a CPU-only machine also set '
                       'TRITON_INTERPRET=1 to run its interpreter)') from e
 
-from attention_blocks import register_backend
+from attention_blocks import host_to_device, register_backend
 
 LOG2E = 1.4426950408889634  # log2(e): natural -> base 2 (host side: the base-2 softmax scale tau log2 e)
 # kernels may read only constexpr globals
@@ -277,7 +278,14 @@ def _launch_groups(segments):
 
 def tile_table(segments, side: str, rows: int, device) -> torch.Tensor:
     """The work list: (n_tiles, 6) int32, one row per program, longest first. side="q": tiles of `rows` query rows,
-    each row (qs, qe, q0, k0, k1, causal); side="k": tiles of key rows, (ks, ke, k0, q0, q1, causal)."""
+    each row (qs, qe, q0, k0, k1, causal); side="k": tiles of key rows, (ks, ke, k0, q0, q1, causal).
+    Built on the host once per (segments, side, rows, device) -- i.e. per (local cu_seqlens, ring step, side) -- and
+    cached on the device: the other layers, and the backward, reuse it without a copy or a sync."""
+    return _tile_table(tuple(segments), side, rows, torch.device(device))
+
+
+@functools.lru_cache(maxsize=512)
+def _tile_table(segments, side, rows, device):
     seg = torch.tensor([tuple(s) for s in segments], dtype=torch.int64).reshape(-1, 5)  # (q0, q1, k0, k1, causal)
     if side == "k":
         seg = seg[:, [2, 3, 0, 1, 4]]  # the tiled side first: (k0, k1, q0, q1, causal)
@@ -293,7 +301,7 @@ def tile_table(segments, side: str, rows: int, device) -> torch.Tensor:
     else:  # causal: the tile's first key is seen by the queries from its own offset on
         work = torch.where(causal.bool(), b1 - b0 - (s - a0), b1 - b0)
     table = torch.stack([s, e, a0, b0, b1, causal], 1)[torch.argsort(work, descending=True, stable=True)]
-    return table.to(device=device, dtype=torch.int32)
+    return host_to_device(table.to(torch.int32), device)
 
 
 class TritonBlocks:

@@ -154,11 +154,11 @@ def packed_causal_attention(q, k, v, cu_seqlens, softmax_scale):
 
     q (T, Hq, D), k/v (T, Hkv, D), cu_seqlens int32 (S+1) -> (T, Hq, D)."""
     T = q.shape[0]
-    if int(cu_seqlens[-1]) != T:
-        raise ValueError(f"cu_seqlens[-1]={int(cu_seqlens[-1])} does not match the token count T={T}")
+    bounds = branch_mask.host_cu(cu_seqlens)  # the boundaries drive the Python loop: the host copy, no sync per layer
+    if bounds[-1] != T:
+        raise ValueError(f"cu_seqlens[-1]={bounds[-1]} does not match the token count T={T}")
     rep = q.shape[1] // k.shape[1]
     out = torch.empty_like(q)
-    bounds = cu_seqlens.tolist()  # host sync: sequence boundaries drive the Python loop
     for s, e in zip(bounds[:-1], bounds[1:]):
         qs, ks, vs = (t[s:e].transpose(0, 1) for t in (q, k, v))  # (H, Ls, D)
         ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
@@ -316,13 +316,14 @@ class Transformer(nn.Module):
         T = x.shape[0]
         if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
             raise TypeError("cu_seqlens: expected an int32 tensor [S+1]")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or int(cu_seqlens[0]) != 0:
+        cu = branch_mask.host_cu(cu_seqlens) if cu_seqlens.dim() == 1 else ()  # checked on the host copy
+        if len(cu) < 2 or cu[0] != 0:
             raise ValueError(f"cu_seqlens: expected a 1-D tensor [S+1] starting at 0, got {cu_seqlens.tolist()}")
-        if bool((cu_seqlens[1:] <= cu_seqlens[:-1]).any()):
-            raise ValueError(f"cu_seqlens: must be strictly increasing, got {cu_seqlens.tolist()}")
+        if any(b <= a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens: must be strictly increasing, got {list(cu)}")
         if position_ids is None:
-            if int(cu_seqlens[-1]) != T:
-                raise ValueError(f"cu_seqlens[-1]={int(cu_seqlens[-1])} does not match the token count T={T}")
+            if cu[-1] != T:
+                raise ValueError(f"cu_seqlens[-1]={cu[-1]} does not match the token count T={T}")
             position_ids = branch_mask.position_ids(cu_seqlens)
         elif position_ids.shape != (T,):
             raise ValueError(f"position_ids: expected shape ({T},), got {tuple(position_ids.shape)}")
@@ -367,19 +368,21 @@ def greedy_generate(model: Transformer, prompts: list, max_new_tokens: int) -> l
     """Plain batched greedy decoding with the per-row KV cache: the reference every faster decoder must match."""
     if not prompts or any(p.dim() != 1 or p.numel() == 0 for p in prompts):
         raise ValueError("prompts: expected a non-empty list of non-empty 1-D token tensors")
-    B, lens = len(prompts), torch.tensor([p.numel() for p in prompts])
-    cache = model.new_cache(B, int(lens.max()) + max_new_tokens)
-    x = torch.zeros(B, int(lens.max()), dtype=torch.long)
+    dev = next(model.parameters()).device  # inputs, cache and outputs live with the model
+    B, n = len(prompts), [p.numel() for p in prompts]
+    lens = torch.tensor(n, device=dev)
+    cache = model.new_cache(B, max(n) + max_new_tokens)
+    x = torch.zeros(B, max(n), dtype=torch.long, device=dev)
     for b, p in enumerate(prompts):
         x[b, : p.numel()] = p
     logits = model.forward_cached(x, cache).logits  # (B, S, V): right-padded prefill, then roll back the padding
     cache.rollback(lens)
-    nxt = logits[torch.arange(B), lens - 1].argmax(-1)
+    nxt = logits[torch.arange(B, device=dev), lens - 1].argmax(-1)
     out = [nxt]
     for _ in range(max_new_tokens - 1):
         nxt = model.forward_cached(nxt[:, None], cache).logits[:, -1].argmax(-1)
         out.append(nxt)
-    return list(torch.stack(out, 1)) if max_new_tokens > 0 else [torch.zeros(0, dtype=torch.long)] * B
+    return list(torch.stack(out, 1)) if max_new_tokens > 0 else [torch.zeros(0, dtype=torch.long, device=dev)] * B
 
 
 if __name__ == "__main__":
