@@ -25,6 +25,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 import branch_mask
 from kv_cache import KVCache
@@ -236,8 +237,12 @@ class ModelOutput:
 class Transformer(nn.Module):
     """A decoder, or the pipeline-stage slice of one holding layers [a, b)."""
 
-    def __init__(self, cfg: ModelConfig, layers: Optional[tuple[int, int]] = None):
+    def __init__(self, cfg: ModelConfig, layers: Optional[tuple[int, int]] = None, *,
+                 activation_checkpointing: bool = False):
         super().__init__()
+        # per decoder layer: keep only its input, recompute the layer in backward (memory O(L T H) -> O(T H) per layer
+        # kept, one extra forward of compute; under CP the recompute runs the ring again, on every rank alike)
+        self.activation_checkpointing = bool(activation_checkpointing)
         n = cfg.num_hidden_layers
         a, b = (0, n) if layers is None else (int(layers[0]), int(layers[1]))
         if not (0 <= a < b <= n):
@@ -289,7 +294,7 @@ class Transformer(nn.Module):
     def _taps(self, tap_layers):
         return () if tap_layers is None else check_tap_layers(tap_layers, self.cfg.num_hidden_layers)
 
-    def _run(self, x, attend_for, tap_layers, pos):
+    def _run(self, x, attend_for, tap_layers, pos, checkpointing=False):
         """Shared body: embed (first stage) -> layers -> norm + head (last stage), collecting taps."""
         taps_wanted = self._taps(tap_layers)
         h = self.embed(x) if self.is_first else x
@@ -297,8 +302,13 @@ class Transformer(nn.Module):
         if self.is_first and EMBED_TAP in taps_wanted:
             taps[EMBED_TAP] = h
         cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+        ckpt = checkpointing and torch.is_grad_enabled()  # packed forward only: a recompute would re-fill a KV cache
         for key, layer in self.model.layers.items():
-            h = layer(h, attend_for(layer, int(key), cos, sin))
+            attend = attend_for(layer, int(key), cos, sin)
+            if ckpt:  # non-reentrant: gradients reach every input, the closure's tensors (cos, sin) included
+                h = torch.utils.checkpoint.checkpoint(layer, h, attend, use_reentrant=False)
+            else:
+                h = layer(h, attend)
             if int(key) in taps_wanted:
                 taps[int(key)] = h
         if not self.is_last:
@@ -332,7 +342,7 @@ class Transformer(nn.Module):
         def attend_for(layer, _, cos, sin):
             return lambda hn: layer.self_attn(hn, cos, sin, cu_seqlens, attn_fn)
 
-        return self._run(x, attend_for, tap_layers, position_ids)
+        return self._run(x, attend_for, tap_layers, position_ids, self.activation_checkpointing)
 
     def forward_cached(self, x, cache: KVCache, *, tap_layers=None):
         """Append x (B, S) tokens (or (B, S, H) hidden on later stages) to every row of `cache` and return their

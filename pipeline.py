@@ -72,10 +72,10 @@ def split_layers(n_layers: int, n_stages: int, sizes=None) -> list:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def build_stage(cfg: ModelConfig, layers, state_dict=None, dtype=None) -> Transformer:
+def build_stage(cfg: ModelConfig, layers, state_dict=None, dtype=None, activation_checkpointing=False) -> Transformer:
     """The stage slice holding `layers` = (a, b), loaded from a full model's state dict if given (so that every stage,
     and the tied embedding copy on the last stage, starts from the same weights)."""
-    stage = Transformer(cfg, layers=layers)
+    stage = Transformer(cfg, layers=layers, activation_checkpointing=activation_checkpointing)
     if state_dict is not None:
         stage.load_slice(state_dict)
     return stage.to(dtype) if dtype is not None else stage

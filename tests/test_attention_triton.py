@@ -180,3 +180,16 @@ def test_loud_on_inputs_it_cannot_take():
         with pytest.raises(TypeError, match="11584"):
             KERNEL.forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), [Segment(0, 8, 0, 8, True)], SCALE,
                            out.float(), lse.float())
+
+
+def test_tile_sizes_are_validated_and_defaults_follow_the_head_dim():
+    for kw in (dict(fwd_tiles=(8, 16)), dict(bwd_tiles=(32, 24)), dict(dkdv_tiles=(16, 15)), dict(branch_rows=8)):
+        name = next(iter(kw))
+        with pytest.raises(ValueError, match=f"{name}=.*power of two >= 16"):
+            TritonBlocks(**kw)
+    cfg = lambda D, dtype=torch.bfloat16: TritonBlocks().config(torch.empty(1, 1, D, dtype=dtype))  # noqa: E731
+    assert cfg(64)["dkdv"][0] == (128, 32) and cfg(64)["branch"] == (64, {"num_warps": 4})
+    assert cfg(128)["dkdv"] == ((64, 64), {"num_warps": 8, "num_stages": 2})  # 128x32 spilled 708 B at D = 128
+    assert cfg(128)["branch"] == (32, {"num_warps": 8}) and cfg(256)["branch"] == (16, {"num_warps": 8})
+    assert cfg(256)["fwd"][0] == (64, 32) and cfg(128, torch.float32)["fwd"][0] == (64, 32)
+    assert KERNEL.config(torch.empty(1, 1, 16))["dkdv"][0] == (32, 16)  # bwd_tiles covers dK/dV unless overridden
