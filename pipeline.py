@@ -242,6 +242,8 @@ class PipelineSchedule:
         tap_bytes0 = self.channel.bytes_sent if self.channel else 0
         for prm in self._params():
             prm.grad = None
+            if hasattr(prm, "main_grad"):  # mixed_precision.py: the fp32 accumulator the bf16 grads land in
+                prm.main_grad.zero_()
         if self.channel is not None and self.last:
             self.channel.begin([mb.tokens.shape[0] for mb in mbs], self.H, self.dtype, self.device,
                                tap_depth(self.schedule, self.grid.pp, M))
@@ -335,14 +337,17 @@ class PipelineSchedule:
         return list(self.stage.parameters()) + self.draft_params
 
     def _reduce_grads(self):
+        """Reduces each parameter's gradient: its fp32 .main_grad under mixed precision (mixed_precision.py), else
+        its .grad."""
         g, params = self.grid, self._params()
         for prm in params:
-            if prm.grad is None:  # e.g. a draft that was not called this step: contributes zeros to the reduction
+            if prm.grad is None and not hasattr(prm, "main_grad"):  # e.g. a draft not called this step: zeros
                 prm.grad = torch.zeros_like(prm)
+        grad = lambda prm: getattr(prm, "main_grad", prm.grad)  # noqa: E731
         if g.pp > 1 and self.stage.cfg.tie_word_embeddings and (self.first or self.last):
-            dist.all_reduce(self.stage.embed.weight.grad, group=g.embed_group)  # E is used on stage 0 and as W_out
+            dist.all_reduce(grad(self.stage.embed.weight), group=g.embed_group)  # E is used on stage 0 and as W_out
         if g.cp > 1 or g.dp > 1:
-            flat = torch.cat([prm.grad.reshape(-1) for prm in params])  # one bucket: one collective per group
+            flat = torch.cat([grad(prm).reshape(-1) for prm in params])  # one bucket: one collective per group
             if g.cp > 1:
                 dist.all_reduce(flat, group=g.cp_group)  # sum: each CP rank holds d(its shard's loss)
             if g.dp > 1:
@@ -350,7 +355,7 @@ class PipelineSchedule:
                 flat /= g.dp  # mean over replicas
             i = 0
             for prm in params:
-                prm.grad.copy_(flat[i:i + prm.numel()].view_as(prm))
+                grad(prm).copy_(flat[i:i + prm.numel()].view_as(prm))
                 i += prm.numel()
 
     def _reduce_scalars(self):
