@@ -139,29 +139,31 @@ class TritonBlocks:
     def config(self, q) -> dict:
         """Per kernel: (tiles, launch options), for inputs like q; and "const", the shared constexprs.
 
-        Defaults by row size BD * bytes (BD = D rounded up to a power of two), untuned but chosen so that nothing
-        spills registers on sm_90a (ptxas -v on the compiled kernels, bf16; `python bench/triton_spills.py`):
-          <= 128 B (bf16 D <= 64):   the fused-attention tutorial's 128x64 forward, 128x32 backward, 64 branch rows;
-          <= 256 B (bf16 D = 128):   dK/dV on 64x64 tiles with 8 warps (128x32 spilled 708 B per thread: the (128, D)
-                                     fp32 dK and dV accumulators), branch on 32 rows with 8 warps (64 rows x 4 warps
-                                     spilled ~1.5 KB: the (BR, D) fp32 q, do, bk, bv and accumulators);
-          wider (bf16 D = 256, fp32 D >= 128): 64x32 tiles, 16 branch rows, 8 warps, so K/V stages still fit in
-                                     shared memory and the fp32 accumulators in registers (64 branch rows spilled
-                                     15.6 KB per thread at D = 256)."""
+        Defaults by row size BD * bytes (BD = D rounded up to a power of two), chosen for register spills, not yet
+        tuned for speed on a GPU. Measured with `python bench/triton_spills.py` (Triton 3.9 compiling for sm_90a,
+        ptxas -v, bf16; bytes spilled per thread, the old default in brackets):
+          <= 128 B (bf16 D <= 64):  fwd 128x64 (0), dq 128x32 (0), dK/dV 64x64 with 8 warps (40) [128x32: 92],
+                                    branch 32 rows x 8 warps (0) [64 x 4 warps: 344 / 532 / 1236];
+          <= 256 B (bf16 D = 128):  fwd 64x64 x 8 warps (0) [128x64: 504], dq 64x32 (0) [128x32: 360], dK/dV 32x16
+                                    (4) [128x32: 2104; 64x64: 448], branch 16 rows x 8 warps (0) [64 x 4: 3036 /
+                                    3380 / 15216 -- the (BR, D) fp32 q, dO, bk, bv and accumulators];
+          wider (bf16 D = 256, fp32 D >= 128): fwd 32x16 (104) [64x32: 488], dq 32x16 (92), dK/dV 32x16 (84)
+                                    [64x32: 2772], branch 16 rows (0 / 0 / 304).
+        A spill is a round trip to local memory (L1/L2) on every use inside the inner loop."""
         BD = max(16, triton.next_power_of_2(q.shape[-1]))
         row = BD * q.element_size()
-        w8s2 = dict(num_warps=8, num_stages=2)
+        s2, s3 = dict(num_stages=2), dict(num_stages=3)
         if row <= 128:
-            fwd, dq, dkdv, br, opts_br = (128, 64), (128, 32), (128, 32), 64, dict(num_warps=4)
+            fwd, dq, dkdv, br = ((128, 64), 8, s3), ((128, 32), 8, s2), ((64, 64), 8, s2), (32, 8)
         elif row <= 256:
-            fwd, dq, dkdv, br, opts_br = (128, 64), (128, 32), (64, 64), 32, dict(num_warps=8)
+            fwd, dq, dkdv, br = ((64, 64), 8, s3), ((64, 32), 8, s2), ((32, 16), 8, s2), (16, 8)
         else:
-            fwd, dq, dkdv, br, opts_br = (64, 32), (64, 32), (64, 32), 16, dict(num_warps=8)
-        opts_f = dict(num_warps=4, num_stages=2) if row > 256 else dict(num_warps=8, num_stages=3)
-        dq = self.bwd_tiles or dq
-        dkdv = self.dkdv_tiles or self.bwd_tiles or dkdv
-        return {"fwd": (self.fwd_tiles or fwd, opts_f), "dq": (dq, w8s2), "dkdv": (dkdv, w8s2),
-                "branch": (self.branch_rows or br, opts_br),
+            fwd, dq, dkdv, br = ((32, 16), 4, s2), ((32, 16), 8, s2), ((32, 16), 8, s2), (16, 8)
+        opt = lambda k: dict(num_warps=k[1], **k[2])  # noqa: E731
+        dkdv_t = self.dkdv_tiles or self.bwd_tiles or dkdv[0]
+        return {"fwd": (self.fwd_tiles or fwd[0], opt(fwd)), "dq": (self.bwd_tiles or dq[0], opt(dq)),
+                "dkdv": (dkdv_t, opt(dkdv)),
+                "branch": (self.branch_rows or br[0], dict(num_warps=br[1])),
                 "const": dict(BD=BD, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")}  # 16-bit: ignored
 
     @staticmethod

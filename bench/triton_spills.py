@@ -3,7 +3,8 @@ compiled for sm_90a by Triton (to PTX) and assembled by the ptxas that ships wit
 registers per thread and the bytes spilled to local memory. A spill costs a round trip to L1/L2 on every use inside
 the inner loop; the defaults in TritonBlocks.config are chosen so that none of these reports one.
 
-    python bench/triton_spills.py                    # bf16, D = 64, 128, 256: a table, bench/results/triton_spills.json
+    python bench/triton_spills.py                    # bf16, D = 64, 128, 256: bench/results/triton_spills.{md,json}
+    python bench/triton_spills.py --dims=256 --search "bwd dkdv"     # every candidate setting of one kernel
     python bench/triton_spills.py --dims=128 --dtype=fp16
 
 Letters: D head dim, BD its power-of-2 bucket, BM / BN / BR tile rows.
@@ -88,9 +89,12 @@ def launches(D: int, dtype: torch.dtype) -> list:
 
 
 CANDIDATES = {  # (tiles, num_warps) tried by --search; num_stages as in TritonBlocks.config
-    "fwd": [((128, 64), 8), ((128, 32), 8), ((64, 64), 4), ((64, 64), 8), ((64, 32), 4), ((64, 32), 8), ((32, 32), 4)],
-    "bwd dq": [((128, 32), 8), ((64, 64), 8), ((64, 32), 4), ((64, 32), 8), ((32, 32), 4), ((32, 16), 4)],
-    "bwd dkdv": [((128, 32), 8), ((64, 64), 8), ((64, 32), 4), ((64, 32), 8), ((32, 32), 4), ((32, 16), 4)],
+    "fwd": [((128, 64), 8), ((128, 32), 8), ((64, 64), 4), ((64, 64), 8), ((64, 32), 4), ((64, 32), 8), ((32, 32), 4),
+            ((32, 32), 8), ((32, 16), 4), ((16, 16), 4)],
+    "bwd dq": [((128, 32), 8), ((64, 64), 8), ((64, 32), 4), ((64, 32), 8), ((32, 32), 4), ((32, 32), 8), ((32, 16), 4),
+               ((32, 16), 8), ((16, 16), 4)],
+    "bwd dkdv": [((128, 32), 8), ((64, 64), 8), ((64, 32), 4), ((64, 32), 8), ((32, 32), 4), ((32, 32), 8),
+                 ((32, 16), 4), ((32, 16), 8), ((16, 16), 4)],
     "branch": [(br, w) for br in (64, 32, 16) for w in (4, 8)],
 }
 
@@ -100,7 +104,11 @@ def search(D: int, dtype: torch.dtype, name: str):
     const = at.TritonBlocks().config(torch.empty(1, 1, D, dtype=dtype))["const"]
     dt = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     out = []
+    only = os.environ.get("SPILL_CANDIDATES")  # e.g. "32x32w8,16x16w4": a subset of the candidates
     for tiles, w in CANDIDATES["branch" if name.startswith("branch") else name]:
+        tag = (f"{tiles[0]}x{tiles[1]}" if isinstance(tiles, tuple) else str(tiles)) + f"w{w}"
+        if only and tag not in only.split(","):
+            continue
         if name == "fwd":
             kern, c, o = K._fwd_kernel, dict(BM=tiles[0], BN=tiles[1], **const), dict(num_warps=w, num_stages=3)
         elif name == "bwd dq":
@@ -131,17 +139,22 @@ def main():
                 search(D, dtype, name)
         return
     rows = []
-    print(f"| D | kernel | tiles | warps | registers | spill stores B | spill loads B |  ({args.dtype}, sm_90a)")
-    print("|---|---|---|---|---|---|---|")
+    lines = [f"Triton {triton.__version__}, sm_90a, {args.dtype}: `python bench/triton_spills.py`", "",
+             "| D | kernel | tiles | warps | registers | spill stores B | spill loads B |",
+             "|---|---|---|---|---|---|---|"]
+    print("\n".join(lines))
     for D in (int(x) for x in args.dims.split(",")):
         for name, kernel, const, opts, tiles in launches(D, dtype):
             rep = ptxas_report(kernel, args.dtype, const, opts)
             rows.append(dict(D=D, kernel=name, tiles=tiles, num_warps=opts.get("num_warps", 4), **rep))
-            print(f"| {D} | {name} | {tiles} | {rows[-1]['num_warps']} | {rep['registers']} | "
-                  f"{rep['spill_stores']} | {rep['spill_loads']} |", flush=True)
+            lines.append(f"| {D} | {name} | {tiles} | {rows[-1]['num_warps']} | {rep['registers']} | "
+                         f"{rep['spill_stores']} | {rep['spill_loads']} |")
+            print(lines[-1], flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"dtype": args.dtype, "target": "sm_90a", "triton": triton.__version__, "rows": rows}, f, indent=1)
+    with open(args.out.removesuffix(".json") + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
