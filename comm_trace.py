@@ -25,7 +25,7 @@ import inspect
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from mesh import warm_up_plan
+from grid import warm_up_plan
 from pipeline import p2p_plan, schedule_actions, split_layers, tap_depth
 from tapchannel import tap_owners
 
@@ -59,7 +59,7 @@ def layout_traces(pp, cp, dp, schedule, M, *, taps=(), n_layers=None, draft_cp=F
 
 
 def _groups(pp, cp, dp, d, s, c):
-    at = lambda d_, p_, c_: (d_ * pp + p_) * cp + c_  # noqa: E731  (mesh.py's layout)
+    at = lambda d_, p_, c_: (d_ * pp + p_) * cp + c_  # noqa: E731  (grid.py's layout)
     pipe = tuple(at(d, s_, c) for s_ in range(pp))
     return pipe, {"world": ("world", tuple(range(pp * cp * dp))), "pp": ("pp", pipe), "tap": ("tap", pipe),
                   "embed": ("embed", (pipe[0], pipe[-1])), "cp": ("cp", tuple(at(d, s, c_) for c_ in range(cp))),

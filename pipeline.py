@@ -14,7 +14,7 @@ Two orders of the same 2M actions (picotron's pipeline_parallel.py keeps both si
            same bubble (P-1)/(M+P-1), but stage s never holds more than P-s microbatches' activations
 
 Communication (p2p_plan): the send of each action's output and the receive of the next action's input go out together
-in one batch_isend_irecv on the pipeline group, on gloo and NCCL alike; the mesh (mesh.py) has created every
+in one batch_isend_irecv on the pipeline group, on gloo and NCCL alike; the grid (grid.py) has created every
 communicator beforehand. `python nccl_check.py` proves every layout deadlock-free under NCCL's rules.
 
 After F(m) the last stage calls the user's draft hook with m's taps (the hidden states after the tapped layers: from
@@ -43,7 +43,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from mesh import Grid, mesh_groups, warm_up_links, warm_up_plan  # noqa: F401  (re-exported: pipeline.Grid)
+from grid import Grid, mesh_groups, warm_up_links, warm_up_plan  # noqa: F401  (re-exported: pipeline.Grid)
 from model import EMBED_TAP, ModelConfig, Transformer, check_tap_layers
 from tapchannel import TapChannel
 

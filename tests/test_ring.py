@@ -1,8 +1,8 @@
-"""ring.run_ranks and mesh.py without processes: each rank's autograd runs on its own thread (the CUDA backward hang),
-and the mesh's groups and warm-up plan are one global order that every rank agrees on."""
+"""ring.run_ranks and grid.py without processes: each rank's autograd runs on its own thread (the CUDA backward hang),
+and the grid's groups and warm-up plan are one global order that every rank agrees on."""
 import torch
 
-from mesh import mesh_groups, warm_up_plan
+from grid import mesh_groups, warm_up_plan
 from ring import run_ranks
 
 

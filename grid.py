@@ -1,4 +1,5 @@
-"""The DP x PP x CP process mesh, built once, and the warm-up that creates every communicator in one global order.
+"""The DP x PP x CP process grid, built once, and the warm-up that creates every communicator in one global order.
+(mesh.py decides where this process sits and builds the grid; pipeline.py re-exports Grid.)
 
     rank = (dp_rank * pp + pp_rank) * cp + cp_rank          (CP neighbours are adjacent ranks: the fastest links)
 
@@ -13,7 +14,7 @@ at the start of a step) while stage 0 first touches the pipeline group (its firs
 other to join. warm_up_links creates them all up front, in one order shared by every rank. gloo connects at new_group,
 so on CPU it costs a few tiny messages.
 
-    grid = Grid.build(pp=2, cp=2, dp=1)            # under torchrun, after init_process_group; warms up by default
+    grid = Grid.build(pp=2, cp=2, dp=1, device=dev)   # under torchrun, after init_process_group; warms up on `dev`
 
 Letters: pp / cp / dp the mesh sizes, s a stage, c a CP rank, d a DP replica.
 """
@@ -68,8 +69,9 @@ class Grid:
     handles: dict = field(default_factory=dict)  # (name, tuple(ranks)) -> process group, for my groups
 
     @classmethod
-    def build(cls, pp: int = 1, cp: int = 1, dp: int = 1, warm_up: bool = True) -> "Grid":
-        """warm_up: create every communicator now, in one global order (warm_up_links); needed on NCCL, cheap on
+    def build(cls, pp: int = 1, cp: int = 1, dp: int = 1, warm_up: bool = True, device=None) -> "Grid":
+        """warm_up: create every communicator now, in one global order (warm_up_links), for tensors on `device` (the
+        models' device: with a "cpu:gloo,cuda:nccl" process group that picks the backend). Needed on NCCL, cheap on
         gloo. Turn it off only to study what happens without it."""
         if min(pp, cp, dp) < 1:
             raise ValueError(f"pp={pp}, cp={cp}, dp={dp}: expected each >= 1")
@@ -86,7 +88,7 @@ class Grid:
                 g.handles[(name, tuple(ranks))] = pg
                 setattr(g, f"{name}_group", pg)
         if warm_up and world > 1:
-            warm_up_links(g)
+            warm_up_links(g, device)
         return g
 
 
@@ -96,7 +98,8 @@ def warm_up_links(grid: Grid, device=None) -> None:
     collectives and batched P2P, one per (group, pair) for a single isend/irecv); two ranks that first touch two
     communicators in opposite orders wait for each other forever. In one global order the earliest unfinished entry
     always has all its members waiting on it, so every entry completes. gloo connects at new_group: a no-op there
-    in effect (a few tiny messages). device: where the probe tensors live (default: the current GPU under NCCL)."""
+    in effect (a few tiny messages). device: where the step's tensors live, which picks the backend of a mixed
+    process group (default: the current GPU if the group is NCCL only, else the CPU)."""
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     rank, x = dist.get_rank(), torch.zeros(1, device=device)
