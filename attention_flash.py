@@ -37,6 +37,7 @@ from typing import NamedTuple
 import torch
 
 from attention_blocks import Segment, TorchBlocks, host_to_device, merge_, register_backend
+from branch_mask import cu_seqlens_from_lengths
 
 MIN_VERSION = (2, 7)  # _flash_attn_varlen_forward/_backward with window_size_left/right and (Hq, total_q) LSE
 
@@ -99,7 +100,7 @@ def _rows(spans, device):
 
 
 def _cu(lengths, device):
-    return host_to_device(torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(torch.int32), device)
+    return host_to_device(cu_seqlens_from_lengths(lengths), device)
 
 
 def varlen_plan(segments, device="cpu"):
