@@ -22,7 +22,10 @@ Backward (FlashAttention-2), given the *final* lse and delta_i = dO_i.O_i - dlse
 so blocks need no merging going backward: each adds its own terms. Only tile x tile scores ever exist.
 
 Backends: a kernel is any object with forward / backward / branch_forward / branch_backward as in TorchBlocks;
-`register_backend("triton", kernel)` makes `ring_branch_attention(..., backend="triton")` use it.
+`register_backend("triton", kernel)` makes `ring_branch_attention(..., backend="triton")` use it. A kernel may also
+have prepare_backward(q, dout, delta) -> kernel, called once per backward before the ring loop: work that depends on
+the rows only (and any host check it needs) goes there, not into every ring step. No kernel reads the device inside a
+ring step: host-side tables are cached per layout (host_to_device).
 
 Letters: T rows (queries or keys), Hq / Hkv query / key-value heads, G = Hq / Hkv (GQA group), D head dim,
 P branch entries per anchor, tq / tk tile rows.
@@ -154,6 +157,16 @@ class TorchBlocks:
             dq[r] += torch.einsum("thgp,tphd->thgd", ds, bkt).flatten(1, 2) * scale
             dbk[r] = torch.einsum("thgp,thgd->tphd", ds, qt) * scale
         return dbk, dbv
+
+
+def host_to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A small host-built table (tiles, row indices) onto `device` without a host sync: a pageable host->GPU copy
+    waits for the stream, a pinned non_blocking one does not (the caching host allocator keeps the pinned buffer
+    until the copy is done). Callers cache the result per layout, so it happens once per new layout."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 BACKENDS = {"torch": TorchBlocks()}

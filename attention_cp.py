@@ -32,7 +32,7 @@ import os
 import torch
 
 from attention_blocks import Segment, get_backend, merge_
-from branch_mask import branch_attention_mask, check_cp_padded
+from branch_mask import branch_attention_mask, check_cp_padded, host_cu
 from ring import as_ring
 
 
@@ -73,7 +73,7 @@ class _RingBranchAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bk, bv, cu_seqlens, ring, scale, kernel):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        local_cu = (cu_seqlens // ring.size).tolist()  # host sync: the layout drives the Python loops
+        local_cu = [c // ring.size for c in host_cu(cu_seqlens)]  # host ints (read once per tensor): no sync here
         r, n = ring.rank, ring.size
         T, Hq, D = q.shape
         out = q.new_zeros(T, Hq, D, dtype=acc)
@@ -106,6 +106,8 @@ class _RingBranchAttention(torch.autograd.Function):
         if dlse is not None:
             delta = delta - dlse.to(acc)
         dq = torch.zeros_like(q, dtype=acc)
+        if hasattr(kernel, "prepare_backward"):  # per-row work (and its host check) once, outside the ring loop
+            kernel = kernel.prepare_backward(q, dout, delta)
         k_cur, v_cur, k_nxt, v_nxt, incoming = k, v, None, None, None
         for step in range(n):
             if step + 1 < n:
@@ -169,7 +171,7 @@ def _check_inputs(q, k, v, cu_seqlens, bk, bv, cp):
         if x.dtype != q.dtype or x.device != q.device:
             raise TypeError(f"{name}: dtype/device {x.dtype}/{x.device} differs from q's {q.dtype}/{q.device}")
     check_cp_padded(cu_seqlens, cp)
-    total = int(cu_seqlens[-1])
+    total = host_cu(cu_seqlens)[-1]
     if total != T * cp:
         raise ValueError(f"q: {T} rows, but cu_seqlens holds {total} tokens, which a CP group of size {cp} splits "
                          f"into {total // cp} per rank; is `group` the group these shards were cut for?")

@@ -30,12 +30,13 @@ call, B sequences (= segments) of a varlen call.
 """
 from __future__ import annotations
 
+import functools
 import re
 from typing import NamedTuple
 
 import torch
 
-from attention_blocks import Segment, TorchBlocks, merge_, register_backend
+from attention_blocks import Segment, TorchBlocks, host_to_device, merge_, register_backend
 from branch_mask import cu_seqlens_from_lengths
 
 MIN_VERSION = (2, 7)  # _flash_attn_varlen_forward/_backward with window_size_left/right and (Hq, total_q) LSE
@@ -95,16 +96,22 @@ def _rows(spans, device):
     """Row spans [(a, b), ...] -> a slice if they are one contiguous run (a view, no copy), else an index tensor."""
     if all(p[1] == n[0] for p, n in zip(spans, spans[1:])):
         return slice(spans[0][0], spans[-1][1])
-    return torch.cat([torch.arange(a, b) for a, b in spans]).to(device)
+    return host_to_device(torch.cat([torch.arange(a, b) for a, b in spans]), device)
 
 
 def _cu(lengths, device):
-    return cu_seqlens_from_lengths(lengths).to(device)
+    return host_to_device(cu_seqlens_from_lengths(lengths), device)
 
 
 def varlen_plan(segments, device="cpu"):
     """Segments of one ring step -> flash-attn varlen calls: one per causal kind (causal ones squared first), split
-    further only if query rows repeat within a kind (the merge writes each query row once per call)."""
+    further only if query rows repeat within a kind (the merge writes each query row once per call). Cached per
+    (segments, device): every layer and every step of a layout reuses its device tables."""
+    return _varlen_plan(tuple(segments), torch.device(device))
+
+
+@functools.lru_cache(maxsize=256)
+def _varlen_plan(segments, device):
     pieces = [p for s in segments if s.q1 > s.q0 and s.k1 > s.k0 for p in _square(s)]
     plans = []
     for causal in (True, False):
@@ -129,7 +136,8 @@ def out_for_delta(do, delta):
     d32 = do.float()
     norm2 = (d32 * d32).sum(-1)  # (N, Hq) |dO_i|^2
     out = (d32 * (delta / torch.where(norm2 > 0, norm2, 1.0)).unsqueeze(-1)).to(do.dtype)
-    if bool(((norm2 == 0) & (delta != 0)).any()) or not bool(torch.isfinite(out).all()):  # host sync
+    bad = ((norm2 == 0) & (delta != 0)).any() | ~torch.isfinite(out).all()
+    if bool(bad):  # the one host sync: once per backward when called from FlashBlocks.prepare_backward
         return None
     return out
 
@@ -162,14 +170,27 @@ class FlashBlocks:
             if not isinstance(plan.q_rows, slice):
                 out[plan.q_rows], lse[plan.q_rows] = o, l
 
-    def backward(self, q, k, v, dout, lse, delta, segments, scale, dq, dk, dv):
-        """Add this block's terms to dq (T, Hq, D) and dk, dv (Tk, Hkv, D)."""
+    def prepare_backward(self, q, dout, delta):
+        """Once per backward, before the ring loop: dO in the input dtype and flash-attn's stand-in `out` for every
+        row (out_for_delta and its one host check), which every ring step then slices."""
+        do = dout.to(q.dtype)  # (T, Hq, D): flash-attn's dO is in the input dtype
+        return _PreparedFlash(self, do, out_for_delta(do, delta))
+
+    def backward(self, q, k, v, dout, lse, delta, segments, scale, dq, dk, dv, prepared=None):
+        """Add this block's terms to dq (T, Hq, D) and dk, dv (Tk, Hkv, D). prepared = (dO, out') for all rows from
+        prepare_backward (else computed here, with a host check per call)."""
         fai = flash_interface(q)
+        do_all, fake_all = prepared or (None, None)
+        if prepared is not None and fake_all is None:  # rare: a row flash-attn's backward cannot express
+            return self.torch.backward(q, k, v, dout, lse, delta, segments, scale, dq, dk, dv)
         for plan in varlen_plan(segments, q.device):
             qv, kv, vv = q[plan.q_rows], k[plan.k_rows], v[plan.k_rows]
-            do = dout[plan.q_rows].to(q.dtype)  # (N, Hq, D): flash-attn's dO is in the input dtype
-            out_fake = out_for_delta(do, delta[plan.q_rows])
-            if out_fake is None:  # rare: a row flash-attn's backward cannot express
+            if prepared is not None:
+                do, out_fake = do_all[plan.q_rows], fake_all[plan.q_rows]
+            else:
+                do = dout[plan.q_rows].to(q.dtype)
+                out_fake = out_for_delta(do, delta[plan.q_rows])
+            if out_fake is None:
                 self.torch.backward(q, k, v, dout, lse, delta, plan.segments, scale, dq, dk, dv)
                 continue
             dq_b, dk_b, dv_b = torch.empty_like(qv), torch.empty_like(kv), torch.empty_like(vv)
@@ -188,6 +209,19 @@ class FlashBlocks:
 
     def branch_backward(self, q, bk, bv, dout, lse, delta, scale, dq):
         return self.torch.branch_backward(q, bk, bv, dout, lse, delta, scale, dq)
+
+
+class _PreparedFlash:
+    """FlashBlocks for one backward: the per-row tensors prepared once (prepare_backward)."""
+
+    def __init__(self, blocks, do, out_fake):
+        self.blocks, self.prepared = blocks, (do, out_fake)
+
+    def backward(self, *args):
+        return self.blocks.backward(*args, prepared=self.prepared)
+
+    def branch_backward(self, *args):
+        return self.blocks.branch_backward(*args)
 
 
 register_backend("flash", FlashBlocks())

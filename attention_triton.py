@@ -13,7 +13,9 @@ multiply), for one query row over key tiles t = 1, 2, ...:
 The partial result already in (out, lse) enters as tile 0 with m = lse log2 e, l = 1, acc = out (a finished partial
 result is exactly that), so step 2 *is* the merge rule (4-5 of attention_blocks.py) and the kernel merges in place.
 Backward recomputes p_ij = 2^(s2_ij - lse_i log2 e) and adds the terms 6-10 of attention_blocks.py: one kernel over
-query tiles for dQ, one over key tiles for dK and dV (each program owns its rows: no atomics, deterministic).
+query tiles for dQ, one over key tiles for dK and dV (each program owns its rows: no atomics, deterministic); the
+branch likewise, one kernel for dQ (kept in registers over the P entries) and one for dbk, dbv. The kernels themselves
+are in attention_triton_kernels.py; this file holds the work tables, the launch settings and the protocol.
 
 Work list: each Segment (q0, q1, k0, k1, causal) is cut into row tiles on the host (a small int32 table, one row per
 program: rows [s, e) of the tiled side and the segment's bounds), so one launch covers every sequence of a packed
@@ -31,214 +33,20 @@ of 2), P branch entries per anchor, BM / BN query / key rows per tile, BR rows p
 """
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
 
 try:
     import triton
-    import triton.language as tl
 except ImportError as e:  # the message names the backend: this module is imported when backend="triton" is requested
     raise ImportError('backend="triton" needs the triton package (pip install triton; on a CPU-only machine also set '
                       'TRITON_INTERPRET=1 to run its interpreter)') from e
 
-from attention_blocks import register_backend
-
-LOG2E = 1.4426950408889634  # log2(e): natural -> base 2 (host side: the base-2 softmax scale tau log2 e)
-# kernels may read only constexpr globals
-LOG2E_K = tl.constexpr(LOG2E)
-LN2_K = tl.constexpr(0.6931471805599453)  # ln(2): base 2 -> natural
-INF = tl.constexpr(float("inf"))
-
-
-# --------------------------------------------------------------------------------------------------------- kernels
-@triton.jit
-def _tile(Tiles):
-    """Row program_id(0) of the work table: rows [s, e) of the tiled side, segment start a0 of that side, and the
-    other side's rows [b0, b1) and the causal flag."""
-    t = Tiles + tl.program_id(0) * 6
-    return tl.load(t), tl.load(t + 1), tl.load(t + 2), tl.load(t + 3), tl.load(t + 4), tl.load(t + 5)
-
-
-@triton.jit
-def _fwd_kernel(Q, K, V, Out, Lse, Tiles, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, sl_t,
-                qk_scale, G, D, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
-    qs, qe, q0, k0, k1, causal = _tile(Tiles)  # query rows [qs, qe) of segment (q0.., k0..k1, causal)
-    h = tl.program_id(1)
-    hk = h // G  # GQA: query head h reads key/value head h // G
-    qi = qs + tl.arange(0, BM)  # (BM,) query rows
-    d = tl.arange(0, BD)
-    q_ok = qi < qe
-    io = qi.to(tl.int64)[:, None] * so_t + h * so_h + d[None, :]  # (BM, BD) offsets into Out; int64: T*Hq*D > 2^31
-    mq = q_ok[:, None] & (d[None, :] < D)
-    q = tl.load(Q + qi.to(tl.int64)[:, None] * sq_t + h * sq_h + d[None, :], mask=mq, other=0.0)  # (BM, BD)
-    # tile 0 = the partial result already merged here (previous ring steps): m = lse log2 e, l = 1, acc = out
-    lse_old = tl.load(Lse + qi.to(tl.int64) * sl_t + h, mask=q_ok, other=-INF)
-    m = lse_old * LOG2E_K  # (BM,) running max, base 2
-    l = tl.where(lse_old == -INF, 0.0, 1.0)  # (BM,) running sum of 2^(s2 - m)
-    acc = tl.load(Out + io, mask=mq, other=0.0)  # (BM, BD) fp32
-    k_hi = k1
-    if causal != 0:  # aligned starts: query offset i sees key offsets <= i, so the tile stops at its last row's
-        k_hi = tl.minimum(k1, k0 + (qe - q0))
-    for ks in range(k0, k_hi, BN):
-        kj = ks + tl.arange(0, BN)  # (BN,) key rows
-        k_ok = kj < k_hi
-        kt = tl.load(K + kj.to(tl.int64)[None, :] * sk_t + hk * sk_h + d[:, None],
-                     mask=k_ok[None, :] & (d[:, None] < D), other=0.0)  # (BD, BN)
-        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # (BM, BN) base-2 scores
-        # -inf, not a large negative: 2^-inf is exactly 0, so a masked key has weight exactly 0
-        ok = k_ok[None, :] & ((causal == 0) | (kj[None, :] - k0 <= qi[:, None] - q0))
-        s = tl.where(ok, s, -INF)
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_ref = tl.where(m_new == -INF, 0.0, m_new)  # a row with nothing yet: 2^(-inf - 0) = 0, never -inf - -inf
-        p = tl.exp2(s - m_ref[:, None])
-        alpha = tl.exp2(m - m_ref)  # rescales what was accumulated under the old max
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(V + kj.to(tl.int64)[:, None] * sv_t + hk * sv_h + d[None, :],
-                    mask=k_ok[:, None] & (d[None, :] < D), other=0.0)  # (BN, BD)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)  # p in v's dtype (FA2)
-        m = m_new
-    tl.store(Out + io, acc / tl.where(l == 0.0, 1.0, l)[:, None], mask=mq)
-    tl.store(Lse + qi.to(tl.int64) * sl_t + h, (m + tl.log2(l)) * LN2_K, mask=q_ok)  # natural log
-
-
-@triton.jit
-def _bwd_dq_kernel(Q, K, V, dO, Lse, Delta, dQ, Tiles, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sl_t,
-                   qk_scale, sm_scale, G, D, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    """dq_i += tau sum_j ds_ij k_j over one query tile; dO and dQ share the accumulator layout (sg_*)."""
-    qs, qe, q0, k0, k1, causal = _tile(Tiles)
-    h = tl.program_id(1)
-    hk = h // G
-    qi = qs + tl.arange(0, BM)
-    d = tl.arange(0, BD)
-    q_ok = qi < qe
-    mq = q_ok[:, None] & (d[None, :] < D)
-    ig = qi.to(tl.int64)[:, None] * sg_t + h * sg_h + d[None, :]
-    q = tl.load(Q + qi.to(tl.int64)[:, None] * sq_t + h * sq_h + d[None, :], mask=mq, other=0.0)  # (BM, BD)
-    do = tl.load(dO + ig, mask=mq, other=0.0).to(q.dtype)  # fp32 accumulator -> input dtype for the MMA (FA2)
-    lse2 = tl.load(Lse + qi.to(tl.int64) * sl_t + h, mask=q_ok, other=INF) * LOG2E_K
-    lse2 = tl.where(lse2 == -INF, INF, lse2)  # a row that saw no key: p = 2^(s2 - inf) = 0, not NaN
-    delta = tl.load(Delta + qi.to(tl.int64) * sl_t + h, mask=q_ok, other=0.0)
-    dq = tl.zeros((BM, BD), dtype=tl.float32)
-    k_hi = k1
-    if causal != 0:
-        k_hi = tl.minimum(k1, k0 + (qe - q0))
-    for ks in range(k0, k_hi, BN):
-        kj = ks + tl.arange(0, BN)
-        k_ok = kj < k_hi
-        mk = k_ok[None, :] & (d[:, None] < D)
-        kt = tl.load(K + kj.to(tl.int64)[None, :] * sk_t + hk * sk_h + d[:, None], mask=mk, other=0.0)  # (BD, BN)
-        vt = tl.load(V + kj.to(tl.int64)[None, :] * sv_t + hk * sv_h + d[:, None], mask=mk, other=0.0)  # (BD, BN)
-        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
-        ok = k_ok[None, :] & ((causal == 0) | (kj[None, :] - k0 <= qi[:, None] - q0))
-        p = tl.where(ok, tl.exp2(s - lse2[:, None]), 0.0)  # (BM, BN) step 6, with the *final* lse
-        dp = tl.dot(do, vt, input_precision=PRECISION)  # dO_i . v_j
-        ds = p * (dp - delta[:, None])  # step 8
-        dq += tl.dot(ds.to(q.dtype), tl.trans(kt), input_precision=PRECISION)  # step 9
-    tl.store(dQ + ig, tl.load(dQ + ig, mask=mq, other=0.0) + dq * sm_scale, mask=mq)
-
-
-@triton.jit
-def _bwd_dkdv_kernel(Q, K, V, dO, Lse, Delta, dK, dV, Tiles, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sl_t,
-                     sd_t, sd_h, qk_scale, sm_scale, G, D, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-                     PRECISION: tl.constexpr):
-    """dv_j += sum_i p_ij dO_i, dk_j += tau sum_i ds_ij q_i over one key tile, all G query heads of its kv head
-    (summed here, so no atomics). dK and dV share the accumulator layout (sd_*)."""
-    ks, ke, k0, q0, q1, causal = _tile(Tiles)  # key rows [ks, ke) of segment (q0..q1, k0.., causal)
-    hk = tl.program_id(1)
-    kj = ks + tl.arange(0, BN)
-    d = tl.arange(0, BD)
-    k_ok = kj < ke
-    mk = k_ok[:, None] & (d[None, :] < D)
-    k = tl.load(K + kj.to(tl.int64)[:, None] * sk_t + hk * sk_h + d[None, :], mask=mk, other=0.0)  # (BN, BD)
-    v = tl.load(V + kj.to(tl.int64)[:, None] * sv_t + hk * sv_h + d[None, :], mask=mk, other=0.0)
-    dk = tl.zeros((BN, BD), dtype=tl.float32)
-    dv = tl.zeros((BN, BD), dtype=tl.float32)
-    q_lo = q0
-    if causal != 0:  # the first query that sees key ks has the same offset in its segment
-        q_lo = q0 + (ks - k0)
-    for g in range(G):
-        h = hk * G + g
-        for qs in range(q_lo, q1, BM):
-            qi = qs + tl.arange(0, BM)
-            q_ok = qi < q1
-            mq = q_ok[:, None] & (d[None, :] < D)
-            q = tl.load(Q + qi.to(tl.int64)[:, None] * sq_t + h * sq_h + d[None, :], mask=mq, other=0.0)  # (BM, BD)
-            do = tl.load(dO + qi.to(tl.int64)[:, None] * sg_t + h * sg_h + d[None, :], mask=mq, other=0.0).to(k.dtype)
-            lse2 = tl.load(Lse + qi.to(tl.int64) * sl_t + h, mask=q_ok, other=INF) * LOG2E_K
-            delta = tl.load(Delta + qi.to(tl.int64) * sl_t + h, mask=q_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BM, BN)
-            ok = q_ok[:, None] & k_ok[None, :] & ((causal == 0) | (kj[None, :] - k0 <= qi[:, None] - q0))
-            p = tl.where(ok & (lse2[:, None] != -INF), tl.exp2(s - lse2[:, None]), 0.0)
-            dv += tl.dot(tl.trans(p.to(k.dtype)), do, input_precision=PRECISION)  # step 7
-            ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
-            dk += tl.dot(tl.trans(ds.to(k.dtype)), q, input_precision=PRECISION)  # step 10
-    idk = kj.to(tl.int64)[:, None] * sd_t + hk * sd_h + d[None, :]
-    tl.store(dK + idk, tl.load(dK + idk, mask=mk, other=0.0) + dk * sm_scale, mask=mk)
-    tl.store(dV + idk, tl.load(dV + idk, mask=mk, other=0.0) + dv, mask=mk)
-
-
-@triton.jit
-def _branch_fwd_kernel(Q, BK, BV, Out, Lse, T, P, sq_t, sq_h, sb_t, sb_p, sb_h, so_t, so_h, sl_t, qk_scale, G, D,
-                       BR: tl.constexpr, BD: tl.constexpr):
-    """Row i over the P branch entries of its own anchor: per-row dot products (no MMA: every row has its own keys),
-    the same online softmax in base 2 over p = 0..P-1, in fp32."""
-    ti = tl.program_id(0) * BR + tl.arange(0, BR)
-    h = tl.program_id(1)
-    hk = h // G
-    d = tl.arange(0, BD)
-    m2 = (ti < T)[:, None] & (d[None, :] < D)
-    t64 = ti.to(tl.int64)[:, None]
-    q = tl.load(Q + t64 * sq_t + h * sq_h + d[None, :], mask=m2, other=0.0).to(tl.float32)  # (BR, BD)
-    m = tl.full((BR,), -INF, tl.float32)
-    l = tl.zeros((BR,), tl.float32)
-    acc = tl.zeros((BR, BD), tl.float32)
-    for p in range(P):  # P >= 1: after the first entry m is finite, so no -inf - -inf
-        ib = t64 * sb_t + p * sb_p + hk * sb_h + d[None, :]
-        s = tl.sum(q * tl.load(BK + ib, mask=m2, other=0.0).to(tl.float32), 1) * qk_scale  # (BR,)
-        m_new = tl.maximum(m, s)
-        alpha = tl.exp2(m - m_new)
-        e = tl.exp2(s - m_new)
-        l = l * alpha + e
-        acc = acc * alpha[:, None] + e[:, None] * tl.load(BV + ib, mask=m2, other=0.0).to(tl.float32)
-        m = m_new
-    tl.store(Out + t64 * so_t + h * so_h + d[None, :], acc / l[:, None], mask=m2)
-    tl.store(Lse + ti.to(tl.int64) * sl_t + h, (m + tl.log2(l)) * LN2_K, mask=ti < T)
-
-
-@triton.jit
-def _branch_bwd_kernel(Q, BK, BV, dO, Lse, Delta, dQ, dBK, dBV, T, P, sq_t, sq_h, sb_t, sb_p, sb_h, sg_t, sg_h, sl_t,
-                       sdb_t, sdb_p, sdb_h, qk_scale, sm_scale, G, D, BR: tl.constexpr, BD: tl.constexpr):
-    """Steps 6-10 for the branch, one program per (row tile, kv head): it owns dbk/dbv of its rows (summed over the
-    G query heads) and dq of its rows for those heads."""
-    ti = tl.program_id(0) * BR + tl.arange(0, BR)
-    hk = tl.program_id(1)
-    d = tl.arange(0, BD)
-    t_ok = ti < T
-    m2 = t_ok[:, None] & (d[None, :] < D)
-    t64 = ti.to(tl.int64)[:, None]
-    for p in range(P):
-        ib = t64 * sb_t + p * sb_p + hk * sb_h + d[None, :]
-        bk = tl.load(BK + ib, mask=m2, other=0.0).to(tl.float32)  # (BR, BD)
-        bv = tl.load(BV + ib, mask=m2, other=0.0).to(tl.float32)
-        dbk = tl.zeros((BR, BD), tl.float32)
-        dbv = tl.zeros((BR, BD), tl.float32)
-        for g in range(G):
-            h = hk * G + g
-            q = tl.load(Q + t64 * sq_t + h * sq_h + d[None, :], mask=m2, other=0.0).to(tl.float32)
-            ig = t64 * sg_t + h * sg_h + d[None, :]
-            do = tl.load(dO + ig, mask=m2, other=0.0)
-            lse2 = tl.load(Lse + ti.to(tl.int64) * sl_t + h, mask=t_ok, other=INF) * LOG2E_K
-            delta = tl.load(Delta + ti.to(tl.int64) * sl_t + h, mask=t_ok, other=0.0)
-            prob = tl.exp2(tl.sum(q * bk, 1) * qk_scale - lse2)  # (BR,) step 6
-            dbv += prob[:, None] * do
-            ds = prob * (tl.sum(do * bv, 1) - delta)
-            dbk += ds[:, None] * q
-            tl.store(dQ + ig, tl.load(dQ + ig, mask=m2, other=0.0) + (sm_scale * ds)[:, None] * bk, mask=m2)
-        idb = t64 * sdb_t + p * sdb_p + hk * sdb_h + d[None, :]
-        tl.store(dBK + idb, dbk * sm_scale, mask=m2)
-        tl.store(dBV + idb, dbv, mask=m2)
+from attention_blocks import host_to_device, register_backend
+from attention_triton_kernels import (LOG2E, _branch_bwd_dkv_kernel, _branch_bwd_dq_kernel, _branch_fwd_kernel,
+                                      _bwd_dkdv_kernel, _bwd_dq_kernel, _fwd_kernel)
 
 
 # ----------------------------------------------------------------------------------------------- host-side wrapper
@@ -277,7 +85,14 @@ def _launch_groups(segments):
 
 def tile_table(segments, side: str, rows: int, device) -> torch.Tensor:
     """The work list: (n_tiles, 6) int32, one row per program, longest first. side="q": tiles of `rows` query rows,
-    each row (qs, qe, q0, k0, k1, causal); side="k": tiles of key rows, (ks, ke, k0, q0, q1, causal)."""
+    each row (qs, qe, q0, k0, k1, causal); side="k": tiles of key rows, (ks, ke, k0, q0, q1, causal).
+    Built on the host once per (segments, side, rows, device) -- i.e. per (local cu_seqlens, ring step, side) -- and
+    cached on the device: the other layers, and the backward, reuse it without a copy or a sync."""
+    return _tile_table(tuple(segments), side, rows, torch.device(device))
+
+
+@functools.lru_cache(maxsize=512)
+def _tile_table(segments, side, rows, device):
     seg = torch.tensor([tuple(s) for s in segments], dtype=torch.int64).reshape(-1, 5)  # (q0, q1, k0, k1, causal)
     if side == "k":
         seg = seg[:, [2, 3, 0, 1, 4]]  # the tiled side first: (k0, k1, q0, q1, causal)
@@ -293,7 +108,17 @@ def tile_table(segments, side: str, rows: int, device) -> torch.Tensor:
     else:  # causal: the tile's first key is seen by the queries from its own offset on
         work = torch.where(causal.bool(), b1 - b0 - (s - a0), b1 - b0)
     table = torch.stack([s, e, a0, b0, b1, causal], 1)[torch.argsort(work, descending=True, stable=True)]
-    return table.to(device=device, dtype=torch.int32)
+    return host_to_device(table.to(torch.int32), device)
+
+
+def check_tiles(name: str, tiles) -> tuple:
+    """Tile sizes as given by a user: each a power of two (tl.arange) and >= 16 (a GPU tl.dot needs M, N, K >= 16;
+    a smaller tile runs under the interpreter and fails, or computes garbage, only once compiled)."""
+    tiles = tuple(tiles) if isinstance(tiles, (tuple, list)) else (tiles,)
+    for t in tiles:
+        if not isinstance(t, int) or t < 16 or t & (t - 1):
+            raise ValueError(f"{name}={tiles}: every tile size must be a power of two >= 16 (GPU dots need K >= 16)")
+    return tiles
 
 
 class TritonBlocks:
@@ -302,24 +127,44 @@ class TritonBlocks:
 
     Tiles: fwd_tiles = (BM, BN) query x key rows for the forward; bwd_tiles = (outer, inner): the dQ kernel holds
     `outer` query rows and steps over `inner` key rows, the dK/dV kernel holds `outer` key rows and steps over `inner`
-    query rows; branch_rows = BR. None picks by row size (untuned, FlashAttention-style): rows of <= 256 bytes (bf16
-    with D <= 128) get the fused-attention tutorial's 128x64 forward and 128x32 backward tiles; wider rows (fp32, or
-    D > 128) get 64x32, so K/V stages still fit in shared memory and the fp32 dK/dV accumulators in registers.
-    Block dims must be >= 16 for tl.dot on a GPU."""
+    query rows (dkdv_tiles overrides it for dK/dV alone); branch_rows = BR. None picks per head dim (config()).
+    Every tile size must be a power of two >= 16."""
 
-    def __init__(self, fwd_tiles=None, bwd_tiles=None, branch_rows=64):
-        self.fwd_tiles, self.bwd_tiles, self.branch_rows = fwd_tiles, bwd_tiles, branch_rows
+    def __init__(self, fwd_tiles=None, bwd_tiles=None, branch_rows=None, dkdv_tiles=None):
+        self.fwd_tiles = None if fwd_tiles is None else check_tiles("fwd_tiles", fwd_tiles)
+        self.bwd_tiles = None if bwd_tiles is None else check_tiles("bwd_tiles", bwd_tiles)
+        self.dkdv_tiles = None if dkdv_tiles is None else check_tiles("dkdv_tiles", dkdv_tiles)
+        self.branch_rows = None if branch_rows is None else check_tiles("branch_rows", branch_rows)[0]
 
-    def config(self, q):
-        """(fwd tiles, bwd tiles, launch options fwd, launch options bwd, constexprs) for inputs like q."""
+    def config(self, q) -> dict:
+        """Per kernel: (tiles, launch options), for inputs like q; and "const", the shared constexprs.
+
+        Defaults by row size BD * bytes (BD = D rounded up to a power of two), chosen for register spills, not yet
+        tuned for speed on a GPU. Measured with `python bench/triton_spills.py` (Triton 3.9 compiling for sm_90a,
+        ptxas -v, bf16; bytes spilled per thread, the old default in brackets):
+          <= 128 B (bf16 D <= 64):  fwd 128x64 (0), dq 128x32 (0), dK/dV 64x64 with 8 warps (40) [128x32: 92],
+                                    branch 32 rows x 8 warps (0) [64 x 4 warps: 344 / 532 / 1236];
+          <= 256 B (bf16 D = 128):  fwd 64x64 x 8 warps (0) [128x64: 504], dq 64x32 (0) [128x32: 360], dK/dV 32x16
+                                    (4) [128x32: 2104; 64x64: 448], branch 16 rows x 8 warps (0) [64 x 4: 3036 /
+                                    3380 / 15216 -- the (BR, D) fp32 q, dO, bk, bv and accumulators];
+          wider (bf16 D = 256, fp32 D >= 128): fwd 32x16 (104) [64x32: 488], dq 32x16 (92), dK/dV 32x16 (84)
+                                    [64x32: 2772], branch 16 rows (0 / 0 / 304).
+        A spill is a round trip to local memory (L1/L2) on every use inside the inner loop."""
         BD = max(16, triton.next_power_of_2(q.shape[-1]))
-        wide = BD * q.element_size() > 256
-        fwd = self.fwd_tiles or ((64, 32) if wide else (128, 64))
-        bwd = self.bwd_tiles or ((64, 32) if wide else (128, 32))
-        opts_f = dict(num_warps=4 if wide else 8, num_stages=2 if wide else 3)
-        opts_b = dict(num_warps=8, num_stages=2)  # 8 warps: the (outer, D) fp32 dK and dV tiles live in registers
-        const = dict(BD=BD, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")  # ignored for 16-bit inputs
-        return tuple(fwd), tuple(bwd), opts_f, opts_b, const
+        row = BD * q.element_size()
+        s2, s3 = dict(num_stages=2), dict(num_stages=3)
+        if row <= 128:
+            fwd, dq, dkdv, br = ((128, 64), 8, s3), ((128, 32), 8, s2), ((64, 64), 8, s2), (32, 8)
+        elif row <= 256:
+            fwd, dq, dkdv, br = ((64, 64), 8, s3), ((64, 32), 8, s2), ((32, 16), 8, s2), (16, 8)
+        else:
+            fwd, dq, dkdv, br = ((32, 16), 4, s2), ((32, 16), 8, s2), ((32, 16), 8, s2), (16, 8)
+        opt = lambda k: dict(num_warps=k[1], **k[2])  # noqa: E731
+        dkdv_t = self.dkdv_tiles or self.bwd_tiles or dkdv[0]
+        return {"fwd": (self.fwd_tiles or fwd[0], opt(fwd)), "dq": (self.bwd_tiles or dq[0], opt(dq)),
+                "dkdv": (dkdv_t, opt(dkdv)),
+                "branch": (self.branch_rows or br[0], dict(num_warps=br[1])),
+                "const": dict(BD=BD, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")}  # 16-bit: ignored
 
     @staticmethod
     def _check(q, *accumulators):
@@ -341,7 +186,9 @@ class TritonBlocks:
         """Merge attention of q (T, Hq, D) over k, v (Tk, Hkv, D) along `segments` into out (T, Hq, D), lse (T, Hq)."""
         self._check(q, out, lse)
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-        (BM, BN), _, opts, _, const = self.config(q)
+        cfg = self.config(q)
+        (BM, BN), opts = cfg["fwd"]
+        const = cfg["const"]
         Hq, G, D = q.shape[1], q.shape[1] // k.shape[1], q.shape[2]
         for group in _launch_groups(segments):
             tiles = tile_table(group, "q", BM, q.device)
@@ -355,7 +202,9 @@ class TritonBlocks:
         if dout.stride() != dq.stride() or dk.stride() != dv.stride() or lse.stride() != delta.stride():
             raise ValueError('backend="triton": dout/dq, dk/dv and lse/delta must share their layouts')
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-        _, (outer, inner), _, opts, const = self.config(q)
+        cfg = self.config(q)
+        ((outer, inner), opts), ((outer_k, inner_k), opts_k) = cfg["dq"], cfg["dkdv"]
+        const = cfg["const"]
         Hq, Hkv, D = q.shape[1], k.shape[1], q.shape[2]
         common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dq.stride(0),
                   dq.stride(1), lse.stride(0))
@@ -363,10 +212,10 @@ class TritonBlocks:
             tiles = tile_table(group, "q", outer, q.device)
             _launch(_bwd_dq_kernel, (tiles.shape[0], Hq), q, k, v, dout, lse, delta, dq, tiles, *common,
                     scale * LOG2E, scale, Hq // Hkv, D, BM=outer, BN=inner, **const, **opts)
-            tiles = tile_table(group, "k", outer, q.device)
+            tiles = tile_table(group, "k", outer_k, q.device)
             _launch(_bwd_dkdv_kernel, (tiles.shape[0], Hkv), q, k, v, dout, lse, delta, dk, dv, tiles, *common,
-                    dk.stride(0), dk.stride(1), scale * LOG2E, scale, Hq // Hkv, D, BM=inner, BN=outer, **const,
-                    **opts)
+                    dk.stride(0), dk.stride(1), scale * LOG2E, scale, Hq // Hkv, D, BM=inner_k, BN=outer_k, **const,
+                    **opts_k)
 
     def branch_forward(self, q, bk, bv, scale, acc):
         """q (T, Hq, D), bk, bv (T, P, Hkv, D) -> out (T, Hq, D), lse (T, Hq) in `acc` (fp32)."""
@@ -376,10 +225,11 @@ class TritonBlocks:
         q, bk, bv = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, bk, bv))
         if bk.stride() != bv.stride():
             bk, bv = bk.contiguous(), bv.contiguous()
-        BR = self.branch_rows
+        cfg = self.config(q)
+        BR, opts = cfg["branch"]
         _launch(_branch_fwd_kernel, (triton.cdiv(T, BR), Hq), q, bk, bv, out, lse, T, bk.shape[1], q.stride(0),
                 q.stride(1), bk.stride(0), bk.stride(1), bk.stride(2), out.stride(0), out.stride(1), lse.stride(0),
-                scale * LOG2E, Hq // bk.shape[2], D, BR=BR, BD=self.config(q)[4]["BD"])
+                scale * LOG2E, Hq // bk.shape[2], D, BR=BR, BD=cfg["const"]["BD"], **opts)
         return out, lse
 
     def branch_backward(self, q, bk, bv, dout, lse, delta, scale, dq):
@@ -394,11 +244,15 @@ class TritonBlocks:
         P, Hkv = bk.shape[1], bk.shape[2]
         dbk = torch.empty(bk.shape, dtype=dq.dtype, device=q.device)  # contiguous: dbk, dbv share strides
         dbv = torch.empty_like(dbk)
-        BR = self.branch_rows
-        _launch(_branch_bwd_kernel, (triton.cdiv(T, BR), Hkv), q, bk, bv, dout, lse, delta, dq, dbk, dbv, T, P,
-                q.stride(0), q.stride(1), bk.stride(0), bk.stride(1), bk.stride(2), dq.stride(0), dq.stride(1),
-                lse.stride(0), dbk.stride(0), dbk.stride(1), dbk.stride(2), scale * LOG2E, scale, Hq // Hkv, D,
-                BR=BR, BD=self.config(q)[4]["BD"])
+        cfg = self.config(q)
+        BR, opts = cfg["branch"]
+        common = (T, P, q.stride(0), q.stride(1), bk.stride(0), bk.stride(1), bk.stride(2), dq.stride(0), dq.stride(1),
+                  lse.stride(0))
+        _launch(_branch_bwd_dq_kernel, (triton.cdiv(T, BR), Hq), q, bk, bv, dout, lse, delta, dq, *common,
+                scale * LOG2E, scale, Hq // Hkv, D, BR=BR, BD=cfg["const"]["BD"], **opts)
+        _launch(_branch_bwd_dkv_kernel, (triton.cdiv(T, BR), Hkv), q, bk, bv, dout, lse, delta, dbk, dbv, *common,
+                dbk.stride(0), dbk.stride(1), dbk.stride(2), scale * LOG2E, scale, Hq // Hkv, D, BR=BR,
+                BD=cfg["const"]["BD"], **opts)
         return dbk, dbv
 
 

@@ -21,6 +21,7 @@ P branch entries per anchor, N tree nodes, cp CP group size, r rank in the group
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -42,12 +43,15 @@ def seq_lengths(cu_seqlens: torch.Tensor) -> torch.Tensor:  # (S+1,) -> (S,) int
 
 
 def seq_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:  # (T,) which sequence each token belongs to
-    return torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=cu_seqlens.device), seq_lengths(cu_seqlens))
+    T = host_cu(cu_seqlens)[-1]  # output_size from the host copy: repeat_interleave would read it off the device
+    return torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=cu_seqlens.device), seq_lengths(cu_seqlens),
+                                   output_size=T)
 
 
 def position_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:  # (T,) position of each token within its sequence
-    starts = torch.repeat_interleave(cu_seqlens[:-1].long(), seq_lengths(cu_seqlens))
-    return torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device) - starts
+    T = host_cu(cu_seqlens)[-1]
+    starts = torch.repeat_interleave(cu_seqlens[:-1].long(), seq_lengths(cu_seqlens), output_size=T)
+    return torch.arange(T, device=cu_seqlens.device) - starts
 
 
 @dataclass(frozen=True)
@@ -77,18 +81,41 @@ def pad_for_cp(cu_seqlens: torch.Tensor, cp: int) -> Padded:
     return Padded(cu_pad, index, lengths)
 
 
+def host_cu(cu_seqlens: torch.Tensor) -> tuple:
+    """cu_seqlens as a tuple of Python ints: the copy that drives the host-side loops (ring steps, tiles, shifts).
+    A device tensor is read once -- a host sync -- and the copy is kept on the tensor object (re-read if the tensor is
+    modified in place), so every layer and ring step of a forward/backward reuses it. cu_to() attaches it at no cost
+    when boundaries move to the device."""
+    cached = getattr(cu_seqlens, "_cospec_host", None)
+    if cached is not None and cached[0] == cu_seqlens._version:
+        return cached[1]
+    host = tuple(int(c) for c in cu_seqlens.tolist())  # sync point (device tensors): once per tensor
+    cu_seqlens._cospec_host = (cu_seqlens._version, host)
+    return host
+
+
+def cu_to(cu_seqlens: torch.Tensor, device) -> torch.Tensor:
+    """cu_seqlens on `device`, carrying its host copy (host_cu) so that no later step reads it back."""
+    host = host_cu(cu_seqlens)
+    out = cu_seqlens.to(device)
+    out._cospec_host = (out._version, host)
+    return out
+
+
 def check_cp_padded(cu_seqlens: torch.Tensor, cp: int, name: str = "cu_seqlens"):
+    """Checked on the host copy (host_cu): no device read beyond the first."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name}: expected an int32 tensor [S+1], got {type(cu_seqlens).__name__} "
                         f"{getattr(cu_seqlens, 'dtype', '')}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or int(cu_seqlens[0]) != 0:
+    cu = host_cu(cu_seqlens) if cu_seqlens.dim() == 1 else ()
+    if len(cu) < 2 or cu[0] != 0:
         raise ValueError(f"{name}: expected a 1-D tensor [S+1] starting at 0, got {cu_seqlens.tolist()}")
-    lengths = seq_lengths(cu_seqlens)
-    if bool((lengths < 0).any()):
-        raise ValueError(f"{name}: must be non-decreasing, got {cu_seqlens.tolist()}")
-    bad = lengths[lengths % (2 * cp) != 0]
-    if bad.numel():
-        raise ValueError(f"{name}: sequence lengths {bad.tolist()} are not multiples of 2*cp={2 * cp}; "
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    if min(lengths) < 0:
+        raise ValueError(f"{name}: must be non-decreasing, got {list(cu)}")
+    bad = [L for L in lengths if L % (2 * cp)]
+    if bad:
+        raise ValueError(f"{name}: sequence lengths {bad} are not multiples of 2*cp={2 * cp}; "
                          f"call branch_mask.pad_for_cp(cu_seqlens, cp={cp}) first")
 
 
@@ -106,6 +133,11 @@ def zigzag_index(cu_seqlens: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
             parts.append(torch.arange(start + c * C, start + (c + 1) * C))
     idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
     return idx.to(cu_seqlens.device)  # index math on the host, the index where the data lives
+
+
+@functools.lru_cache(maxsize=64)
+def _zigzag_index_cached(cu: tuple, cp: int, rank: int, device) -> torch.Tensor:  # cp_shift's: once per layout
+    return zigzag_index(torch.tensor(cu, dtype=torch.int64), cp, rank).to(device)
 
 
 def zigzag_shard(x: torch.Tensor, cu_seqlens: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
@@ -144,16 +176,17 @@ def cp_shift(x, cu_seqlens, d: int, *, group=None, fill=0, lengths=None):
     Differentiable in x: the adjoint of shifting by d is shifting the (masked) gradient by −d."""
     ring = as_ring(group)
     check_cp_padded(cu_seqlens, ring.size)
-    T_local = int(cu_seqlens[-1]) // ring.size
+    local_cu = tuple(c // ring.size for c in host_cu(cu_seqlens))  # host ints: the hops' loops never read the device
+    T_local = local_cu[-1]
     if x.shape[0] != T_local:
         raise ValueError(f"x: expected {T_local} rows (this rank's shard of cu_seqlens over cp={ring.size}), "
                          f"got {x.shape[0]}")
-    idx = zigzag_index(cu_seqlens, ring.size, ring.rank)
+    idx = _zigzag_index_cached(host_cu(cu_seqlens), ring.size, ring.rank, cu_seqlens.device)
     pos, seq = position_ids(cu_seqlens)[idx], seq_ids(cu_seqlens)[idx]
     lengths = seq_lengths(cu_seqlens) if lengths is None else torch.as_tensor(lengths, dtype=torch.long,
                                                                                device=cu_seqlens.device)
     valid = (pos + d >= 0) & (pos + d < lengths[seq])
-    y = _CPShift.apply(x, cu_seqlens // ring.size, d, ring, valid)
+    y = _CPShift.apply(x, local_cu, d, ring, valid)
     return torch.where(_bcast(valid, y), y, torch.as_tensor(fill, dtype=x.dtype)), valid
 
 
@@ -170,8 +203,9 @@ class _CPShift(torch.autograd.Function):
 
 
 def _shift_rows(x, local_cu, d, ring):
-    """x (T_local, ...) zigzag shard -> rows shifted by d within each (padded) sequence; rows past the end are 0."""
-    bounds = list(zip(local_cu[:-1].tolist(), (seq_lengths(local_cu) // 2).tolist()))  # (offset, C) per sequence
+    """x (T_local, ...) zigzag shard -> rows shifted by d within each (padded) sequence; rows past the end are 0.
+    local_cu: the local boundaries as host ints."""
+    bounds = [(o, (e - o) // 2) for o, e in zip(local_cu[:-1], local_cu[1:])]  # (offset, C) per sequence
     if d < 0:
         return _reverse_sequences(_shift_rows(_reverse_sequences(x, local_cu), local_cu, -d, ring), local_cu)
     nonempty = [C for _, C in bounds if C > 0]
@@ -204,8 +238,14 @@ def _shift_hop(x, bounds, h, ring):  # one hop, 0 < h <= every C
 
 
 def _reverse_sequences(x, local_cu):
-    idx = torch.cat([torch.arange(e - 1, s - 1, -1) for s, e in zip(local_cu[:-1].tolist(), local_cu[1:].tolist())])
-    return x.index_select(0, idx.to(x.device))
+    return x.index_select(0, _reversal_index(tuple(local_cu), x.device))
+
+
+@functools.lru_cache(maxsize=64)
+def _reversal_index(local_cu: tuple, device) -> torch.Tensor:  # built and copied once per layout, not per call
+    idx = torch.cat([torch.arange(e - 1, s - 1, -1) for s, e in zip(local_cu[:-1], local_cu[1:])] or
+                    [torch.zeros(0, dtype=torch.long)])
+    return idx.to(device)
 
 
 def _bcast(mask, x):  # (T,) -> broadcastable against x (T, ...)

@@ -26,6 +26,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 import branch_mask
 from kv_cache import KVCache
@@ -173,11 +174,11 @@ def packed_causal_attention(q, k, v, cu_seqlens, softmax_scale):
 
     q (T, Hq, D), k/v (T, Hkv, D), cu_seqlens int32 (S+1) -> (T, Hq, D)."""
     T = q.shape[0]
-    if int(cu_seqlens[-1]) != T:
-        raise ValueError(f"cu_seqlens[-1]={int(cu_seqlens[-1])} does not match the token count T={T}")
+    bounds = branch_mask.host_cu(cu_seqlens)  # the boundaries drive the Python loop: the host copy, no sync per layer
+    if bounds[-1] != T:
+        raise ValueError(f"cu_seqlens[-1]={bounds[-1]} does not match the token count T={T}")
     rep = q.shape[1] // k.shape[1]
     out = torch.empty_like(q)
-    bounds = cu_seqlens.tolist()  # host sync: sequence boundaries drive the Python loop
     for s, e in zip(bounds[:-1], bounds[1:]):
         qs, ks, vs = (t[s:e].transpose(0, 1) for t in (q, k, v))  # (H, Ls, D)
         ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
@@ -255,8 +256,12 @@ class ModelOutput:
 class Transformer(nn.Module):
     """A decoder, or the pipeline-stage slice of one holding layers [a, b)."""
 
-    def __init__(self, cfg: ModelConfig, layers: Optional[tuple[int, int]] = None):
+    def __init__(self, cfg: ModelConfig, layers: Optional[tuple[int, int]] = None, *,
+                 activation_checkpointing: bool = False):
         super().__init__()
+        # per decoder layer: keep only its input, recompute the layer in backward (memory O(L T H) -> O(T H) per layer
+        # kept, one extra forward of compute; under CP the recompute runs the ring again, on every rank alike)
+        self.activation_checkpointing = bool(activation_checkpointing)
         n = cfg.num_hidden_layers
         a, b = (0, n) if layers is None else (int(layers[0]), int(layers[1]))
         if not (0 <= a < b <= n):
@@ -308,7 +313,7 @@ class Transformer(nn.Module):
     def _taps(self, tap_layers):
         return () if tap_layers is None else check_tap_layers(tap_layers, self.cfg.num_hidden_layers)
 
-    def _run(self, x, attend_for, tap_layers, pos):
+    def _run(self, x, attend_for, tap_layers, pos, checkpointing=False):
         """Shared body: embed (first stage) -> layers -> norm + head (last stage), collecting taps."""
         taps_wanted = self._taps(tap_layers)
         h = self.embed(x) if self.is_first else x
@@ -316,8 +321,13 @@ class Transformer(nn.Module):
         if self.is_first and EMBED_TAP in taps_wanted:
             taps[EMBED_TAP] = h
         cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+        ckpt = checkpointing and torch.is_grad_enabled()  # packed forward only: a recompute would re-fill a KV cache
         for key, layer in self.model.layers.items():
-            h = layer(h, attend_for(layer, int(key), cos, sin))
+            attend = attend_for(layer, int(key), cos, sin)
+            if ckpt:  # non-reentrant: gradients reach every input, the closure's tensors (cos, sin) included
+                h = torch.utils.checkpoint.checkpoint(layer, h, attend, use_reentrant=False)
+            else:
+                h = layer(h, attend)
             if int(key) in taps_wanted:
                 taps[int(key)] = h
         if not self.is_last:
@@ -335,13 +345,14 @@ class Transformer(nn.Module):
         T = x.shape[0]
         if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
             raise TypeError("cu_seqlens: expected an int32 tensor [S+1]")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or int(cu_seqlens[0]) != 0:
+        cu = branch_mask.host_cu(cu_seqlens) if cu_seqlens.dim() == 1 else ()  # checked on the host copy
+        if len(cu) < 2 or cu[0] != 0:
             raise ValueError(f"cu_seqlens: expected a 1-D tensor [S+1] starting at 0, got {cu_seqlens.tolist()}")
-        if bool((cu_seqlens[1:] <= cu_seqlens[:-1]).any()):
-            raise ValueError(f"cu_seqlens: must be strictly increasing, got {cu_seqlens.tolist()}")
+        if any(b <= a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens: must be strictly increasing, got {list(cu)}")
         if position_ids is None:
-            if int(cu_seqlens[-1]) != T:
-                raise ValueError(f"cu_seqlens[-1]={int(cu_seqlens[-1])} does not match the token count T={T}")
+            if cu[-1] != T:
+                raise ValueError(f"cu_seqlens[-1]={cu[-1]} does not match the token count T={T}")
             position_ids = branch_mask.position_ids(cu_seqlens)
         elif position_ids.shape != (T,):
             raise ValueError(f"position_ids: expected shape ({T},), got {tuple(position_ids.shape)}")
@@ -350,7 +361,7 @@ class Transformer(nn.Module):
         def attend_for(layer, _, cos, sin):
             return lambda hn: layer.self_attn(hn, cos, sin, cu_seqlens, attn_fn)
 
-        return self._run(x, attend_for, tap_layers, position_ids)
+        return self._run(x, attend_for, tap_layers, position_ids, self.activation_checkpointing)
 
     def forward_cached(self, x, cache: KVCache, *, tap_layers=None, tree=None):
         """Append x (B, S) tokens (or (B, S, H) hidden on later stages) to every row of `cache` and return their
@@ -388,19 +399,21 @@ def greedy_generate(model: Transformer, prompts: list, max_new_tokens: int) -> l
     """Plain batched greedy decoding with the per-row KV cache: the reference every faster decoder must match."""
     if not prompts or any(p.dim() != 1 or p.numel() == 0 for p in prompts):
         raise ValueError("prompts: expected a non-empty list of non-empty 1-D token tensors")
-    B, lens = len(prompts), torch.tensor([p.numel() for p in prompts])
-    cache = model.new_cache(B, int(lens.max()) + max_new_tokens)
-    x = torch.zeros(B, int(lens.max()), dtype=torch.long)
+    dev = next(model.parameters()).device  # inputs, cache and outputs live with the model
+    B, n = len(prompts), [p.numel() for p in prompts]
+    lens = torch.tensor(n, device=dev)
+    cache = model.new_cache(B, max(n) + max_new_tokens)
+    x = torch.zeros(B, max(n), dtype=torch.long, device=dev)
     for b, p in enumerate(prompts):
         x[b, : p.numel()] = p
     logits = model.forward_cached(x, cache).logits  # (B, S, V): right-padded prefill, then roll back the padding
     cache.rollback(lens)
-    nxt = logits[torch.arange(B), lens - 1].argmax(-1)
+    nxt = logits[torch.arange(B, device=dev), lens - 1].argmax(-1)
     out = [nxt]
     for _ in range(max_new_tokens - 1):
         nxt = model.forward_cached(nxt[:, None], cache).logits[:, -1].argmax(-1)
         out.append(nxt)
-    return list(torch.stack(out, 1)) if max_new_tokens > 0 else [torch.zeros(0, dtype=torch.long)] * B
+    return list(torch.stack(out, 1)) if max_new_tokens > 0 else [torch.zeros(0, dtype=torch.long, device=dev)] * B
 
 
 if __name__ == "__main__":

@@ -13,6 +13,10 @@ Two orders of the same 2M actions (picotron's pipeline_parallel.py keeps both si
     1F1B   F0 .. F(w-1), then F(m+w) B(m) pairs, then the last w B's,  w = min(P-s-1, M)
            same bubble (P-1)/(M+P-1), but stage s never holds more than P-s microbatches' activations
 
+Communication (p2p_plan): the send of each action's output and the receive of the next action's input go out together
+in one batch_isend_irecv on the pipeline group, on gloo and NCCL alike; the grid (grid.py) has created every
+communicator beforehand. `python nccl_check.py` proves every layout deadlock-free under NCCL's rules.
+
 After F(m) the last stage calls the user's draft hook with m's taps (the hidden states after the tapped layers: from
 other stages through TapChannel, its own in place), its final hidden, logits and microbatch -- all detached -- and
 back-propagates the returned draft loss at once: the draft's graph lives on the last stage only.
@@ -41,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from branch_mask import cu_seqlens_from_lengths
+from grid import Grid, mesh_groups, warm_up_links, warm_up_plan  # noqa: F401  (re-exported: pipeline.Grid)
 from model import EMBED_TAP, ModelConfig, Transformer, check_tap_layers
 from tapchannel import TapChannel
 
@@ -69,65 +74,20 @@ def split_layers(n_layers: int, n_stages: int, sizes=None) -> list:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def build_stage(cfg: ModelConfig, layers, state_dict=None, dtype=None) -> Transformer:
+def build_stage(cfg: ModelConfig, layers, state_dict=None, dtype=None, activation_checkpointing=False) -> Transformer:
     """The stage slice holding `layers` = (a, b), loaded from a full model's state dict if given (so that every stage,
     and the tied embedding copy on the last stage, starts from the same weights)."""
-    stage = Transformer(cfg, layers=layers)
+    stage = Transformer(cfg, layers=layers, activation_checkpointing=activation_checkpointing)
     if state_dict is not None:
         stage.load_slice(state_dict)
     return stage.to(dtype) if dtype is not None else stage
 
 
-@dataclass
-class Grid:
-    """The DP x PP x CP process layout, built once: rank = (dp_rank * pp + pp_rank) * cp + cp_rank (CP neighbours are
-    adjacent ranks, the highest-bandwidth links). A group of size 1 is None and its collectives are skipped."""
-    pp: int = 1
-    cp: int = 1
-    dp: int = 1
-    pp_rank: int = 0
-    cp_rank: int = 0
-    dp_rank: int = 0
-    pp_ranks: list = field(default_factory=lambda: [0])  # global rank of each stage of my pipeline
-    pp_group: Optional[object] = None  # my pipeline: the schedule's P2P
-    tap_group: Optional[object] = None  # same members, a second communicator: TapChannel only
-    embed_group: Optional[object] = None  # first + last stage of my pipeline (tied embeddings)
-    cp_group: Optional[object] = None
-    dp_group: Optional[object] = None
-
-    @classmethod
-    def build(cls, pp: int = 1, cp: int = 1, dp: int = 1) -> "Grid":
-        if min(pp, cp, dp) < 1:
-            raise ValueError(f"pp={pp}, cp={cp}, dp={dp}: expected each >= 1")
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if pp * cp * dp != world:
-            raise ValueError(f"pp={pp} x cp={cp} x dp={dp} = {pp * cp * dp} != world size {world}")
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        d, rest = divmod(rank, pp * cp)
-        p, c = divmod(rest, cp)
-        at = lambda d_, p_, c_: (d_ * pp + p_) * cp + c_  # noqa: E731
-        g = cls(pp, cp, dp, p, c, d, [at(d, s, c) for s in range(pp)])
-
-        def groups(rank_lists):  # new_group is collective over the world: every rank creates every group, in order
-            mine = None
-            for ranks in rank_lists:
-                pg = dist.new_group(ranks) if len(ranks) > 1 else None
-                mine = pg if rank in ranks else mine
-            return mine
-
-        pipes = [[at(d_, s, c_) for s in range(pp)] for d_ in range(dp) for c_ in range(cp)]
-        g.pp_group, g.tap_group = groups(pipes), groups(pipes)
-        g.embed_group = groups([[r[0], r[-1]] for r in pipes] if pp > 1 else [])
-        g.cp_group = groups([[at(d_, p_, c_) for c_ in range(cp)] for d_ in range(dp) for p_ in range(pp)])
-        g.dp_group = groups([[at(d_, p_, c_) for d_ in range(dp)] for p_ in range(pp) for c_ in range(cp)])
-        return g
-
-
 def schedule_actions(schedule: str, n_stages: int, stage: int, M: int) -> list:
     """The ordered actions [("F" | "B", m)] of one stage.
 
-    Deadlock freedom: sends are async and only receives block, and every receive waits for an action that precedes it
-    in a topological order of the data dependencies, so some rank can always move. Matching: on each directed link
+    Deadlock freedom needs more than the data dependencies under NCCL (a send may wait for its receive; one
+    communicator runs in order): see p2p_plan and nccl_check.py. Matching: on each directed link
     only one kind of message travels (activations s -> s+1, gradients s+1 -> s), in increasing m under both orders, so
     the in-order matching of P2P messages per (peer, group) pairs every receive with the right send -- no tags."""
     if schedule not in SCHEDULES:
@@ -146,6 +106,35 @@ def schedule_actions(schedule: str, n_stages: int, stage: int, M: int) -> list:
 def tap_depth(schedule: str, n_stages: int, M: int) -> int:
     """Landing slots per source = microbatches in flight between a source stage and the last (see tapchannel.py)."""
     return M if schedule == "afab" else min(M, n_stages)
+
+
+def p2p_plan(acts, stage: int, n_stages: int) -> list:
+    """The schedule's P2P as batches: plan[i] is issued just before action i (plan[len(acts)] after the last one) and
+    holds the send of action i-1's output and the receive of action i's input, as (op, what, m, peer stage):
+
+        F(m) needs ("recv", "act", m, s-1) (not on stage 0)      and yields ("send", "act", m, s+1) (not on the last)
+        B(m) needs ("recv", "grad", m, s+1) (not on the last)    and yields ("send", "grad", m, s-1) (not on stage 0)
+
+    One batch = one batch_isend_irecv = one NCCL group on the pipeline group's communicator. Fusing the send with the
+    next receive is what keeps 1F1B alive under NCCL: there, stage s's "send act(m+w)" and stage s+1's "send grad(m)"
+    would each wait, in order on one stream, for a receive queued behind the other's send (a send may block until its
+    receive is posted, whatever its size: NVIDIA/nccl#479); in one group both progress (torch.distributed.pipelining
+    fuses them alike). nccl_check.py proves every layout deadlock-free under these rules."""
+    last = n_stages - 1
+
+    def recv(a):
+        kind, m = a
+        if kind == "F":
+            return [("recv", "act", m, stage - 1)] if stage > 0 else []
+        return [("recv", "grad", m, stage + 1)] if stage < last else []
+
+    def send(a):
+        kind, m = a
+        if kind == "F":
+            return [("send", "act", m, stage + 1)] if stage < last else []
+        return [("send", "grad", m, stage - 1)] if stage > 0 else []
+
+    return [(send(acts[i - 1]) if i else []) + (recv(acts[i]) if i < len(acts) else []) for i in range(len(acts) + 1)]
 
 
 # ------------------------------------------------------------------------------------------------------ the schedule
@@ -193,6 +182,20 @@ class StepResult:  # identical on every rank: summed over microbatches and CP sh
     draft_seconds: float = 0.0  # this rank's time in the draft hook and its backward (the last stage's only)
 
 
+class _Batch:
+    """One issued plan entry: wait() waits for all of it (as NCCL does: one group, one kernel) and returns the received
+    buffer, if any. The sent tensors stay referenced until then."""
+
+    def __init__(self, works, ops, buf):
+        self.works, self.ops, self.buf = works, ops, buf
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+        self.works = self.ops = ()
+        return self.buf
+
+
 class PipelineSchedule:
     """Runs one training step of the pipeline on this rank.
 
@@ -236,35 +239,43 @@ class PipelineSchedule:
         if M < 1:
             raise ValueError(f"microbatches: got M={M}; a step needs M >= 1")
         self._mbs, self._loss_fn, self._draft_hook = mbs, loss_fn, draft_hook
-        self._saved, self._sends, self._p2p_bytes, self._draft_seconds = {}, [], 0, 0.0
+        self._saved, self._p2p_bytes, self._draft_seconds = {}, 0, 0.0
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         self._loss, self._draft = zero, zero.clone()  # accumulated as tensors: no host sync per microbatch
         tap_bytes0 = self.channel.bytes_sent if self.channel else 0
         for prm in self._params():
             prm.grad = None
+            if hasattr(prm, "main_grad"):  # mixed_precision.py: the fp32 accumulator the bf16 grads land in
+                prm.main_grad.zero_()
         if self.channel is not None and self.last:
             self.channel.begin([mb.tokens.shape[0] for mb in mbs], self.H, self.dtype, self.device,
                                tap_depth(self.schedule, self.grid.pp, M))
-        for kind, m in schedule_actions(self.schedule, self.grid.pp, self.grid.pp_rank, M):
-            self._forward(m) if kind == "F" else self._backward(m)
-        for w, _ in self._sends:  # sync point: every activation / gradient this rank sent has left
-            w.wait()
+        acts = schedule_actions(self.schedule, self.grid.pp, self.grid.pp_rank, M)
+        plan = p2p_plan(acts, self.grid.pp_rank, self.grid.pp)
+        pending = self._exchange(plan[0], None)
+        for i, (kind, m) in enumerate(acts):
+            got = pending.wait()  # sync point: this action's input is here (and the previous send has left)
+            out = self._forward(m, got) if kind == "F" else self._backward(m, got)
+            pending = self._exchange(plan[i + 1], self._payload(m, out) if kind == "F" and out is not None else out)
+            if kind == "F" and out is not None:
+                self._send_taps(m, out)  # after the activation: async, off the critical path
+        pending.wait()
         if self.channel is not None:
             self.channel.finish()
         self._reduce_grads()
         tap_bytes = (self.channel.bytes_sent if self.channel else 0) - tap_bytes0
         loss, draft = self._reduce_scalars()
-        self._saved = self._sends = self._mbs = None
+        self._saved = self._mbs = None
         return StepResult(loss, draft, self._p2p_bytes, tap_bytes, self._draft_seconds)
 
-    def _forward(self, m: int):
+    def _forward(self, m: int, got):
+        """F(m); returns the stage output to send on (None on the last stage)."""
         mb = self._mbs[m]
-        x = mb.tokens if self.first else self._recv_forward(m)
+        x = mb.tokens if self.first else self._input(m, got)
         out = self.stage(x, mb.cu_seqlens, mb.position_ids, attn_fn=self.attn_fn, tap_layers=self.local_taps)
         if not self.last:
-            self._send_forward(m, out)
             self._saved[m] = (x, out.hidden)
-            return
+            return out
         loss = self._loss_fn(out.logits, mb)
         taps = self._gather_taps(m, out)
         if self._draft_hook is not None:
@@ -277,24 +288,45 @@ class PipelineSchedule:
         self._release_taps(m)
         self._saved[m] = (x, loss)
         self._loss = self._loss + loss.detach().double()
+        return None
 
-    def _backward(self, m: int):
+    def _backward(self, m: int, grad):
+        """B(m); returns dL/d(input) to send back (None on stage 0)."""
         x, y = self._saved.pop(m)
         if self.last:
             y.backward()  # y = loss_m
         else:
-            torch.autograd.backward(y, grad_tensors=self._recv(y.shape, self.next))
-        if not self.first:
-            self._isend(x.grad, self.prev)
+            torch.autograd.backward(y, grad_tensors=grad)
+        return None if self.first else x.grad
 
-    # -- transports: activations on the pipeline group; taps on TapChannel (the benchmark overrides these) --------
-    def _recv_forward(self, m: int) -> torch.Tensor:
-        return self._recv((self._mbs[m].tokens.shape[0], self.H), self.prev).requires_grad_()
+    # -- transports: the schedule's batches on the pipeline group, taps on TapChannel. bench_tapchannel.py overrides
+    # -- the hooks _recv_shape, _input, _payload, _send_taps and _gather_taps ------------------------------------------
+    def _exchange(self, ops, payload) -> "_Batch":
+        """Issue one plan entry as one batch_isend_irecv: `payload` for its send, a fresh buffer for its receive."""
+        p2p, buf = [], None
+        for op, what, m, peer in ops:
+            if op == "send":
+                t = payload.detach().contiguous()
+                p2p.append(dist.P2POp(dist.isend, t, self.grid.pp_ranks[peer], self.grid.pp_group))
+                self._p2p_bytes += t.numel() * t.element_size()
+            else:
+                shape = self._recv_shape(m) if what == "act" else self._saved[m][1].shape
+                buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+                p2p.append(dist.P2POp(dist.irecv, buf, self.grid.pp_ranks[peer], self.grid.pp_group))
+        return _Batch(dist.batch_isend_irecv(p2p) if p2p else [], p2p, buf)
 
-    def _send_forward(self, m: int, out):
-        self._isend(out.hidden, self.next)  # the critical path first
+    def _recv_shape(self, m: int):
+        return self._mbs[m].tokens.shape[0], self.H
+
+    def _input(self, m: int, buf: torch.Tensor) -> torch.Tensor:
+        return buf.requires_grad_()
+
+    def _payload(self, m: int, out) -> torch.Tensor:
+        return out.hidden
+
+    def _send_taps(self, m: int, out):
         if self.channel is not None:
-            self.channel.send(m, out.taps)  # then the taps: async, off the critical path
+            self.channel.send(m, out.taps)
 
     def _gather_taps(self, m: int, out) -> dict:
         if self.channel is None:
@@ -305,29 +337,22 @@ class PipelineSchedule:
         if self.channel is not None:
             self.channel.release(m)
 
-    def _isend(self, t: torch.Tensor, peer: int):
-        t = t.detach().contiguous()
-        self._sends.append((dist.isend(t, dst=peer, group=self.grid.pp_group), t))  # kept alive until step end
-        self._p2p_bytes += t.numel() * t.element_size()
-
-    def _recv(self, shape, peer: int) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=self.dtype, device=self.device)
-        dist.recv(buf, src=peer, group=self.grid.pp_group)  # the schedule's only kind of wait
-        return buf
-
     # -- reductions ------------------------------------------------------------------------------------------------
     def _params(self):
         return list(self.stage.parameters()) + self.draft_params
 
     def _reduce_grads(self):
+        """Reduces each parameter's gradient: its fp32 .main_grad under mixed precision (mixed_precision.py), else
+        its .grad."""
         g, params = self.grid, self._params()
         for prm in params:
-            if prm.grad is None:  # e.g. a draft that was not called this step: contributes zeros to the reduction
+            if prm.grad is None and not hasattr(prm, "main_grad"):  # e.g. a draft not called this step: zeros
                 prm.grad = torch.zeros_like(prm)
+        grad = lambda prm: getattr(prm, "main_grad", prm.grad)  # noqa: E731
         if g.pp > 1 and self.stage.cfg.tie_word_embeddings and (self.first or self.last):
-            dist.all_reduce(self.stage.embed.weight.grad, group=g.embed_group)  # E is used on stage 0 and as W_out
+            dist.all_reduce(grad(self.stage.embed.weight), group=g.embed_group)  # E is used on stage 0 and as W_out
         if g.cp > 1 or g.dp > 1:
-            flat = torch.cat([prm.grad.reshape(-1) for prm in params])  # one bucket: one collective per group
+            flat = torch.cat([grad(prm).reshape(-1) for prm in params])  # one bucket: one collective per group
             if g.cp > 1:
                 dist.all_reduce(flat, group=g.cp_group)  # sum: each CP rank holds d(its shard's loss)
             if g.dp > 1:
@@ -335,7 +360,7 @@ class PipelineSchedule:
                 flat /= g.dp  # mean over replicas
             i = 0
             for prm in params:
-                prm.grad.copy_(flat[i:i + prm.numel()].view_as(prm))
+                grad(prm).copy_(flat[i:i + prm.numel()].view_as(prm))
                 i += prm.numel()
 
     def _reduce_scalars(self):

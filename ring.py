@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 
+import torch
 import torch.distributed as dist
 
 
@@ -99,7 +100,12 @@ def run_ranks(size: int, fn, timeout: float = 60.0) -> list:
 
     def body(r):
         try:
-            results[r] = fn(ThreadRing(hub, r, size, timeout))
+            # CUDA runs autograd's backward on one worker thread per device, shared by every thread that calls
+            # backward: rank 0's backward blocking in _take (waiting on rank 1) would stall rank 1's backward queued
+            # behind it on that same worker -- a deadlock. Without multithreading each rank's backward runs on its own
+            # thread (CPU tensors already do).
+            with torch.autograd.set_multithreading_enabled(False):
+                results[r] = fn(ThreadRing(hub, r, size, timeout))
         except BaseException as e:  # noqa: BLE001 - the first failure is the cause; re-raised below
             with hub["lock"]:
                 hub["first"] = hub["first"] or e

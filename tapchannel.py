@@ -25,7 +25,9 @@ get tap h_l(m) of microbatch m from stage s to the last stage:
 Why it cannot deadlock: a source's isend never blocks, and a source waits on its sends only in finish(), after its
 last schedule action. The last stage waits in recv(m) only after its own F(m) has started, i.e. after every stage's
 F(m) ran (F(m) on stage s+1 needs stage s's activation of m), so every tap of m has been posted. All receives are
-posted by the time the last stage finishes its schedule, so finish() on a source returns.
+posted by the time the last stage finishes its schedule, so finish() on a source returns. That is gloo's argument;
+under NCCL a send may also wait for its receive and communicators are created lazily, so the mesh creates them all up
+front (grid.warm_up_links) and nccl_check.py replays the whole step under NCCL's rules for every layout.
 
 Ring depth = microbatches in flight. Under 1F1B stage s runs F(m') only after B(m' - (P-s)), hence at most P - s
 taps of a source are outstanding when the last stage is at F(m): depth = min(M, P). Under AFAB every source may

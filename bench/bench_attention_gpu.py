@@ -289,7 +289,7 @@ def main(argv):
                         row["check"] = f"max|out - {ref[0]}| = {float((out - ref[1]).abs().max()):.1e}"
                 except torch.cuda.OutOfMemoryError as e:
                     row["status"] = f"OOM: {str(e)[:120]}"
-                except (RuntimeError, TypeError, ValueError) as e:
+                except (RuntimeError, TypeError, ValueError, TimeoutError) as e:  # a hung ring: a row, not a crash
                     row["status"] = f"error: {type(e).__name__}: {str(e)[:200]}"
                 if cfg.device == "cuda":
                     torch.cuda.empty_cache()

@@ -59,17 +59,19 @@ class Piggyback(PipelineSchedule):
         self.upstream = tuple(l for l in self.tap_layers if l < a and not self.first)  # arrive with my input
         self._carried = {}
 
-    def _recv_forward(self, m):
-        T, k = self._mbs[m].tokens.shape[0], len(self.upstream)
-        buf = self._recv(((1 + k) * T, self.H), self.prev)
+    def _recv_shape(self, m):
+        return (1 + len(self.upstream)) * self._mbs[m].tokens.shape[0], self.H
+
+    def _input(self, m, buf):
+        T = self._mbs[m].tokens.shape[0]
         self._carried[m] = {l: buf[(i + 1) * T:(i + 2) * T] for i, l in enumerate(self.upstream)}
         return buf[:T].detach().requires_grad_()
 
-    def _send_forward(self, m, out):
+    def _payload(self, m, out):
         carried = self._carried.pop(m, {})
         parts = [out.hidden.detach()] + [carried[l] for l in self.upstream] + [out.taps[l].detach()
                                                                                   for l in self.local_taps]
-        self._isend(torch.cat(parts), self.next)  # the pack is a copy, part of the method's cost
+        return torch.cat(parts)  # the pack is a copy, part of the method's cost
 
     def _gather_taps(self, m, out):
         return dict(sorted({**self._carried.pop(m, {}), **{l: t.detach() for l, t in out.taps.items()}}.items()))
@@ -82,8 +84,7 @@ class Blocking(PipelineSchedule):
         super().__init__(*args, **kw)
         self.tapper, self.channel = self.channel, None  # keep TapChannel's bookkeeping (who owns what), not its path
 
-    def _send_forward(self, m, out):
-        self._isend(out.hidden, self.next)  # activation first: the order that avoids the deadlock
+    def _send_taps(self, m, out):  # after the activation's batch: the order that avoids the deadlock
         for l in self.tapper.layers_of[self.grid.pp_rank]:
             t = out.taps[l].detach().contiguous()
             dist.send(t, dst=self.grid.pp_ranks[-1], group=self.grid.pp_group)  # blocks until the last stage posts

@@ -180,3 +180,18 @@ def test_loud_on_inputs_it_cannot_take():
         with pytest.raises(TypeError, match="11584"):
             KERNEL.forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), [Segment(0, 8, 0, 8, True)], SCALE,
                            out.float(), lse.float())
+
+
+def test_tile_sizes_are_validated_and_defaults_follow_the_head_dim():
+    for kw in (dict(fwd_tiles=(8, 16)), dict(bwd_tiles=(32, 24)), dict(dkdv_tiles=(16, 15)), dict(branch_rows=8)):
+        name = next(iter(kw))
+        with pytest.raises(ValueError, match=f"{name}=.*power of two >= 16"):
+            TritonBlocks(**kw)
+    cfg = lambda D, dtype=torch.bfloat16: TritonBlocks().config(torch.empty(1, 1, D, dtype=dtype))  # noqa: E731
+    assert cfg(64)["dkdv"][0] == (64, 64) and cfg(64)["branch"] == (32, {"num_warps": 8})
+    assert cfg(128)["dkdv"] == ((32, 16), {"num_warps": 8, "num_stages": 2})  # 128x32 spilled 2 KB at D = 128
+    assert cfg(128)["branch"] == (16, {"num_warps": 8}) and cfg(256)["branch"] == (16, {"num_warps": 8})
+    assert cfg(256)["fwd"][0] == (32, 16) and cfg(128, torch.float32)["fwd"][0] == (32, 16)
+    kernels = lambda c: {k: c[k] for k in ("fwd", "dq", "dkdv", "branch")}  # noqa: E731
+    assert kernels(cfg(64, torch.float32)) == kernels(cfg(128))  # by bytes per row
+    assert KERNEL.config(torch.empty(1, 1, 16))["dkdv"][0] == (32, 16)  # bwd_tiles covers dK/dV unless overridden
