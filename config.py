@@ -91,6 +91,7 @@ class Config:
     cp: int = 2
     dp: int = 0
     schedule: str = "1f1b"  # pipeline.SCHEDULES
+    activation_checkpointing: bool = False  # recompute each decoder layer in the update's backward (memory for time)
     # checkpoints (checkpoint.py): every ckpt_every steps into <out>/ckpt (0: never); --resume continues the latest
     ckpt_every: int = 0
     log: str = "jsonl"  # comma list: metrics.jsonl always, plus "tensorboard" (<out>/tb) and/or "wandb" (offline)
@@ -210,6 +211,7 @@ CHECKS = {
     "cp":                 at_least(1),
     "dp":                 ((lambda v, c: v >= 0), ">= 0 (0 = world / (pp * cp))"),
     "schedule":           one_of(*SCHEDULES),
+    "activation_checkpointing": FLAG,
     "ckpt_every":         ((lambda v, c: v >= 0), ">= 0 (0 = never)"),
     "log":                ((lambda v, c: _backends_ok(v)), f"a comma list of {', '.join(BACKENDS)}"),
     "resume":             FLAG,

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from consistency import check_same_cu_seqlens
-from pipeline import Grid, Microbatch, PipelineSchedule, build_stage, shard_for_cp, split_layers
+from grid import Grid
+from pipeline import Microbatch, PipelineSchedule, build_stage, shard_for_cp, split_layers
 from rl_loop import GRPOConfig, RolloutBatch, aggregate, draft_mask, seq_ids, token_logp, token_losses
 
 
@@ -93,11 +94,12 @@ class DistCotrainer:
     """
 
     def __init__(self, policy, drafts: list, grid: Grid, make_opt, *, grad_clip: float = 1.0, schedule: str = "1f1b",
-                 attn_fn=None):
+                 attn_fn=None, activation_checkpointing: bool = False):
         cfg = policy.cfg
         self.grid, self.drafts, self.grad_clip = grid, list(drafts), grad_clip
         self.split = split_layers(cfg.num_hidden_layers, grid.pp)
-        self.stage = build_stage(cfg, self.split[grid.pp_rank], policy.state_dict(), next(policy.parameters()).dtype)
+        self.stage = build_stage(cfg, self.split[grid.pp_rank], policy.state_dict(), next(policy.parameters()).dtype,
+                                 activation_checkpointing=activation_checkpointing)  # recompute each layer in backward
         self.stage.to(next(policy.parameters()).device)
         self.opt = make_opt(self.stage.parameters())
         self.last = self.stage.is_last

@@ -95,7 +95,8 @@ def build(cfg: Config, mesh: Mesh, log=print) -> Setup:
     s.cotrainer = DistCotrainer(
         s.policy, list(s.drafts.values()), mesh.grid,
         lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99)),
-        grad_clip=cfg.grad_clip, schedule=cfg.schedule, attn_fn=padded_causal_attention)
+        grad_clip=cfg.grad_clip, schedule=cfg.schedule, attn_fn=padded_causal_attention,
+        activation_checkpointing=cfg.activation_checkpointing)
     return s
 
 

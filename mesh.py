@@ -2,7 +2,7 @@
 
 One process is a 1 x 1 x 1 mesh -- a plain program: no process group, no torchrun, every collective of a group of size 1
 skipped (picotron's single grid). Under torchrun (WORLD_SIZE > 1) the process group is made here and nowhere else, and
-pipeline.Grid derives every sub-group from it. This is the only place where the run's mode shows:
+grid.Grid derives every sub-group from it (and creates every communicator up front, in one order). This is the only place where the run's mode shows:
 
     world size 1      Mesh(grid = Grid(), rank 0)                    python train.py
     world size N      dist.init_process_group + Grid.build(pp, cp, dp)  torchrun --nproc_per_node=N train.py
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from pipeline import Grid
+from grid import Grid
 
 if TYPE_CHECKING:
     from config import Config
@@ -90,4 +90,4 @@ def make_mesh(cfg: Config) -> Mesh:
         torch.cuda.set_device(dev)
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.dist_timeout))
-    return Mesh(Grid.build(pp=cfg.pp, cp=cfg.cp, dp=dp), dev, dist.get_rank(), world)
+    return Mesh(Grid.build(pp=cfg.pp, cp=cfg.cp, dp=dp, device=dev), dev, dist.get_rank(), world)

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from branch_mask import cu_seqlens_from_lengths
-from grid import Grid, mesh_groups, warm_up_links, warm_up_plan  # noqa: F401  (re-exported: pipeline.Grid)
+from grid import Grid
 from model import EMBED_TAP, ModelConfig, Transformer, check_tap_layers
 from tapchannel import TapChannel
 

@@ -15,7 +15,7 @@ from dist_util import run_distributed
 from dist_step import DistCotrainer
 from draft import Eagle3Draft
 from model import ModelConfig, Transformer
-from pipeline import Grid
+from grid import Grid
 from rl_loop import DraftTrainer, GRPOConfig, RolloutBatch, cotrain_step, next_token_logp
 
 LAYOUTS = [(1, 2, 2), (2, 2, 1), (2, 1, 2), (1, 4, 1), (1, 1, 4)]  # (dp, pp, cp)
@@ -91,11 +91,11 @@ def _max_diff(a, b):
     return abs(float(a) - float(b))
 
 
-def run_case(grid, norm, ref) -> dict:
+def run_case(grid, norm, ref, **kw) -> dict:
     """One DistCotrainer step + refit on `grid` -> max |difference| to the single-process reference, per part."""
     policy, drafts = make_models()
     batch = make_batch(policy)
-    ct = DistCotrainer(policy, drafts, grid, make_policy_opt, grad_clip=0.5)
+    ct = DistCotrainer(policy, drafts, grid, make_policy_opt, grad_clip=0.5, **kw)
     st = ct.step(batch, grpo(norm), MICRO)
     ct.refit(policy)
     got = {"stats": _summary(st), **state(policy, drafts)}
@@ -142,6 +142,12 @@ def test_reference_exercises_clipping_and_drafts(reference):
 def test_one_process_update_path_matches_single_process(reference, norm):
     """World size 1, as train.py runs it: DistCotrainer on the 1 x 1 x 1 grid, no process group at all."""
     diff = run_case(Grid(), norm, reference[norm])
+    assert all(v <= TOL for v in diff.values()), diff
+
+
+def test_activation_checkpointing_leaves_the_step_unchanged(reference):
+    """--activation_checkpointing: every decoder layer recomputed in backward; the same step in fp64."""
+    diff = run_case(Grid(), "global-token", reference["global-token"], activation_checkpointing=True)
     assert all(v <= TOL for v in diff.values()), diff
 
 

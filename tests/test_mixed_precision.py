@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from mixed_precision import MixedPrecision
 from model import ModelConfig, Transformer, at_least_f32
-from pipeline import Grid, Microbatch, PipelineSchedule
+from grid import Grid
+from pipeline import Microbatch, PipelineSchedule
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LR, REL = 0.5, 0.03

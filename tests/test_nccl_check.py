@@ -82,7 +82,8 @@ def test_every_supported_layout_is_deadlock_free():
 # -------------------------------------------------------------------------------- recorded == generated, on gloo
 def _record(rank, world, layouts):
     from branch_mask import cp_shift
-    from pipeline import Grid, PipelineSchedule, build_stage, shard_for_cp, split_layers
+    from grid import Grid
+    from pipeline import PipelineSchedule, build_stage, shard_for_cp, split_layers
     from test_pipeline_dist import make_batch
     out = []
     for pp, cp, dp, schedule, M in layouts:
