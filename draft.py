@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save_file
 
 import branch_mask
 from branch_mask import cp_shift, pad_for_cp, shift_packed, zigzag_shard
-from draft_loss import dense_pass_losses, make_teacher, pass_targets, ring_sum, streaming_pass_losses
+from draft_loss import chunk_rows, dense_pass_losses, make_teacher, pass_targets, ring_sum, streaming_pass_losses
 from model import (EMBED_TAP, MLP, Attention, KVCache, ModelConfig, RMSNorm, Transformer, at_least_f32,
                    check_tap_layers, default_tap_layers, rope_cos_sin)
 from ring import as_ring
@@ -279,7 +279,7 @@ class Eagle3Draft(nn.Module):
 
     def ttt_loss(self, taps: dict, tokens, cu_seqlens, teacher_logits=None, *, teacher_hidden=None, teacher_head=None,
                  loss_mask=None, num_passes: int = 3, pass_weight: float = 0.8, hard_labels: bool = False,
-                 position_ids=None, group=None, attn_fn=None, backend: str = "torch", chunk: int = 256):
+                 position_ids=None, group=None, attn_fn=None, backend: str = "torch", chunk=None):
         """Multi-pass TTT loss on the policy's own forward. Returns (loss, metrics dict).
 
         The teacher is the policy at each position (predicting the next token): its logits teacher_logits (T, V), or
@@ -289,7 +289,8 @@ class Eagle3Draft(nn.Module):
         loss_mask[i+d]. Under CP every per-token input is this rank's zigzag shard and the returned loss is this rank's
         share: the sum over ranks is the global loss, so the draft's grads are summed over the CP group (as data
         parallelism does). Metrics are global floats. chunk: rows per chunk of the streamed loss
-        (draft_loss.StreamingSoftCE, O(chunk * V) memory); 0 runs the dense reference (draft_loss.dense_pass_losses)."""
+        (draft_loss.StreamingSoftCE, O(chunk * V) memory; None: 2^21 // V rows); 0 runs the dense reference
+        (draft_loss.dense_pass_losses, every (T, V) tensor materialised)."""
         ring = as_ring(group)
         T = tokens.shape[0]
         teacher = make_teacher(teacher_logits, teacher_hidden, teacher_head, T, self.cfg.vocab_size, cu_seqlens,
@@ -311,6 +312,7 @@ class Eagle3Draft(nn.Module):
         valid, labels, count = pass_targets(tokens, cu_seqlens, loss_mask, num_passes, ring, hard_labels=hard_labels,
                                             t2d=self.t2d)
         labels = None if labels is None else [_to_draft_id(self, y) for y in labels]
+        chunk = chunk_rows(self.cfg.vocab_size, chunk)
         if chunk == 0:
             shifted = lambda x, d, fill: cp_shift(x, cu_seqlens, d, group=ring, fill=fill)[0]  # noqa: E731
             loss, stats = dense_pass_losses(hs, self.logits, self.draft_to_target, teacher.dense(), valid, labels,

@@ -10,10 +10,9 @@ p = p_{i+d} (the policy at position i+d), restricted and renormalised to the dra
 Dense, these need log_softmax(teacher) (T, V), a shifted copy of it per pass, its restriction, the draft's
 log_softmax kept for backward and three more (T, V) tensors for the metrics: 12x one (T, V) fp32 tensor at P = 3.
 Streamed (`StreamingSoftCE`, the fused linear cross-entropy idea of Liger-Kernel / Cut Your Losses, with a soft
-target): rows are taken `chunk` at a time; each chunk computes z, its teacher rows, ce, the metrics and the gradient
-(1) at once. The loss is a scalar, so its backward is grad_output times the gradient found in forward: saved are
-dL/dx (T, H) and dL/dW (Vd, H), nothing of size T x V, and backward recomputes nothing (3 matmuls per chunk, as the
-dense forward + backward).
+target): rows are taken `chunk` at a time; each chunk computes z, its teacher rows, ce and the metrics. Saved for
+backward are only x (T, H) and three (T,) normalisers (lse z, lse of the teacher, log p(ids)); backward recomputes z
+and the teacher's rows chunk by chunk and applies (1). Peak: a few (chunk, V) blocks and one (Vd, H) gradient.
 
 The teacher p_{i+d} is read by shifting row INDICES (`teacher_index`), never by copying a shifted (T, V) tensor. Under
 CP, row i+d may sit on the next zigzag chunk, on another rank: `halo_rows` brings, for every local chunk, the n = P
@@ -36,6 +35,19 @@ import torch.nn.functional as F
 
 from branch_mask import cp_shift, seq_lengths
 from model import at_least_f32
+
+
+CHUNK_ELEMENTS = 1 << 21  # default chunk: 2M logits (8 MiB in fp32) whatever V is, i.e. 2^21 // V rows
+
+
+def chunk_rows(vocab_size: int, chunk=None) -> int:
+    """Rows per chunk: `chunk` when given (0 = the dense reference), else CHUNK_ELEMENTS // V (at least 8): the
+    (chunk, V) blocks then cost the same bytes at every vocabulary size."""
+    if chunk is None:
+        return max(8, CHUNK_ELEMENTS // vocab_size)
+    if int(chunk) < 0:
+        raise ValueError(f"chunk={chunk}: expected None (auto), 0 (dense reference) or >= 1 rows")
+    return int(chunk)
 
 
 # ------------------------------------------------------------------------------------------- reading p_{i+d} by index
@@ -133,71 +145,89 @@ def make_teacher(teacher_logits, teacher_hidden, teacher_head, T: int, V: int, c
 
 # --------------------------------------------------------------------------------------------- the streamed function
 class StreamingSoftCE(torch.autograd.Function):
-    """sum_i coef_i * ce_i for one pass, chunk by chunk, with the metrics; gradient (1) found in forward.
+    """sum_i coef_i * ce_i for one pass, chunk by chunk, with the metrics; backward recomputes each chunk.
 
     x (T, H) = norm(h^d), W (Vd, H), coef (T,) = w_d * valid_i / count_d, valid (T,) bool, src (T,) teacher rows
     (`teacher_index`), labels (T,) draft ids or None (soft), ids (Vd,) target id of each draft id or None (full
     vocabulary), agree_prev (T,) bool. Returns loss (), stats (5,) fp64 [ce, agree, agree & agree_prev, agree_prev,
-    alpha] summed over valid rows, agree (T,) bool."""
+    alpha] summed over valid rows, agree (T,) bool. Saved for backward: x and three (T,) normalisers (lse of the
+    teacher logits, log sum_{v in ids} p_v, lse of z); the teacher's rows are read again from its inputs."""
 
     @staticmethod
     def forward(ctx, x, W, coef, valid, src, labels, ids, agree_prev, teacher, chunk):
-        dx = torch.zeros_like(x) if ctx.needs_input_grad[0] else None  # (T, H)
-        dW = torch.zeros(W.shape, dtype=torch.promote_types(W.dtype, torch.float32), device=W.device) \
-            if ctx.needs_input_grad[1] else None  # (Vd, H), accumulated in fp32 at least
+        T = x.shape[0]
         loss = torch.zeros((), dtype=torch.float64, device=x.device)
         stats = torch.zeros(5, dtype=torch.float64, device=x.device)
         agree = torch.zeros_like(valid)
-        for a in range(0, x.shape[0], chunk):
-            b = min(a + chunk, x.shape[0])
-            ce, g, ag, alpha = _chunk(x[a:b], W, src[a:b], None if labels is None else labels[a:b], ids, teacher)
-            m, c = valid[a:b], coef[a:b]
-            loss += (torch.where(m, ce, 0) * c).sum().double()
-            md = m.double()
-            stats += torch.stack([(torch.where(m, ce, 0).double() * md).sum(), (ag * md).sum(),
-                                  ((ag & agree_prev[a:b]) * md).sum(), (agree_prev[a:b] * md).sum(),
-                                  (torch.where(m, alpha, 0).double() * md).sum()])
+        norms = torch.zeros(3, T, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)  # (3, T)
+        for a in range(0, T, chunk):
+            b = min(a + chunk, T)
+            ce, ag, alpha, norms[:, a:b] = _chunk_forward(x[a:b], W, src[a:b], None if labels is None else labels[a:b],
+                                                          ids, teacher)
+            m = valid[a:b]
+            ce, alpha, md = torch.where(m, ce, 0).double(), torch.where(m, alpha, 0).double(), m.double()
+            loss += (ce * coef[a:b].double()).sum()
+            stats += torch.stack([(ce * md).sum(), (ag * md).sum(), ((ag & agree_prev[a:b]) * md).sum(),
+                                  (agree_prev[a:b] * md).sum(), (alpha * md).sum()])
             agree[a:b] = ag
-            if dx is not None or dW is not None:
-                g = g * torch.where(m, c, 0).to(g.dtype)[:, None]  # (c, Vd) dL/dz
-                if dx is not None:
-                    dx[a:b] = (g.to(W.dtype) @ W).to(x.dtype)
-                if dW is not None:
-                    dW += g.T.to(dW.dtype) @ at_least_f32(x[a:b]).to(dW.dtype)
-        ctx.save_for_backward(dx, None if dW is None else dW.to(W.dtype))
+        ctx.save_for_backward(x, W, coef, valid, src, labels, ids, norms)
+        ctx.teacher, ctx.chunk = teacher, chunk
         ctx.mark_non_differentiable(stats, agree)
-        return loss.to(torch.promote_types(x.dtype, torch.float32)), stats, agree
+        return loss.to(norms.dtype), stats, agree
 
     @staticmethod
     def backward(ctx, grad_loss, _stats, _agree):
-        dx, dW = ctx.saved_tensors
-        return (None if dx is None else dx * grad_loss.to(dx.dtype), None if dW is None else dW * grad_loss.to(dW.dtype),
-                None, None, None, None, None, None, None, None)
+        x, W, coef, valid, src, labels, ids, norms = ctx.saved_tensors
+        dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None  # (T, H)
+        dW = torch.zeros(W.shape, dtype=norms.dtype, device=W.device) if ctx.needs_input_grad[1] else None  # (Vd, H)
+        for a in range(0, x.shape[0], ctx.chunk):
+            b = min(a + ctx.chunk, x.shape[0])
+            g = _chunk_grad(x[a:b], W, src[a:b], None if labels is None else labels[a:b], ids, ctx.teacher,
+                            norms[:, a:b])  # (c, Vd) dce/dz, recomputed
+            g.mul_((coef[a:b] * grad_loss).to(g.dtype)[:, None]).masked_fill_(~valid[a:b, None], 0)  # dL/dz
+            if dx is not None:
+                dx[a:b] = (g.to(W.dtype) @ W).to(x.dtype)
+            if dW is not None:
+                dW += g.T @ at_least_f32(x[a:b]).to(dW.dtype)
+        return dx, None if dW is None else dW.to(W.dtype), None, None, None, None, None, None, None, None
 
 
-def _chunk(x, W, src, labels, ids, teacher):
-    """One chunk of rows: ce (c,), dce/dz (c, Vd), agree (c,) bool, alpha (c,). Allocates a few (c, V) only."""
-    z = at_least_f32(F.linear(x, W))  # (c, Vd) draft logits
-    zmax = z.amax(-1, keepdim=True)
-    q = (z - zmax).exp_()  # (c, Vd) unnormalised
-    s = q.sum(-1, keepdim=True)
-    lse = (s.log() + zmax)[:, 0]
-    q.div_(s)  # softmax(z)
-    arg = z.argmax(-1)
-    p = teacher.logits(src)  # (c, V) teacher logits
-    agree = (arg if ids is None else ids[arg]) == p.argmax(-1)
-    p = p.sub_(p.logsumexp(-1, keepdim=True)).exp_()  # (c, V) p, in place
+def _teacher_p(teacher, src, ids, norms=None):
+    """(c, V) teacher logits t -> p = softmax(t) (in place) and pd = p on the draft's ids (c, Vd), with the argmax
+    of t and the normalisers lse(t), log sum pd (given in backward: `norms`)."""
+    t = teacher.logits(src)  # (c, V)
+    t_arg, lse_t = (t.argmax(-1), t.logsumexp(-1)) if norms is None else (None, norms[0])
+    p = t.sub_(lse_t[:, None]).exp_()  # (c, V) p
     pd = p if ids is None else p[:, ids]  # (c, Vd) p on the draft's ids
-    alpha = torch.minimum(pd, q).sum(-1)
-    if labels is None:
-        g = pd / pd.sum(-1, keepdim=True)  # (c, Vd) p~: the renormalised restriction
-        ce = lse - torch.linalg.vecdot(g, z)
-        g = g.neg_().add_(q)  # q - p~
+    lse_d = pd.sum(-1).log() if norms is None else norms[1]
+    return pd, t_arg, lse_t, lse_d
+
+
+def _chunk_forward(x, W, src, labels, ids, teacher):
+    """One chunk: ce (c,), agree (c,) bool, alpha (c,), normalisers (3, c) [lse(t), log sum pd, lse(z)]."""
+    z = at_least_f32(F.linear(x, W))  # (c, Vd) draft logits
+    lse = z.logsumexp(-1)
+    arg = z.argmax(-1)
+    pd, t_arg, lse_t, lse_d = _teacher_p(teacher, src, ids)
+    agree = (arg if ids is None else ids[arg]) == t_arg
+    if labels is None:  # ce = lse(z) - <p~, z>, p~ = pd / sum pd
+        ce = lse - torch.linalg.vecdot(pd, z) / lse_d.exp()
     else:
         ce = lse - z.gather(-1, labels[:, None])[:, 0]
-        g = q
+    q = z.sub_(lse[:, None]).exp_()  # (c, Vd) softmax(z), in place
+    alpha = torch.minimum(pd, q).sum(-1)
+    return ce, agree, alpha, torch.stack([lse_t, lse_d, lse])
+
+
+def _chunk_grad(x, W, src, labels, ids, teacher, norms):
+    """One chunk's dce/dz = q - p~ (c, Vd), recomputed from the saved normalisers (3, c)."""
+    g = at_least_f32(F.linear(x, W)).sub_(norms[2][:, None]).exp_()  # (c, Vd) q
+    if labels is None:
+        pd = _teacher_p(teacher, src, ids, norms)[0]
+        g.sub_(pd.div_(norms[1].exp()[:, None]))  # q - p~
+    else:
         g[torch.arange(g.shape[0], device=g.device), labels] -= 1
-    return ce, g, agree, alpha
+    return g
 
 
 def streaming_pass_losses(hs, norm, W, ids, teacher: Teacher, valid, labels, count, *, pass_weight: float,
