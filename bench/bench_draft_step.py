@@ -47,7 +47,9 @@ sys.path.insert(0, ROOT)
 from branch_mask import cu_seqlens_from_lengths, zigzag_index, zigzag_shard, zigzag_unshard  # noqa: E402
 from draft import DraftConfig, Eagle3Draft  # noqa: E402
 from fused_logprob import token_logp  # noqa: E402
-from draft_loss import chunk_rows  # noqa: E402
+from branch_mask import cp_shift  # noqa: E402
+from draft_loss import chunk_rows, dense_pass_losses, make_teacher, pass_targets, streaming_pass_losses  # noqa: E402
+from ring import as_ring  # noqa: E402
 
 H, HEADS, HEAD_DIM, INTER, P, TAPS = 128, (2, 1), 32, 256, 3, (1, 2, 3)
 DRAFT_METHODS = ("old", "stream", "fused", "gather")
@@ -118,8 +120,34 @@ def policy_step(x, fused):
     (logp * x["w"]).sum().backward()
 
 
+def loss_only(x, method, group, t):
+    """The loss alone (the issue's first target): the TTT states are leaves, the teacher logits an input."""
+    d, ring = x["draft"], as_ring(group)
+    with torch.no_grad():
+        hs = d.ttt_forward(x["taps"], x["tokens"], x["cu"], P, group=group)
+    hs = [h.requires_grad_() for h in hs]
+    valid, labels, count = pass_targets(x["tokens"], x["cu"], x["mask"], P, ring, hard_labels=False, t2d=d.t2d)
+    base = reset_peak()
+    t0 = time.perf_counter()
+    if method == "loss_old":
+        shifted = lambda v, k, fill: cp_shift(v, x["cu"], k, group=ring, fill=fill)[0]  # noqa: E731
+        loss, _ = dense_pass_losses(hs, d.logits, d.draft_to_target, t, valid, None, count, pass_weight=0.8,
+                                    shifted=shifted)
+    else:
+        teacher = make_teacher(t, None, None, t.shape[0], t.shape[1], x["cu"], P, ring)
+        loss, _ = streaming_pass_losses(hs, d.norm, d.lm_head.weight, None, teacher, valid, None, count,
+                                        pass_weight=0.8, cp=ring.size, local_cu=x["cu"] // ring.size,
+                                        chunk=chunk_rows(t.shape[1]))
+    loss.backward()
+    return base, t0
+
+
 def run_method(x, method, group, cp):
-    if method in ("old", "stream"):
+    if method.startswith("loss_"):
+        with torch.no_grad():
+            t = F.linear(x["hidden"], x["W"])
+        base, t0 = loss_only(x, method, group, t)
+    elif method in ("old", "stream"):
         with torch.no_grad():  # the teacher logits are an input (the policy's forward made them): not counted
             t = F.linear(x["hidden"], x["W"])
         base = reset_peak()
@@ -204,21 +232,19 @@ def run_group(cp, jobs, timeout_s):
 
 # --------------------------------------------------------------------------------------------------------- the grid
 def grid(quick):
-    """(cp, [(method, T, V, seq_len)]): sequences of min(T, 4096) tokens (the attention's CPU time is what limits T)."""
+    """(cp, [(method, T, V, seq_len)]), sized for a shared 2-core machine: the V-wide elementwise work (T * V * P) and
+    the attention (sequences of 4096) are what limit T and V here, not memory."""
     if quick:
-        return [(cp, [(m, 2048, 8192, 1024) for m in ("old", "stream", "fused", "step_fused", "policy",
-                                                          "policy_fused")]) for cp in (1, 2)]
-    out = []
-    for cp in (1, 2, 4, 8):
-        jobs = [(m, T, 32768, min(T, 4096)) for T in (2048, 8192) for m in ("old", "stream")
-                if not (m == "old" and T > 2048 * max(1, cp // 2))]
-        jobs += [(m, T, 32768, min(T, 4096)) for T in (8192, 65536) for m in ("fused", "policy", "policy_fused",
-                                                                                "step_fused")
-                 if not (m == "policy" and T // cp > 16384)]
-        jobs += [("step_fused", 65536, 151936, 4096)]
-        if cp in (2, 4):
-            jobs += [("gather", 8192, 32768, 4096)]
-        out.append((cp, jobs))
+        return [(cp, [(m, 1024, 8192, 512) for m in ("loss_old", "loss_stream", "old", "stream", "fused",
+                                                         "step_fused", "policy", "policy_fused")]) for cp in (1, 2)]
+    V = 32768
+    big = [("fused", 65536, 1024, 4096)]  # the CP scaling of the whole step at L = 64K (V small: CPU time, see README)
+    out = [(1, [(m, 2048, V, 2048) for m in ("loss_old", "loss_stream", "old", "stream", "fused", "policy",
+                                             "policy_fused", "step_fused")]
+            + [("step_fused", 2048, 151936, 2048), ("fused", 8192, V, 4096), ("fused", 16384, 1024, 4096)] + big)]
+    out += [(2, list(big))]
+    out += [(4, [("fused", 8192, V, 4096), ("fused", 16384, 1024, 4096), ("gather", 16384, 1024, 4096)] + big)]
+    out += [(8, list(big))]
     return out
 
 
@@ -233,23 +259,30 @@ def markdown(rows, cmd, machine):
 
 
 def claims(rows):
+    """The numbers the issue asks for (None where a row is missing)."""
     def g(method, T, V, cp, key="growth_mib"):
         return next((r[key] for r in rows if (r["method"], r["T"], r["V"], r["cp"]) == (method, T, V, cp)
                      and r[key] is not None), None)
 
     ratio = lambda a, b: None if a is None or b is None or b == 0 else round(a / b, 2)  # noqa: E731
-    Tmax = max(r["T"] for r in rows)
-    out = {f"growth(cp1)/growth(cp4), whole draft step (fused), T={Tmax}": ratio(g("fused", Tmax, 32768, 1),
-                                                                                g("fused", Tmax, 32768, 4)),
-           f"step_fused growth V=151936 / V=32768, T={Tmax}, cp=1": ratio(g("step_fused", Tmax, 151936, 1),
-                                                                          g("step_fused", Tmax, 32768, 1)),
-           "old/stream growth, T=2048, cp=1": ratio(g("old", 2048, 32768, 1), g("stream", 2048, 32768, 1)),
-           "stream/old seconds, T=2048, cp=1": ratio(g("stream", 2048, 32768, 1, "seconds"),
-                                                     g("old", 2048, 32768, 1, "seconds"))}
-    for cp in (1, 4):
-        out[f"policy_fused/policy growth, T={Tmax // 8}, cp={cp}"] = ratio(g("policy_fused", 8192, 32768, cp),
-                                                                         g("policy", 8192, 32768, cp))
-    return out
+    T, V, TV = 2048, 32768, 2048 * 32768 * 4 / 2**20  # one (T, V) fp32 tensor, MiB
+    return {
+        "loss fwd+bwd growth in (T, V) fp32 tensors, T=2048 V=32768 P=3: old": ratio(g("loss_old", T, V, 1), TV),
+        "loss fwd+bwd growth in (T, V) fp32 tensors, T=2048 V=32768 P=3: stream": ratio(g("loss_stream", T, V, 1), TV),
+        "seconds loss stream / old": ratio(g("loss_stream", T, V, 1, "seconds"), g("loss_old", T, V, 1, "seconds")),
+        "seconds draft step stream / old": ratio(g("stream", T, V, 1, "seconds"), g("old", T, V, 1, "seconds")),
+        "loss share of the streamed draft step's growth": ratio(g("loss_stream", T, V, 1), g("stream", T, V, 1)),
+        "growth(cp1)/growth(cp4), fused draft step, T=65536 V=1024": ratio(g("fused", 65536, 1024, 1),
+                                                                           g("fused", 65536, 1024, 4)),
+        "growth(cp1)/growth(cp8), fused draft step, T=65536 V=1024": ratio(g("fused", 65536, 1024, 1),
+                                                                           g("fused", 65536, 1024, 8)),
+        "growth(cp1)/growth(cp4), fused draft step, T=8192 V=32768": ratio(g("fused", 8192, V, 1),
+                                                                           g("fused", 8192, V, 4)),
+        "gather / fused growth, T=16384 V=1024 cp=4": ratio(g("gather", 16384, 1024, 4), g("fused", 16384, 1024, 4)),
+        "step_fused growth V=151936 / V=32768, T=2048 cp=1": ratio(g("step_fused", T, 151936, 1),
+                                                                   g("step_fused", T, V, 1)),
+        "policy_fused / policy growth, T=2048 V=32768": ratio(g("policy_fused", T, V, 1), g("policy", T, V, 1)),
+    }
 
 
 def plot(rows, path):
@@ -257,18 +290,26 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.3))
-    for ax, (T, V) in zip(axes, ((8192, 32768), (65536, 32768))):
-        for m in ("old", "stream", "fused", "gather", "policy", "policy_fused", "step_fused"):
+    ax = axes[0]  # the CP scaling of the whole draft step
+    for (T, V) in sorted({(r["T"], r["V"]) for r in rows if r["method"] in ("fused", "gather")}):
+        for m in ("fused", "gather"):
             pts = sorted((r["cp"], r["growth_mib"]) for r in rows if (r["method"], r["T"], r["V"]) == (m, T, V)
                          and r["growth_mib"] is not None)
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=m)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("cp")
-        ax.set_ylabel("peak growth MiB / rank")
-        ax.set_title(f"T = {T}, V = {V}, H = {H}, P = {P}")
-        ax.legend(fontsize=8)
+                ax.plot(*zip(*pts), marker="o" if m == "fused" else "s", label=f"{m} T={T} V={V}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("cp")
+    ax.set_ylabel("peak growth MiB / rank")
+    ax.set_title(f"whole draft step (streamed loss, fused teacher), H={H}, P={P}")
+    ax.legend(fontsize=7)
+    ax = axes[1]  # the methods at cp = 1, smallest T, largest common V
+    one = [r for r in rows if r["cp"] == 1 and r["T"] == min(x["T"] for x in rows) and r["growth_mib"] is not None]
+    one.sort(key=lambda r: (r["V"], r["method"]))
+    ax.barh([f"{r['method']} V={r['V']}" for r in one], [r["growth_mib"] for r in one], color="tab:blue")
+    ax.set_xscale("log")
+    ax.set_xlabel("peak growth MiB (cp = 1)")
+    ax.set_title(f"T = {min(x['T'] for x in rows)}: old vs streamed vs fused")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
