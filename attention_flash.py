@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 
 from attention_blocks import Segment, TorchBlocks, merge_, register_backend
+from branch_mask import cu_seqlens_from_lengths
 
 MIN_VERSION = (2, 7)  # _flash_attn_varlen_forward/_backward with window_size_left/right and (Hq, total_q) LSE
 
@@ -98,7 +99,7 @@ def _rows(spans, device):
 
 
 def _cu(lengths, device):
-    return torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
+    return cu_seqlens_from_lengths(lengths).to(device)
 
 
 def varlen_plan(segments, device="cpu"):

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline import Grid, Microbatch, PipelineSchedule, build_stage, shard_for_cp, split_layers
-from rl_loop import GRPOConfig, RolloutBatch, aggregate, clipped_surrogate, draft_mask, k3, seq_ids
+from rl_loop import GRPOConfig, RolloutBatch, aggregate, draft_mask, seq_ids, token_logp, token_losses
 
 
 # ------------------------------------------------------------------------------------------------ the batch, sharded
@@ -113,17 +113,13 @@ class DistCotrainer:
                           None if mb.position_ids is None else mb.position_ids.to(dev),
                           {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in mb.extra.items()})
                for mb in mbs]
-        acc = torch.zeros(4 + K, dtype=torch.float64, device=dev)  # clipped, ratio, k3, tokens, draft losses
+        acc = torch.zeros(5 + K, dtype=torch.float64, device=dev)  # clipped, ratio, k3, tokens, draft s, draft losses
         metrics = {}
 
         def loss_fn(logits, mb):  # (T, V) this rank's rows -> dp * its share of L_policy
             e = mb.extra
-            z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 at least (bf16 training), fp64 kept
-            logp = z.gather(-1, e["tgt"][:, None])[:, 0] - torch.logsumexp(z, -1)  # (T,) log p(x_{p+1} | x_<=p)
-            l, clipped = clipped_surrogate(logp, e["old"], e["adv"], cfg.eps_low, cfg.eps_high)
-            kl = k3(logp, e["ref"]) if cfg.beta > 0 else torch.zeros_like(l)
-            if cfg.beta > 0:
-                l = l + cfg.beta * kl
+            logp = token_logp(logits, e["tgt"])  # (T,) log p(x_{p+1} | x_<=p): labels at the predicting position
+            l, clipped, kl = token_losses(logp, e["old"], e["adv"], e["ref"], cfg)
             with torch.no_grad():
                 m = e["resp"].double()
                 acc[:4] += torch.stack([(clipped.double() * m).sum(), (torch.exp(logp - e["old"]).double() * m).sum(),
@@ -137,7 +133,7 @@ class DistCotrainer:
                                            num_passes=tr.num_passes, pass_weight=tr.pass_weight,
                                            position_ids=mb.position_ids, group=g.cp_group,
                                            attn_fn=tr.attn_fn if g.cp == 1 else None)
-                acc[4 + k] += L.detach().double() / micro_batches
+                acc[5 + k] += L.detach().double() / micro_batches
                 metrics[(mb.extra["chunk"], k)] = met
                 total = total + tr.lam * L / micro_batches * g.dp
             return total
@@ -150,6 +146,8 @@ class DistCotrainer:
             for tr in self.drafts:
                 torch.nn.utils.clip_grad_norm_(tr.draft.parameters(), tr.grad_clip)
                 tr.opt.step()
+        if self.last:
+            acc[4] = res.draft_seconds / (g.cp * g.dp)  # summed below: the mean over the last-stage ranks
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(acc)  # world sum: only last-stage ranks hold non-zeros, each its CP / DP share
             everyone = [None] * dist.get_world_size()
@@ -157,11 +155,12 @@ class DistCotrainer:
             metrics = {k: v for part in everyone for k, v in part.items()}
         last = max(j for j, _ in metrics) if metrics else None  # cotrain_step reports the last micro-batch's metrics
         n = max(float(acc[3]), 1.0)
-        draft_losses = [float(x) for x in acc[4:]]
+        draft_losses = [float(x) for x in acc[5:]]
         return {"loss_policy": res.loss, "loss_draft": draft_losses,
                 "draft_metrics": [metrics.get((last, k)) for k in range(K)],
                 "clip_frac": float(acc[0]) / n, "ratio": float(acc[1]) / n, "k3": float(acc[2]) / n,
                 "grad_norm": grad_norm, "p2p_bytes": res.p2p_bytes, "tap_bytes": res.tap_bytes,
+                "draft_seconds": float(acc[4]),
                 "loss_total": res.loss + sum(tr.lam * x for tr, x in zip(self.drafts, draft_losses))}
 
     def _clip_policy_grads(self) -> float:

@@ -1,53 +1,53 @@
-"""The pieces of one experiment run, shared by the single-process loop and the torchrun one (train.py).
+"""Everything a run is made of, built once: the task, the warm policy and its frozen reference, the draft arms, and
+this rank's share of the update (its pipeline stage and optimizer).
 
-    build(cfg) -> Setup     the task, warm policy (SFT, cached; HF mode: the checkpoint) + frozen reference + drafts
-                            (co-trained, frozen copy, cold start)
-    rollout(s, problems)    G speculative samples per prompt, rewards, group advantages -> RolloutBatch
-    update(s, batch)        `updates` GRPO + co-training steps (rl_loop.cotrain_step: one policy forward each)
-    evaluate(s)             acceptance length of every draft arm and tokens/s with / without speculation, held-out
+    s = build(cfg, mesh)     the task; the policy (SFT'd and cached, or an HF checkpoint as is); the frozen reference
+                             pi_0; the draft arms (co-trained, a frozen copy of the warm-up draft, a cold start); and
+                             dist_step.DistCotrainer on the mesh (one process: the 1 x 1 x 1 mesh, the same code)
 
-Letters: B rollout rows, G group size, T packed tokens.
+Every rank keeps a FULL policy and drafts for its rollouts (the stand-in for an inference engine, DESIGN.md section 3);
+the update trains the pipeline stage and `refit` copies it back. Under torchrun rank 0 builds first, so it alone trains
+and caches the warm-ups, and the others load them.
+
+Letters: G group size, T packed tokens.
 """
 from __future__ import annotations
 
 import copy
-import math
-import os
 import random
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-import speculative
 import task
 import warmup
+from attention_padded import padded_branch_attention, padded_causal_attention
+from dist_step import DistCotrainer
 from draft import Eagle3Draft
 from hf_io import from_pretrained
 from model import ModelConfig, Transformer
-from attention_padded import padded_branch_attention, padded_causal_attention
-from rl_loop import (DraftTrainer, GRPOConfig, RolloutBatch, check_finite_weights, cotrain_step, group_advantages,
-                     reference_logp, rollout_kl)
+from rl_loop import DraftTrainer, GRPOConfig
 
 if TYPE_CHECKING:
     from config import Config
+    from mesh import Mesh
 
 
-# --------------------------------------------------------------------------------------------------- the pieces
 @dataclass
 class Setup:
     cfg: Config
     task: object  # task.CountUpTask or hf_task.HFTask: tok, sample, eval_set, encode_prompt, score, max_new_tokens
-    policy: torch.nn.Module
-    ref: torch.nn.Module  # frozen pi_0 (the SFT policy): KL drift and the optional k3 penalty
-    opt: torch.optim.Optimizer
+    policy: torch.nn.Module  # the full policy this rank generates with (refitted after every update)
+    ref: torch.nn.Module  # frozen pi_0 (the warm policy): KL drift and the optional k3 penalty
     drafts: dict  # arm name -> DraftTrainer ("cotrained" drives the rollouts; "cold" is evaluated only)
     frozen: Eagle3Draft  # the warm-up draft, never updated
+    cotrainer: DistCotrainer  # this rank's pipeline stage + optimizer: the one update path at every world size
     eval_problems: list
-    rng: random.Random
-    gen: torch.Generator
+    rng: random.Random  # the prompt sampler: the same stream on every rank
+    gen: torch.Generator  # the rollout sampler: one stream per DP replica
+    perm_gen: torch.Generator  # the minibatch shuffle: the same stream on every rank
     grpo: GRPOConfig
     warm_info: dict = field(default_factory=dict)
 
@@ -61,20 +61,6 @@ def build_task(cfg: Config):
     tsk = task.CountUpTask(cfg.min_steps, cfg.max_steps, cfg.format_weight)
     tsk.max_new_tokens = cfg.max_new_tokens or tsk.max_new_tokens
     return tsk
-
-
-def pick_device(cfg: Config) -> torch.device:
-    """Where this process's models live. cfg.device "auto": its own GPU (LOCAL_RANK under torchrun) when CUDA is present
-    and every process on the node gets one (NCCL cannot share a GPU between ranks), else the CPU."""
-    n_local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if cfg.device == "cpu" or not torch.cuda.is_available():  # Config rejects device="cuda" without CUDA
-        return torch.device("cpu")
-    if n_local > torch.cuda.device_count():
-        if cfg.device == "cuda":
-            raise ValueError(f"device='cuda': {n_local} processes on this node but {torch.cuda.device_count()} GPU(s); "
-                             "each rank needs its own GPU (or run with --device=cpu)")
-        return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def build_policy(cfg: Config, tsk, log=print, device=None) -> tuple[Transformer, str, bool]:
@@ -97,11 +83,24 @@ def build_policy(cfg: Config, tsk, log=print, device=None) -> tuple[Transformer,
     return policy, key, loaded
 
 
-def build(cfg: Config, log=print) -> Setup:
-    """Task, warm policy (SFT'd or the HF checkpoint), reference, draft arms and optimizer, on pick_device(cfg)."""
+def build(cfg: Config, mesh: Mesh, log=print) -> Setup:
+    """build_models on every rank -- rank 0 first, so that it alone trains and caches the warm-ups and the others load
+    them -- then the samplers and this rank's share of the update."""
+    s = build_models(cfg, mesh.device, log) if mesh.main else None
+    mesh.barrier()
+    s = s or build_models(cfg, mesh.device, log=lambda *a, **k: None)
+    s.gen.manual_seed(cfg.seed + 1000 * mesh.grid.dp_rank)  # each DP replica samples its own rollouts
+    s.cotrainer = DistCotrainer(
+        s.policy, list(s.drafts.values()), mesh.grid,
+        lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99)),
+        grad_clip=cfg.grad_clip, schedule=cfg.schedule, attn_fn=padded_causal_attention)
+    return s
+
+
+def build_models(cfg: Config, dev: torch.device, log=print) -> Setup:
+    """Task, warm policy (SFT'd or the HF checkpoint), reference and draft arms on `dev`; no update yet."""
     torch.manual_seed(cfg.seed)
     tsk = build_task(cfg)
-    dev = pick_device(cfg)
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.warmup_threads)  # the warm-ups run alone (other ranks wait): they may use every core
     try:
@@ -131,124 +130,9 @@ def build(cfg: Config, log=print) -> Setup:
     drafts = {"cotrained": trainer(Eagle3Draft.from_target(policy) if cfg.cold_start else warm)}
     if cfg.cold_arm and not cfg.cold_start:
         drafts["cold"] = trainer(Eagle3Draft.from_target(policy))
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99))
     grpo = GRPOConfig(eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta=cfg.beta, std_norm=cfg.std_norm,
                       loss_norm=cfg.loss_norm, max_len=tsk.max_new_tokens)
-    return Setup(cfg, tsk, policy, ref, opt, drafts, frozen, tsk.eval_set(cfg.eval_prompts, cfg.seed + 1234),
-                 random.Random(cfg.seed), torch.Generator(device=dev).manual_seed(cfg.seed), grpo,
+    return Setup(cfg, tsk, policy, ref, drafts, frozen, None, tsk.eval_set(cfg.eval_prompts, cfg.seed + 1234),
+                 random.Random(cfg.seed), torch.Generator(device=dev).manual_seed(cfg.seed),
+                 torch.Generator().manual_seed(cfg.seed + 31), grpo,
                  {"sft_s": t1 - t0, "draft_warmup_s": t2 - t1, "policy_cached": loaded, "draft_cached": dloaded})
-
-
-def generate(s: Setup, draft, prompts: list, seed=None):
-    """speculative.generate over chunks of cfg.rollout_batch rows -> (tokens, logprobs, stats). draft=None: plain
-    autoregressive sampling through the same engine. seed: a fresh generator (every eval arm sees the same seed)."""
-    c = s.cfg
-    gen = s.gen if seed is None else torch.Generator(device=s.gen.device).manual_seed(seed)
-    toks, lps, st = [], [], {"row_steps": 0, "accepted": 0, "new_tokens": 0, "seconds": 0.0}
-    for i in range(0, len(prompts), c.rollout_batch):
-        r = speculative.generate(s.policy, draft, prompts[i: i + c.rollout_batch],
-                                 max_new_tokens=s.task.max_new_tokens,
-                                 num_draft_tokens=c.num_draft_tokens if draft is not None else 0,
-                                 temperature=c.temperature, eos_id=s.task.tok.eos_id, generator=gen)
-        toks += [t.cpu() for t in r.tokens]  # rollouts are scored, packed and exchanged on the host
-        lps += [lp.cpu() for lp in r.logprobs]
-        for k in st:
-            st[k] += getattr(r.stats, k)
-    st["accept_len"] = (st["row_steps"] + st["accepted"]) / max(st["row_steps"], 1)  # tokens per policy forward
-    st["tok_s"] = st["new_tokens"] / max(st["seconds"], 1e-9)
-    return toks, lps, st
-
-
-def rollout(s: Setup, problems: list) -> tuple[RolloutBatch, dict]:
-    """G speculative samples per problem -> scored, advantage-weighted RolloutBatch and stats."""
-    c = s.cfg
-    prompts = [s.task.encode_prompt(p) for p in problems for _ in range(c.group_size)]
-    toks, lps, st = generate(s, s.drafts["cotrained"].draft, prompts)
-    R, parts = s.task.score([p for p in problems for _ in range(c.group_size)], toks)
-    adv, valid = group_advantages(R, c.group_size, std_norm=c.std_norm)
-    batch = RolloutBatch.from_rollouts(prompts, toks, lps, adv, valid)
-    info = {"reward": float(R.mean()), "correct": float(parts["correct"].mean()),
-            "explicit": _explicit(parts), "resp_len": st["new_tokens"] / len(prompts),
-            "zero_var_groups": int((~valid).sum()) // c.group_size,
-            "accept_len": st["accept_len"], "rollout_tok_s": st["tok_s"]}
-    return batch, info
-
-
-def _explicit(parts: dict) -> float:
-    """The built-in task's format term (share of steps written explicitly); HF mode has none: 0."""
-    return float(parts["explicit"].mean()) if "explicit" in parts else 0.0
-
-
-def update(s: Setup, batch: RolloutBatch, timer: dict) -> dict:
-    """Reference log-probs (k3 penalty, KL drift), then cfg.updates optimisation steps on random minibatches of the
-    rollout batch (old log-probs from the rollout)."""
-    t0 = time.perf_counter()
-    batch.ref_logp = reference_logp(s.ref, batch, attn_fn=padded_causal_attention)
-    kl = rollout_kl(batch)
-    timer["policy_train"] = timer.get("policy_train", 0.0) + time.perf_counter() - t0
-    perm = torch.randperm(batch.num_seqs, generator=s.gen, device=s.gen.device).cpu()  # the rollout stream
-    stats = []
-    for idx in perm.chunk(s.cfg.updates):
-        stats.append(cotrain_step(s.policy, s.opt, batch.select(idx.sort().values), s.grpo, list(s.drafts.values()),
-                                  micro_batches=s.cfg.micro_batches, policy_grad_clip=s.cfg.grad_clip,
-                                  attn_fn=padded_causal_attention, timer=timer))
-    return _update_stats(s, stats, kl)
-
-
-def _update_stats(s: Setup, stats: list, kl: float) -> dict:
-    last = stats[-1]
-    out = {k: sum(st[k] for st in stats) / len(stats) for k in ("loss_policy", "clip_frac", "ratio", "grad_norm")}
-    for name, m in zip(s.drafts, last["draft_metrics"]):
-        out[f"tau_hat_{name}"] = m["tau_hat"]
-    out["loss_draft"] = last["loss_draft"][0]
-    out["kl"] = kl
-    return out
-
-
-def check_finite(step: int, up: dict, s: Setup):
-    """Stop the run at the first NaN/inf loss or weight, naming it (every rank holds the same reduced values and the
-    same refitted full copies: all ranks stop). A finite loss can still be followed by an update that overflows the
-    weights (too large a learning rate), which would only surface later as a sampling error: the weights are checked
-    too, once per step."""
-    hint = "stopping. Try a lower --lr / --draft_lr or a smaller --grad_clip / --draft_grad_clip"
-    for key in ("loss_policy", "loss_draft", "grad_norm"):
-        if not math.isfinite(up[key]):
-            raise FloatingPointError(f"step {step}: {key} = {up[key]} (not finite); {hint}")
-    for name, m in {"policy": s.policy, **{f"{name} draft": tr.draft for name, tr in s.drafts.items()}}.items():
-        check_finite_weights(m, f"step {step}: after the update, the {name}", hint)
-
-
-@torch.no_grad()
-def evaluate(s: Setup) -> dict:
-    """Same held-out prompts and seed for every arm: acceptance length per draft, tokens/s with and without speculation,
-    and the policy's held-out reward (from the autoregressive samples, exact policy samples). The arms run interleaved
-    chunk by chunk in a rotating order, and a speedup is the median over chunks of the paired tok/s ratio, so a change in
-    machine load (large on a shared CPU) hits every arm alike."""
-    c = s.cfg
-    probs = [p for p in s.eval_problems for _ in range(c.eval_samples)]
-    prompts = [s.task.encode_prompt(p) for p in probs]
-    arms = {"ar": None, "cotrained": s.drafts["cotrained"].draft, "frozen": s.frozen}
-    if "cold" in s.drafts:
-        arms["cold"] = s.drafts["cold"].draft
-    tot = {name: {"row_steps": 0, "accepted": 0, "new_tokens": 0, "seconds": 0.0} for name in arms}
-    for draft in arms.values():  # untimed warm-up: first-call costs (allocator, caches) would skew a 2-chunk timing
-        generate(s, draft, prompts[:2], seed=c.seed)
-    ar_toks, chunk_tok_s, names = [], {name: [] for name in arms}, list(arms)
-    for j, i in enumerate(range(0, len(prompts), c.rollout_batch)):
-        for name in names[j % len(names):] + names[: j % len(names)]:
-            toks, _, st = generate(s, arms[name], prompts[i: i + c.rollout_batch], seed=c.seed + 99 + i)
-            for k in tot[name]:
-                tot[name][k] += st[k]
-            chunk_tok_s[name].append(st["tok_s"])
-            if name == "ar":
-                ar_toks += toks
-    R, parts = s.task.score(probs, ar_toks)
-    out = {"reward": float(R.mean()), "correct": float(parts["correct"].mean()), "explicit": _explicit(parts),
-           "resp_len": tot["ar"]["new_tokens"] / len(prompts)}
-    for name, t in tot.items():
-        out[f"tok_s_{name}"] = t["new_tokens"] / max(t["seconds"], 1e-9)
-        if name != "ar":
-            out[f"accept_{name}"] = (t["row_steps"] + t["accepted"]) / max(t["row_steps"], 1)
-            out[f"speedup_{name}"] = statistics.median(a / b for a, b in zip(chunk_tok_s[name], chunk_tok_s["ar"]))
-    out["speedup"] = out["speedup_cotrained"]
-    return out

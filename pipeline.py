@@ -33,12 +33,14 @@ Letters: P stages, s stage, M microbatches, m microbatch, T tokens of a microbat
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from branch_mask import cu_seqlens_from_lengths
 from model import EMBED_TAP, ModelConfig, Transformer, check_tap_layers
 from tapchannel import TapChannel
 
@@ -188,6 +190,7 @@ class StepResult:  # identical on every rank: summed over microbatches and CP sh
     draft_loss: float
     p2p_bytes: int  # bytes this rank sent on the pipeline group this step
     tap_bytes: int  # bytes this rank sent on TapChannel this step
+    draft_seconds: float = 0.0  # this rank's time in the draft hook and its backward (the last stage's only)
 
 
 class PipelineSchedule:
@@ -233,7 +236,7 @@ class PipelineSchedule:
         if M < 1:
             raise ValueError(f"microbatches: got M={M}; a step needs M >= 1")
         self._mbs, self._loss_fn, self._draft_hook = mbs, loss_fn, draft_hook
-        self._saved, self._sends, self._p2p_bytes = {}, [], 0
+        self._saved, self._sends, self._p2p_bytes, self._draft_seconds = {}, [], 0, 0.0
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         self._loss, self._draft = zero, zero.clone()  # accumulated as tensors: no host sync per microbatch
         tap_bytes0 = self.channel.bytes_sent if self.channel else 0
@@ -252,7 +255,7 @@ class PipelineSchedule:
         tap_bytes = (self.channel.bytes_sent if self.channel else 0) - tap_bytes0
         loss, draft = self._reduce_scalars()
         self._saved = self._sends = self._mbs = None
-        return StepResult(loss, draft, self._p2p_bytes, tap_bytes)
+        return StepResult(loss, draft, self._p2p_bytes, tap_bytes, self._draft_seconds)
 
     def _forward(self, m: int):
         mb = self._mbs[m]
@@ -265,10 +268,12 @@ class PipelineSchedule:
         loss = self._loss_fn(out.logits, mb)
         taps = self._gather_taps(m, out)
         if self._draft_hook is not None:
+            t0 = time.perf_counter()
             d = self._draft_hook(DraftInputs(m, taps, out.hidden.detach(), out.logits.detach(), mb))
             if d is not None:
                 d.backward()  # the draft's backward, now: its inputs are detached, so it never leaves this stage
                 self._draft = self._draft + d.detach().double()
+            self._draft_seconds += time.perf_counter() - t0
         self._release_taps(m)
         self._saved[m] = (x, loss)
         self._loss = self._loss + loss.detach().double()
@@ -399,7 +404,7 @@ def _demo():
 def _random_microbatch(cfg, seed: int) -> Microbatch:
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(3, 12, (3,), generator=g)
-    cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(torch.int32)
+    cu = cu_seqlens_from_lengths(lens)
     tokens = torch.randint(cfg.vocab_size, (int(cu[-1]),), generator=g)
     labels = torch.roll(tokens, -1).clone()
     labels[cu[1:].long() - 1] = -100  # no target past a sequence's end

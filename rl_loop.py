@@ -36,7 +36,8 @@ from typing import Optional
 
 import torch
 
-from branch_mask import seq_ids
+from branch_mask import cu_seqlens_from_lengths, seq_ids
+from model import at_least_f32
 
 LOSS_NORMS = ("seq-mean", "token-mean", "global-token", "constant")
 
@@ -46,10 +47,7 @@ def pack(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """list of S 1-D token tensors -> tokens (T,), cu_seqlens int32 (S+1,)."""
     if not seqs or any(s.dim() != 1 or s.numel() == 0 for s in seqs):
         raise ValueError("pack: expected a non-empty list of non-empty 1-D tensors")
-    lens = torch.tensor([s.numel() for s in seqs])
-    cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-    cu[1:] = lens.cumsum(0)
-    return torch.cat(seqs), cu
+    return torch.cat(seqs), cu_seqlens_from_lengths([s.numel() for s in seqs])
 
 
 @dataclass
@@ -92,21 +90,24 @@ class RolloutBatch:
         idx = torch.as_tensor(idx, dtype=torch.long)
         cu = self.cu_seqlens.long()
         tok_idx = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in idx.tolist()])
-        lens = cu[idx + 1] - cu[idx]
-        new_cu = torch.zeros(idx.numel() + 1, dtype=torch.int32)
-        new_cu[1:] = lens.cumsum(0)
+        new_cu = cu_seqlens_from_lengths(cu[idx + 1] - cu[idx])
         per_tok = {k: getattr(self, k)[tok_idx] for k in ("tokens", "resp_mask", "old_logp")}
         ref = None if self.ref_logp is None else self.ref_logp[tok_idx]
         return RolloutBatch(cu_seqlens=new_cu, adv=self.adv[idx], valid=self.valid[idx], ref_logp=ref, **per_tok)
 
 
-def next_token_logp(logits: torch.Tensor, tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """logits (T, V) of a packed forward -> (T,) log p(tokens[t] | tokens of its sequence before t); 0 at starts.
+def token_logp(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """logits (T, V), targets (T,) -> (T,) log softmax(logits)[t, targets[t]], in fp32 at least (bf16 logits; fp64
+    kept). Gathered logit minus logsumexp: never materialises the (T, V) log-softmax."""
+    z = at_least_f32(logits)
+    return z.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(z, -1)
 
-    Gathered logit minus logsumexp: never materialises the (T, V) log-softmax."""
-    z = logits[:-1].to(torch.promote_types(logits.dtype, torch.float32))  # position t-1 predicts token t; fp64 kept
-    out = torch.zeros(tokens.shape[0], dtype=z.dtype, device=logits.device)
-    lp = z.gather(-1, tokens[1:, None])[:, 0] - torch.logsumexp(z, -1)
+
+def next_token_logp(logits: torch.Tensor, tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """logits (T, V) of a packed forward -> (T,) log p(tokens[t] | tokens of its sequence before t); 0 at starts
+    (position t-1 predicts token t)."""
+    lp = token_logp(logits[:-1], tokens[1:])
+    out = torch.zeros(tokens.shape[0], dtype=lp.dtype, device=logits.device)
     starts = torch.zeros_like(tokens, dtype=torch.bool)
     starts[cu_seqlens[:-1].long()] = True
     return torch.cat([out[:1], lp]).masked_fill(starts, 0.0)
@@ -177,17 +178,22 @@ class GRPOConfig:
             raise ValueError(f"eps_low={self.eps_low}, eps_high={self.eps_high}: expected 0 <= eps_low < 1, eps_high >= 0")
 
 
+def token_losses(logp, old_logp, adv, ref_logp, cfg: GRPOConfig):
+    """Step 2 per token: l_t = -min(rho A, clip(rho) A) + beta k3_t. logp / old_logp / adv / ref_logp (T,); ref_logp
+    may be None when beta = 0. Returns (l, clipped, k3) -- k3 is zeros when beta = 0 (not computed)."""
+    l, clipped = clipped_surrogate(logp, old_logp, adv, cfg.eps_low, cfg.eps_high)
+    if cfg.beta == 0:
+        return l, clipped, torch.zeros_like(l)
+    if ref_logp is None:
+        raise ValueError("beta > 0 needs ref_logp in the batch (the frozen reference's log-probs)")
+    kl = k3(logp, ref_logp)
+    return l + cfg.beta * kl, clipped, kl
+
+
 def policy_loss(logp, mb: RolloutBatch, cfg: GRPOConfig, *, n_seqs: int, n_tokens: int, n_micro: int = 1):
     """The GRPO loss of micro-batch mb given the current log-probs logp (T,). Returns (loss, stats)."""
     mask = mb.trained_mask()
-    adv_tok = mb.adv[seq_ids(mb.cu_seqlens)]
-    l, clipped = clipped_surrogate(logp, mb.old_logp, adv_tok, cfg.eps_low, cfg.eps_high)
-    kl = torch.zeros_like(l)
-    if cfg.beta > 0:
-        if mb.ref_logp is None:
-            raise ValueError("beta > 0 needs ref_logp in the batch (the frozen reference's log-probs)")
-        kl = k3(logp, mb.ref_logp)
-        l = l + cfg.beta * kl
+    l, clipped, kl = token_losses(logp, mb.old_logp, mb.adv[seq_ids(mb.cu_seqlens)], mb.ref_logp, cfg)
     loss = aggregate(l, mask, mb.cu_seqlens, cfg.loss_norm, n_seqs=n_seqs, n_tokens=n_tokens, max_len=cfg.max_len,
                      n_micro=n_micro)
     with torch.no_grad():

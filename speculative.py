@@ -1,11 +1,14 @@
 """Lossless batched speculative sampling (chain drafts): a draft proposes k tokens, the policy verifies k+1 at once.
 
-One step per row, with p the policy's and q the draft's next-token distributions, both at temperature tau:
-  1. draft:   d_j ~ q_j(. | x, d_<j)                 j = 1..k       (k cheap draft forwards, the draft's own KV cache)
+`generate` is a short driver over named steps: `prefill` (one policy forward over the prompts, the first token, the
+draft's trunk over the prompt), then until every row is done `compact` (drop finished rows) and, per step and row, with
+p the policy's and q the draft's next-token distributions, both at temperature tau:
+  1. propose: d_j ~ q_j(. | x, d_<j)                 j = 1..k       (k cheap draft forwards, the draft's own KV cache)
   2. verify:  p_1..p_{k+1} from ONE policy forward over [x_t, d_1..d_k] (its KV cache; taps for the draft come free)
   3. accept:  d_j with probability min(1, p_j(d_j) / q_j(d_j)), left to right; n = number accepted before the first
               rejection; then y ~ norm(max(p_{n+1} - q_{n+1}, 0)) (residual), or y ~ p_{k+1} when n = k (bonus)
   4. commit:  d_1..d_n, y; roll both KV caches back past the rejected entries (rows advance by different amounts)
+and `finish` truncates each row at EOS / max_new_tokens.
 Every emitted token is distributed exactly as policy sampling [Leviathan et al. 2023; Chen et al. 2023]; tau = 0 is
 greedy (accept iff d_j = argmax p_j) and reproduces plain greedy decoding token for token. The acceptance length is
 the number of generated tokens per policy forward, bonus included (1.0 = no speedup). The log-probs returned for GRPO
@@ -123,133 +126,187 @@ def _check(target, draft, prompts, max_new_tokens, k, temperature):
 
 
 # ------------------------------------------------------------------------------------------------------ the engine
+@dataclass
+class _Decode:
+    """The state of one generate call. Rows are compacted as they finish: `live` maps a batch row to its prompt."""
+    k: int  # draft tokens per step (0: autoregressive)
+    temperature: float
+    eos_id: Optional[int]
+    max_new_tokens: int
+    generator: Optional[torch.Generator]
+    toks: torch.Tensor  # (B, width) generated ids per prompt; finished rows keep writing harmlessly past their end
+    lps: torch.Tensor  # (B, width) their policy log-probs
+    n_gen: torch.Tensor  # (B,) tokens generated per prompt so far
+    live: torch.Tensor  # (b,) prompt index of each batch row
+    y: torch.Tensor  # (b,) each row's last sampled token (not yet in the policy's cache)
+    done: torch.Tensor  # (b,) bool: the row has finished (it rides along until compacted)
+    pcache: object  # the policy's KV cache (kv_cache.KVCache)
+    tap_layers: tuple = None  # the policy layers the draft reads
+    dcache: object = None  # the draft's KV cache
+    h: torch.Tensor = None  # (b, H) the draft's pass-1 state at y's anchor
+    zq: torch.Tensor = None  # (b, V) the draft's logits there: q for d_1
+    stats: SpecStats = field(default_factory=SpecStats)
+    reached: torch.Tensor = None  # (k,) rows whose draft j was tried, per position j
+    accepted: torch.Tensor = None  # (k,) of which accepted
+    accept_sum: int = 0  # tokens kept, summed over forwards and rows (device scalar once stepping)
+    row_steps: int = 0  # rows active, summed over forwards
+
+
 @torch.inference_mode()
 def generate(target: Transformer, draft=None, prompts=(), *, max_new_tokens: int, num_draft_tokens: int = 0,
              temperature: float = 1.0, eos_id: Optional[int] = None, generator=None) -> Rollout:
-    """Sample up to max_new_tokens per prompt (ragged prompts, per-row EOS) with speculative decoding.
+    """Sample up to max_new_tokens per prompt (ragged prompts, per-row EOS) with speculative decoding:
+    prefill, then per step compact -> propose (k draft forwards) -> verify (one policy forward) -> commit.
 
     draft=None or num_draft_tokens=0: plain autoregressive sampling through the same code (the baseline)."""
-    k = num_draft_tokens if draft is not None else 0
     _check(target, draft, prompts, max_new_tokens, num_draft_tokens, temperature)
     t0 = time.perf_counter()
+    k = num_draft_tokens if draft is not None else 0
+    if max_new_tokens == 0:
+        dev = next(target.parameters()).device
+        empty = [torch.zeros(0, dtype=torch.long, device=dev)] * len(prompts)
+        return Rollout(empty, [torch.zeros(0, device=dev)] * len(prompts), SpecStats())
+    s = prefill(target, draft if k else None, prompts, k, temperature, eos_id, max_new_tokens, generator)
+    while (n_done := int(s.done.sum())) < s.live.numel():  # sync point: one per step
+        compact(s, n_done)
+        if k == 0:
+            z = target.forward_cached(s.y[:, None], s.pcache).logits  # (b, 1, V)
+            n, (y, _) = torch.zeros_like(s.y), _sample(z[:, 0], temperature, generator)
+            commit(s, y[:, None], z, n)
+        else:
+            d, q = propose(draft, s)
+            block, z, n, taps = verify_step(target, s, d, q)
+            s.h, s.zq = draft.extend(s.dcache, block, taps, n)  # the draft's trunk catches up on the kept entries
+            commit(s, block, z, n)
+    return finish(s, time.perf_counter() - t0)
+
+
+def prefill(target, draft, prompts, k: int, temperature, eos_id, max_new_tokens, generator) -> _Decode:
+    """Step 0. One policy forward over the right-padded prompts (each row then rolls back to its own length), the
+    first token y ~ p(. | prompt), and the draft's trunk over the prompt: entry j = (token j+1, taps at j), the last
+    one fed the sampled y."""
     dev = next(target.parameters()).device
     B = len(prompts)
     lens = torch.tensor([p.numel() for p in prompts], device=dev)
-    if max_new_tokens == 0:
-        empty = [torch.zeros(0, dtype=torch.long, device=dev)] * B
-        return Rollout(empty, [torch.zeros(0, device=dev)] * B, SpecStats())
     rows = torch.arange(B, device=dev)
     max_len = int(lens.max()) + max_new_tokens + k + 1  # a step may run k+1 entries past the last kept token
-    taps = draft.tap_layers if k else None
-
-    # 1. prefill: right-padded prompts, then each row rolls back to its own length
     x = torch.zeros(B, int(lens.max()), dtype=torch.long, device=dev)
     for b, p in enumerate(prompts):
         x[b, : p.numel()] = p.to(dev)
     pcache = target.new_cache(B, max_len)
-    out = target.forward_cached(x, pcache, tap_layers=taps)
+    out = target.forward_cached(x, pcache, tap_layers=draft.tap_layers if k else None)
     pcache.rollback(lens)
     z = out.logits[rows, lens - 1]  # (B, V)
     y, _ = _sample(z, temperature, generator)
-    width = max_new_tokens + 2 * (k + 1)  # output buffer; finished rows keep writing harmlessly past their end
-    toks = torch.zeros(B, width, dtype=torch.long, device=dev)
-    lps = torch.zeros(B, width, dtype=at_least_f32(z).dtype, device=dev)
-    toks[:, 0], lps[:, 0] = y, _logprob(z[:, None], y[:, None], temperature)[:, 0]
-    n_gen = torch.ones(B, dtype=torch.long, device=dev)  # tokens generated per row so far
-    live = rows  # original index of each row still in the batch
-    done = (n_gen >= max_new_tokens) | ((y == eos_id) if eos_id is not None else False)  # per live row
-    if k:  # the draft's trunk over the prompt: entry j = (token j+1, taps at j); the last one needs the sampled y
-        dcache = draft.new_cache(B, max_len)
+    width = max_new_tokens + 2 * (k + 1)
+    s = _Decode(k, temperature, eos_id, max_new_tokens, generator,
+                toks=torch.zeros(B, width, dtype=torch.long, device=dev),
+                lps=torch.zeros(B, width, dtype=at_least_f32(z).dtype, device=dev),
+                n_gen=torch.ones(B, dtype=torch.long, device=dev), live=rows, y=y,
+                done=(max_new_tokens <= 1) | ((y == eos_id) if eos_id is not None else torch.zeros_like(y, dtype=bool)),
+                pcache=pcache, reached=torch.zeros(max(k, 1), dtype=torch.long, device=dev),
+                accepted=torch.zeros(max(k, 1), dtype=torch.long, device=dev))
+    s.toks[:, 0], s.lps[:, 0] = y, _logprob(z[:, None], y[:, None], temperature)[:, 0]
+    s.accept_sum = torch.zeros((), dtype=torch.long, device=dev)
+    s.row_steps = torch.zeros((), dtype=torch.long, device=dev)
+    if k:
+        s.tap_layers, s.dcache = draft.tap_layers, draft.new_cache(B, max_len)
         nxt = torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], 1)
         nxt[rows, lens - 1] = y
-        h, zq = draft.extend(dcache, nxt, out.taps, lens - 1)
+        s.h, s.zq = draft.extend(s.dcache, nxt, out.taps, lens - 1)
+    return s
 
-    st = SpecStats()
-    steps = torch.arange(k + 1, device=dev)
-    reached = torch.zeros(max(k, 1), dtype=torch.long, device=dev)
-    accepted = torch.zeros(max(k, 1), dtype=torch.long, device=dev)
-    accept_sum = torch.zeros((), dtype=torch.long, device=dev)
-    row_steps = torch.zeros((), dtype=torch.long, device=dev)
-    while True:
-        n_done = int(done.sum())  # sync point: one per step
-        if n_done == live.numel():
-            break
-        if n_done * 4 >= live.numel():  # drop finished rows once they are a quarter: O(log B) cache copies in all
-            keep = (~done).nonzero()[:, 0]
-            live, y, done = live[keep], y[keep], done[keep]
-            pcache.keep_rows(keep)
-            if k:
-                dcache.keep_rows(keep)
-                h, zq = h[keep], zq[keep]
-        active = ~done  # finished rows not dropped yet ride along; nothing they compute is kept
-        r = torch.arange(live.numel(), device=dev)
-        L_p = pcache.lengths.clone()
-        if k == 0:
-            z = target.forward_cached(y[:, None], pcache).logits  # (b, 1, V)
-            n = torch.zeros_like(y)
-            y, _ = _sample(z[:, 0], temperature, generator)
-            block = y[:, None]
-        else:
-            # 2. the draft proposes d_1..d_k from the state at the last verified position (k draft forwards)
-            L_d = dcache.lengths.clone()
-            ds, qs = [], []
-            for j in range(k):
-                dj, qj = _sample(zq, temperature, generator)
-                ds.append(dj)
-                qs.append(qj)
-                if j < k - 1:
-                    h, zq = draft.step(dcache, dj, h)
-            dcache.rollback(L_d)  # the branch entries of passes 2..k are replaced by true trunk entries below
-            d = torch.stack(ds, 1)  # (b, k)
-            q = torch.stack(qs, 1) if temperature > 0 else None  # (b, k, V)
-            # 3. one policy forward verifies all k drafts and yields the bonus distribution
-            out = target.forward_cached(torch.cat([y[:, None], d], 1), pcache, tap_layers=taps)
-            z = out.logits  # (b, k+1, V)
-            n, y = verify(z, d, q, temperature, generator)
-            block = torch.cat([d, d[:, :1]], 1)
-            block[r, n] = y  # (b, k+1): d_1..d_n, y, then junk past n
-            # 4. the draft's trunk catches up on the verified positions; its pass-1 state at y's anchor is next step's
-            h, zq = draft.extend(dcache, block, out.taps, n)
-            reached += ((steps[:k][None] <= n[:, None]) & active[:, None]).sum(0)
-            accepted += ((steps[:k][None] < n[:, None]) & active[:, None]).sum(0)
-        # 5. commit: write the new tokens and their policy log-probs, advance only active rows
-        kept = torch.where(active, n + 1, 0)
-        g = n_gen[live]
-        idx = g[:, None] + steps[: block.shape[1]]  # (b, k+1) output columns
-        toks[live[:, None], idx] = block
-        lps[live[:, None], idx] = _logprob(z, block, temperature)
-        if eos_id is not None:
-            done = done | ((block == eos_id) & (steps[: block.shape[1]][None] <= n[:, None]) & active[:, None]).any(1)
-        g = g + kept
-        n_gen[live] = g
-        done = done | (g >= max_new_tokens)
-        # finished rows restart their caches at 0: while they ride along they never grow
-        pcache.rollback(torch.where(done, 0, L_p + kept))
-        if k:
-            dcache.rollback(torch.where(done, 0, dcache.lengths))
-        accept_sum += kept.sum()
-        row_steps += active.sum()
-        st.policy_forwards += 1
 
-    # 6. truncate each row at max_new_tokens and after its first EOS
-    n_keep = n_gen.clamp(max=max_new_tokens)
-    if eos_id is not None:
-        is_eos = (toks == eos_id) & (torch.arange(width, device=dev)[None] < n_keep[:, None])
+def compact(s: _Decode, n_done: int):
+    """Drop the finished rows once they are a quarter of the batch: O(log B) cache copies in all. Until then they
+    ride along; nothing they compute is kept."""
+    if n_done * 4 < s.live.numel():
+        return
+    keep = (~s.done).nonzero()[:, 0]
+    s.live, s.y, s.done = s.live[keep], s.y[keep], s.done[keep]
+    s.pcache.keep_rows(keep)
+    if s.k:
+        s.dcache.keep_rows(keep)
+        s.h, s.zq = s.h[keep], s.zq[keep]
+
+
+def propose(draft, s: _Decode):
+    """Step 1. d_j ~ q_j(. | x, d_<j), j = 1..k: k draft forwards from the state at the last verified position.
+    Returns d (b, k) and q (b, k, V) (None at tau = 0). The draft's cache is rolled back: its branch entries are
+    replaced by true trunk entries once the policy has verified them."""
+    L_d = s.dcache.lengths.clone()
+    h, zq, ds, qs = s.h, s.zq, [], []
+    for j in range(s.k):
+        dj, qj = _sample(zq, s.temperature, s.generator)
+        ds.append(dj)
+        qs.append(qj)
+        if j < s.k - 1:
+            h, zq = draft.step(s.dcache, dj, h)
+    s.dcache.rollback(L_d)
+    return torch.stack(ds, 1), (torch.stack(qs, 1) if s.temperature > 0 else None)
+
+
+def verify_step(target, s: _Decode, d, q):
+    """Steps 2-3. ONE policy forward over [y, d_1..d_k] gives p_1..p_{k+1}; `verify` keeps n drafts and the token
+    after them. Returns block (b, k+1) = d_1..d_n, y', then junk past n; the logits z (b, k+1, V); n (b,); the taps."""
+    out = target.forward_cached(torch.cat([s.y[:, None], d], 1), s.pcache, tap_layers=s.tap_layers)
+    z = out.logits
+    n, y = verify(z, d, q, s.temperature, s.generator)
+    block = torch.cat([d, d[:, :1]], 1)
+    block[torch.arange(d.shape[0], device=d.device), n] = y
+    active, steps = ~s.done, torch.arange(s.k, device=d.device)
+    s.reached += ((steps[None] <= n[:, None]) & active[:, None]).sum(0)
+    s.accepted += ((steps[None] < n[:, None]) & active[:, None]).sum(0)
+    return block, z, n, out.taps
+
+
+def commit(s: _Decode, block, z, n):
+    """Step 4. Write each active row's n + 1 new tokens and their policy log-probs, advance its count, mark rows that
+    hit EOS or max_new_tokens, and roll both caches back past the rejected entries (finished rows restart their
+    caches at 0: while they ride along they never grow)."""
+    active = ~s.done
+    kept = torch.where(active, n + 1, 0)
+    cols = torch.arange(block.shape[1], device=block.device)
+    g = s.n_gen[s.live]
+    idx = g[:, None] + cols  # (b, k+1) output columns
+    s.toks[s.live[:, None], idx] = block
+    s.lps[s.live[:, None], idx] = _logprob(z, block, s.temperature)
+    if s.eos_id is not None:
+        s.done = s.done | ((block == s.eos_id) & (cols[None] <= n[:, None]) & active[:, None]).any(1)
+    g = g + kept
+    s.n_gen[s.live] = g
+    s.done = s.done | (g >= s.max_new_tokens)
+    s.pcache.rollback(torch.where(s.done, 0, s.pcache.lengths - block.shape[1] + kept))
+    if s.k:
+        s.dcache.rollback(torch.where(s.done, 0, s.dcache.lengths))
+    s.y = block[torch.arange(block.shape[0], device=block.device), n]
+    s.accept_sum += kept.sum()
+    s.row_steps += active.sum()
+    s.stats.policy_forwards += 1
+
+
+def finish(s: _Decode, seconds: float) -> Rollout:
+    """Step 5. Truncate each row at max_new_tokens and after its first EOS; the statistics."""
+    n_keep = s.n_gen.clamp(max=s.max_new_tokens)
+    if s.eos_id is not None:
+        is_eos = (s.toks == s.eos_id) & (torch.arange(s.toks.shape[1], device=s.toks.device)[None] < n_keep[:, None])
         first = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, n_keep)
         n_keep = torch.minimum(n_keep, first)
     n_keep = n_keep.tolist()
-    st.seconds = time.perf_counter() - t0
-    st.row_steps = int(row_steps)
-    st.acceptance_length = float(accept_sum) / max(st.row_steps, 1)
-    st.drafted, st.accepted = k * st.row_steps, int(accept_sum) - st.row_steps
-    st.accept_per_position = (accepted.float() / reached.clamp_min(1)).tolist() if k else []
+    st = s.stats
+    st.seconds = seconds
+    st.row_steps = int(s.row_steps)
+    st.acceptance_length = float(s.accept_sum) / max(st.row_steps, 1)
+    st.drafted, st.accepted = s.k * st.row_steps, int(s.accept_sum) - st.row_steps
+    st.accept_per_position = (s.accepted.float() / s.reached.clamp_min(1)).tolist() if s.k else []
     st.new_tokens = sum(n_keep)
-    st.tokens_per_s = st.new_tokens / st.seconds
-    return Rollout([toks[b, :m].clone() for b, m in enumerate(n_keep)],
-                   [lps[b, :m].clone() for b, m in enumerate(n_keep)], st)
+    st.tokens_per_s = st.new_tokens / seconds
+    return Rollout([s.toks[b, :m].clone() for b, m in enumerate(n_keep)],
+                   [s.lps[b, :m].clone() for b, m in enumerate(n_keep)], st)
 
 
 if __name__ == "__main__":
+    from branch_mask import cu_seqlens_from_lengths
     from draft import Eagle3Draft
     from model import ModelConfig, greedy_generate
 
@@ -269,7 +326,7 @@ if __name__ == "__main__":
     # co-training in miniature: TTT on the policy's own continuations, taps + teacher from one policy forward
     seqs = [torch.cat([p, t]) for p, t in zip(prompts, ref)]
     tokens = torch.cat(seqs)
-    cu = torch.tensor([0] + torch.tensor([len(s) for s in seqs]).cumsum(0).tolist(), dtype=torch.int32)
+    cu = cu_seqlens_from_lengths([len(s) for s in seqs])
     with torch.no_grad():
         out = target(tokens, cu, tap_layers=draft.tap_layers)
     opt = torch.optim.Adam(draft.parameters(), lr=1e-2)

@@ -10,7 +10,8 @@ from hypothesis import example, given, settings, strategies as st
 from attention_blocks import get_backend, merge_
 from attention_cp import ring_branch_attention
 from branch_mask import cu_seqlens_from_lengths, pad_for_cp, position_ids, seq_ids, zigzag_shard, zigzag_unshard
-from ring import Ring, run_ranks
+from model import ModelConfig, Transformer
+from ring import Ring, as_ring, run_ranks
 from attention_cases import assert_all_close, make_case, reference, run_threads
 
 cases = st.fixed_dictionaries(dict(
@@ -166,15 +167,14 @@ def test_empty_branch_is_no_branch():
 
 
 # ----------------------------------------------------------------------------------------------- the policy under CP
-model = pytest.importorskip("model")
 
 
 @settings(max_examples=8)
 @given(st.lists(st.integers(1, 11), min_size=1, max_size=3), st.integers(2, 4), st.integers(0, 1000))
 def test_policy_forward_under_cp_equals_unsharded(lengths, cp, seed):
     torch.manual_seed(seed)
-    cfg = model.ModelConfig.preset("tiny")
-    policy = model.Transformer(cfg).double()
+    cfg = ModelConfig.preset("tiny")
+    policy = Transformer(cfg).double()
     cu = cu_seqlens_from_lengths(lengths)
     tokens = torch.randint(cfg.vocab_size, (int(cu[-1]),))
     w = torch.randn(int(cu[-1]), cfg.vocab_size, dtype=torch.float64)
@@ -201,7 +201,11 @@ def test_policy_forward_under_cp_equals_unsharded(lengths, cp, seed):
         torch.testing.assert_close(sum(r[1][n] for r in res), g, atol=1e-10, rtol=1e-10, msg=lambda m: f"{n}: {m}")
 
 
-def test_ring_interface_is_what_group_accepts():
-    assert isinstance(Ring(), Ring) and Ring().size == 1
+def test_a_ring_of_one_has_no_peers_and_as_ring_maps_groups():
+    r = Ring()
+    assert (r.rank, r.size) == (0, 1)
+    r.exchange([], []).wait()  # nothing to exchange: a no-op
     with pytest.raises(RuntimeError, match="no peers"):
-        Ring().exchange([(0, torch.zeros(1))], [])
+        r.exchange([(0, torch.zeros(1))], [])
+    assert as_ring(None).size == 1 and as_ring(r) is r  # group=None: no CP; a Ring: itself
+    assert run_ranks(3, lambda ring: (ring.rank, as_ring(ring).size)) == [(0, 3), (1, 3), (2, 3)]

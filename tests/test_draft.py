@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from attention_cp import reference_branch_attention
-from branch_mask import pad_for_cp, zigzag_shard
+from branch_mask import cu_seqlens_from_lengths, pad_for_cp, zigzag_shard
 from ring import run_ranks
 from dist_util import run_distributed
 from draft import DraftConfig, Eagle3Draft
@@ -28,7 +28,7 @@ def case(draft_vocab=None, lens=LENS, layers=8):
         for n, p in draft.named_parameters():
             if p.dim() == 2 and n != "lm_head.weight":
                 p.mul_(8)
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    cu = cu_seqlens_from_lengths(lens)
     tokens = torch.randint(policy.cfg.vocab_size, (int(cu[-1]),), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         out = policy(tokens, cu, tap_layers=draft.tap_layers)

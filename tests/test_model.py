@@ -6,13 +6,12 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from branch_mask import position_ids
+from branch_mask import cu_seqlens_from_lengths, position_ids
 from hf_io import from_pretrained, save_pretrained
 import model
 from model import (EMBED_TAP, ModelConfig, Transformer, check_tap_layers, default_tap_layers, greedy_generate,
                    rope_cos_sin)
 
-transformers = pytest.importorskip("transformers")
 
 COMMON = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, rope_theta=5000.0)
@@ -24,11 +23,12 @@ FAMILIES = {
 
 
 def cu(lens):
-    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    return cu_seqlens_from_lengths(lens)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def hf_pair(request, tmp_path_factory):
+    transformers = pytest.importorskip("transformers", reason="HF parity needs transformers (pip install -e '.[test]')")
     cfg_cls, model_cls, extra = FAMILIES[request.param]
     torch.manual_seed(0)
     hf = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**COMMON, **extra)).eval()

@@ -9,6 +9,7 @@ from hypothesis import given, strategies as st
 import speculative
 from draft import Eagle3Draft
 from hf_io import from_pretrained
+from branch_mask import cu_seqlens_from_lengths
 from model import KVCache, ModelConfig, Transformer, greedy_generate
 from speculative import accept_prob, generate, residual
 
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def packed(seqs):
-    cu = torch.tensor([0] + torch.tensor([len(s) for s in seqs]).cumsum(0).tolist(), dtype=torch.int32)
+    cu = cu_seqlens_from_lengths([len(s) for s in seqs])
     return torch.cat(seqs), cu
 
 

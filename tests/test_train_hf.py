@@ -11,7 +11,9 @@ import sys
 import pytest
 import torch
 
-from experiment import build, rollout
+from experiment import build
+from mesh import make_mesh
+from rollout import rollout
 from hf_task import HFTask, math_answer_reward
 from hf_util import write_jsonl, write_tiny_llama
 from config import parse_args
@@ -50,13 +52,15 @@ def test_config_checks_for_hf_mode(hf_files, tmp_path):
 
 
 def test_hf_rollout_is_scored_by_the_math_answer_reward(hf_files, tmp_path):
-    s = build(parse_args(hf_argv(hf_files, tmp_path)), log=lambda *a, **k: None)
+    cfg = parse_args(hf_argv(hf_files, tmp_path))
+    mesh = make_mesh(cfg)
+    s = build(cfg, mesh, log=lambda *a, **k: None)
     assert isinstance(s.task, HFTask) and s.task.max_new_tokens == 10
     assert s.policy.cfg.vocab_size == s.task.model_vocab_size and s.policy.cfg.architecture == "LlamaForCausalLM"
     train_prompts = {e.prompt for e in s.task.splits["train"]}
     assert len(s.eval_problems) == 2 and not train_prompts & {e.prompt for e in s.eval_problems}  # eval_prompts=2
     problems = s.task.sample(3, random.Random(0))
-    batch, info = rollout(s, problems)  # group_size 4: 12 rows
+    batch, info = rollout(s, mesh, problems)  # group_size 4: 12 rows
     cu, tok = batch.cu_seqlens.tolist(), s.task.tok
     responses = [batch.tokens[a:b][batch.resp_mask[a:b]] for a, b in zip(cu[:-1], cu[1:])]
     assert len(responses) == 12 and all(0 < r.numel() <= 10 for r in responses)

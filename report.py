@@ -1,0 +1,108 @@
+"""What a run shows and leaves behind: the live table, metrics.jsonl, summary.json and train.png. Rank 0 reports;
+every other rank's Report is silent (world size 1 is a plain program: its one process is rank 0).
+
+    rep = Report(cfg, out_dir, main=mesh.main)
+    rep.train(row) / rep.eval(ev)       one line on the console and one JSON record per step / evaluation
+    summary = rep.finish(warm_info, wall_s)     summary.json + train.png, returns the summary
+
+Records: {"kind": "train", "step", reward..., "time": {"rollout", "policy_train", "draft_train", "eval"}} and
+{"kind": "eval", "step", "kl", reward..., accept_<arm>, tok_s_<arm>, speedup_<arm>}.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING
+
+from plots import plot_run
+
+if TYPE_CHECKING:
+    from config import Config
+
+HEADER = (f"{'step':>4} {'reward':>6} {'acc':>5} {'expl':>5} {'len':>5} {'KL':>6} {'zero':>4} {'clip':>5} "
+          f"{'accept':>6} {'tau^':>5} {'tok/s':>6} {'t_roll':>6} {'t_pol':>5} {'t_dft':>5}")
+
+
+class Report:
+    def __init__(self, cfg: Config, out_dir: str, *, main: bool):
+        self.cfg, self.out_dir, self.main = cfg, out_dir, main
+        self.rows, self.evals = [], []
+        if main:
+            os.makedirs(out_dir, exist_ok=True)
+        self.metrics_path = os.path.join(out_dir, "metrics.jsonl")
+        self.file = open(self.metrics_path if main else os.devnull, "w")
+
+    def print(self, *a, **k):
+        if self.main:
+            print(*a, **k, flush=True)
+
+    def _write(self, record: dict):
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def restore(self, records: list):
+        """A resumed run's records so far (from its checkpoint): nothing lost, nothing repeated."""
+        for r in records:
+            (self.rows if r["kind"] == "train" else self.evals).append(r)
+            self._write(r)
+
+    def records(self) -> list:  # in step order, a step's eval after its train row
+        return sorted(self.rows + self.evals, key=lambda r: (r["step"], r["kind"] == "eval"))
+
+    def train(self, row: dict):
+        self.rows.append(row)
+        self._write(row)
+        t = row["time"]
+        self.print(f"{row['step']:4d} {row['reward']:6.3f} {row['correct']:5.2f} {row['explicit']:5.2f} "
+                   f"{row['resp_len']:5.1f} {row['kl']:6.3f} {row['zero_var_groups']:4d} {row['clip_frac']:5.3f} "
+                   f"{row['accept_len']:6.2f} {row['tau_hat_cotrained']:5.2f} {row['rollout_tok_s']:6.0f} "
+                   f"{t['rollout']:6.2f} {t['policy_train']:5.2f} {t['draft_train']:5.2f}")
+
+    def eval(self, ev: dict | None):  # None: nothing to report (not rank 0, or no evaluation this step)
+        if ev is None:
+            return
+        self.evals.append(ev)
+        self._write(ev)
+        cold = f" cold {ev['accept_cold']:.2f}" if "accept_cold" in ev else ""
+        self.print(f"  eval @ {ev['step']}: held-out reward {ev['reward']:.3f} (acc {ev['correct']:.2f}, explicit "
+                   f"{ev['explicit']:.2f}) | acceptance co-trained {ev['accept_cotrained']:.2f} frozen "
+                   f"{ev['accept_frozen']:.2f}{cold} | spec {ev['tok_s_cotrained']:.0f} vs AR {ev['tok_s_ar']:.0f} "
+                   f"tok/s, speedup {ev['speedup']:.2f}x (frozen {ev['speedup_frozen']:.2f}x)")
+
+    def finish(self, warm: dict, wall_s: float) -> dict:
+        """summary.json and train.png (rank 0); returns the summary ({} on other ranks)."""
+        self.file.close()
+        if not self.main:
+            return {}
+        c = self.cfg
+        summary = summarize(c, self.rows, self.evals, warm, wall_s)
+        with open(os.path.join(self.out_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        plot_run(self.rows, self.evals, os.path.join(self.out_dir, "train.png"),
+                 title=f"{c.name}: {c.steps} GRPO steps, {c.prompts_per_step}x{c.group_size} rollouts/step")
+        self.print(json.dumps(summary, indent=2))
+        self.print(f"wrote {self.metrics_path}, summary.json, train.png")
+        return summary
+
+
+def summarize(cfg: Config, rows: list, evals: list, warm: dict, wall_s: float) -> dict:
+    n = max(1, len(rows) // 10)  # first / last 10% of steps (rollout rewards are noisy step to step)
+    first, last = evals[0], evals[-1]
+    tsum = {k: sum(r["time"].get(k, 0.0) for r in rows) for k in ("rollout", "policy_train", "draft_train", "eval")}
+    out = {"steps": len(rows),
+           "reward_first": sum(r["reward"] for r in rows[:n]) / n, "reward_last": sum(r["reward"] for r in rows[-n:]) / n,
+           "eval_reward_first": first["reward"], "eval_reward_last": last["reward"],
+           "correct_first": first["correct"], "correct_last": last["correct"],
+           "explicit_first": first["explicit"], "explicit_last": last["explicit"],
+           "kl_last": rows[-1]["kl"],
+           "accept_len_cotrained": last["accept_cotrained"], "accept_len_frozen": last["accept_frozen"],
+           "accept_len_cotrained_first": first["accept_cotrained"], "accept_len_frozen_first": first["accept_frozen"],
+           "rollout_speedup": last["speedup"], "rollout_speedup_frozen": last["speedup_frozen"],
+           "spec_tok_s": last["tok_s_cotrained"], "ar_tok_s": last["tok_s_ar"],
+           "time_s": {**{k: round(v, 1) for k, v in tsum.items()}, "sft_warmup": round(warm["sft_s"], 1),
+                      "draft_warmup": round(warm["draft_warmup_s"], 1)},
+           "warmup_cached": {"policy": warm["policy_cached"], "draft": warm["draft_cached"]},
+           "cold_start": cfg.cold_start, "wall_s": round(wall_s, 1)}
+    if "accept_cold" in last:
+        out["accept_len_cold_first"], out["accept_len_cold"] = first["accept_cold"], last["accept_cold"]
+    return out

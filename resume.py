@@ -1,0 +1,59 @@
+"""A run's checkpoints: what each rank saves so that `--resume` continues exactly where the run stopped.
+
+    save_run(s, mesh, folder, step, records)    every rank writes its part (checkpoint.py: atomic, per-rank files)
+    step, records = load_run(s, mesh, folder)   the latest valid checkpoint (corrupt ones skipped), or (0, [])
+
+A rank saves its pipeline stage and the stage's optimizer (the full rollout copy is re-assembled by refit), the drafts
+and their optimizers (the last stage trains them; every rank holds them after refit), the samplers' states (prompt
+sampler, rollout stream, minibatch shuffle) and the metric records so far. One process saves the same things: its
+"stage" is the whole policy.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from checkpoint import capture_rng, latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
+
+if TYPE_CHECKING:
+    from experiment import Setup
+    from mesh import Mesh
+
+
+def run_parts(s: Setup) -> tuple[dict, dict]:
+    """(this rank's objects with a state dict, by name; its named generators)."""
+    states = {"policy": s.cotrainer.stage, "policy_opt": s.cotrainer.opt}
+    for name, tr in s.drafts.items():
+        states[f"draft_{name}"], states[f"draft_opt_{name}"] = tr.draft, tr.opt
+    return states, {"rollout": s.gen, "perm": s.perm_gen}
+
+
+def save_run(s: Setup, mesh: Mesh, folder: str, step: int, records: list):
+    objs, gens = run_parts(s)
+    states = {k: o.state_dict() for k, o in objs.items()}
+    states["loop"] = {"source_rng": s.rng.getstate()}  # the prompt sampler (a python Random of its own)
+    save_checkpoint(folder, step, states=states, rng=capture_rng(gens), metrics=records,
+                    extra=dataclasses.asdict(s.cfg), rank=mesh.rank, world=mesh.world,
+                    barrier=mesh.barrier if mesh.world > 1 else None)
+
+
+def load_run(s: Setup, mesh: Mesh, folder: str) -> tuple[int, list]:
+    """-> (steps done, metric records) from the latest valid checkpoint in folder (corrupt ones skipped with a
+    warning), or (0, []) when there is none. Every rank resumes from the step rank 0 chose."""
+    path = latest_checkpoint(folder)
+    if mesh.world > 1:
+        box = [None if path is None else str(path)]
+        dist.broadcast_object_list(box, src=0)
+        path = box[0]
+    if path is None:
+        return 0, []
+    c = load_checkpoint(path, mesh.rank)
+    objs, gens = run_parts(s)
+    for k, o in objs.items():
+        o.load_state_dict(c["states"][k])
+    s.rng.setstate(c["states"]["loop"]["source_rng"])
+    restore_rng(c["rng"], gens)
+    s.cotrainer.refit(s.policy)
+    return c["step"], c["metrics"]
