@@ -83,6 +83,9 @@ class Config:
     cp: int = 2
     dp: int = 0
     schedule: str = "1f1b"  # pipeline.SCHEDULES
+    # memory and kernels at scale (issue 14): see README "Memory of the whole step"
+    attn_backend: str = "torch"  # block kernel of ring_branch_attention: torch | triton | flash (CUDA only)
+    logprob_chunk: int = 0  # > 0: log-probs and the draft's teacher from the final hidden, that many rows at a time
     # checkpoints (checkpoint.py): every ckpt_every steps into <out>/ckpt (0: never); --resume continues the latest
     ckpt_every: int = 0
     resume: bool = False
@@ -98,6 +101,8 @@ class Config:
                   ("updates", self.updates <= self.prompts_per_step * self.group_size),
                   ("pp", self.pp >= 1), ("cp", self.cp >= 1), ("dp", self.dp >= 0),
                   ("schedule", self.schedule in ("afab", "1f1b")), ("dist_timeout", self.dist_timeout >= 1),
+                  ("attn_backend", self.attn_backend in ("torch", "triton", "flash")),
+                  ("logprob_chunk", self.logprob_chunk >= 0),
                   ("ckpt_every", self.ckpt_every >= 0), ("max_new_tokens", self.max_new_tokens >= 0),
                   ("eval_fraction", 0 < self.eval_fraction < 1), ("max_prompt_tokens", self.max_prompt_tokens >= 1),
                   ("sft_steps", self.sft_steps >= 1), ("draft_warmup_steps", self.draft_warmup_steps >= 0),
