@@ -238,14 +238,12 @@ def grid(quick):
         return [(cp, [(m, 1024, 8192, 512) for m in ("loss_old", "loss_stream", "old", "stream", "fused",
                                                          "step_fused", "policy", "policy_fused")]) for cp in (1, 2)]
     V = 32768
-    big = [("fused", 65536, 1024, 4096)]  # the CP scaling of the whole step at L = 64K (V small: CPU time, see README)
-    out = [(1, [(m, 2048, V, 2048) for m in ("loss_old", "loss_stream", "old", "stream", "fused", "policy",
-                                             "policy_fused", "step_fused")]
-            + [("step_fused", 2048, 151936, 2048), ("fused", 8192, V, 4096), ("fused", 16384, 1024, 4096)] + big)]
-    out += [(2, list(big))]
-    out += [(4, [("fused", 8192, V, 4096), ("fused", 16384, 1024, 4096), ("gather", 16384, 1024, 4096)] + big)]
-    out += [(8, list(big))]
-    return out
+    big = ("fused", 65536, 1024, 2048)  # the whole step's CP scaling at T = 64K (V small: CPU time, see the README)
+    return [(1, [(m, 2048, V, 2048) for m in ("loss_old", "loss_stream")]),
+            (1, [(m, 2048, V, 2048) for m in ("old", "stream", "fused", "policy", "policy_fused", "step_fused")]),
+            (1, [("step_fused", 2048, 151936, 2048)]),
+            (1, [big]), (2, [big]), (4, [big, ("fused", 16384, 1024, 2048), ("gather", 16384, 1024, 2048)]),
+            (8, [big])]
 
 
 def markdown(rows, cmd, machine):
@@ -327,7 +325,7 @@ def main(argv):
     else:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 << 10)  # inherited by the spawned ranks
         rows = []
-        for cp, jobs in grid(quick):
+        for cp, jobs in grid(quick):  # the JSON is rewritten after every group: a cut run keeps what it measured
             t0 = time.time()
             rows += list(run_group(cp, jobs, timeout_s=1800).values())
             print(f"cp={cp}: {len(jobs)} rows in {time.time() - t0:.0f} s", flush=True)
