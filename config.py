@@ -6,21 +6,23 @@
 
     python train.py --preset smoke --steps=10 --lr 1e-4
 
-Loud on mistakes: a value out of range raises ValueError naming the key (Config.__post_init__); a mistyped key gets
-the closest real one as a suggestion.
+Loud on mistakes: every field has a row in CHECKS (a range or a choice), and a value outside it raises ValueError
+naming the flag, the value and what was expected (`--grad_clip=-1: expected > 0`), all bad fields in one message; a
+mistyped key gets the closest real one as a suggestion.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 from dataclasses import dataclass
 
 import torch
 
-import task
 from model import PRESETS as MODEL_PRESETS
-from rl_loop import GRPOConfig
+from pipeline import SCHEDULES
+from rl_loop import LOSS_NORMS
 
 
 @dataclass
@@ -89,29 +91,16 @@ class Config:
     # checkpoints (checkpoint.py): every ckpt_every steps into <out>/ckpt (0: never); --resume continues the latest
     ckpt_every: int = 0
     resume: bool = False
+    overwrite: bool = False  # a fresh run into an <out> whose ckpt/ holds checkpoints deletes them (resume_policy.py)
     dist_timeout: int = 1800  # seconds any collective may wait (a dead or stuck rank fails the job instead of hanging)
 
     def __post_init__(self):
-        checks = [("steps", self.steps >= 1), ("group_size", self.group_size >= 2), ("updates", self.updates >= 1),
-                  ("micro_batches", self.micro_batches >= 1), ("num_draft_tokens", self.num_draft_tokens >= 1),
-                  ("eval_every", self.eval_every >= 1), ("prompts_per_step", self.prompts_per_step >= 1),
-                  ("temperature", self.temperature > 0), ("ttt_passes", self.ttt_passes >= 1),
-                  ("threads", self.threads >= 1), ("warmup_threads", self.warmup_threads >= 1),
-                  ("rollout_batch", self.rollout_batch >= 1), ("device", self.device in ("auto", "cpu", "cuda")),
-                  ("updates", self.updates <= self.prompts_per_step * self.group_size),
-                  ("pp", self.pp >= 1), ("cp", self.cp >= 1), ("dp", self.dp >= 0),
-                  ("schedule", self.schedule in ("afab", "1f1b")), ("dist_timeout", self.dist_timeout >= 1),
-                  ("attn_backend", self.attn_backend in ("torch", "triton", "flash")),
-                  ("logprob_chunk", self.logprob_chunk >= 0),
-                  ("ckpt_every", self.ckpt_every >= 0), ("max_new_tokens", self.max_new_tokens >= 0),
-                  ("eval_fraction", 0 < self.eval_fraction < 1), ("max_prompt_tokens", self.max_prompt_tokens >= 1),
-                  ("sft_steps", self.sft_steps >= 1), ("draft_warmup_steps", self.draft_warmup_steps >= 0),
-                  ("draft_warmup_lr", self.draft_warmup_lr > 0), ("draft_lr", self.draft_lr > 0),
-                  ("draft_warmup_batch", 1 <= self.draft_warmup_batch <= self.draft_warmup_pool)]
-        for key, ok in checks:
-            if not ok:
-                raise ValueError(f"{key}={getattr(self, key)!r} is out of range")
-        GRPOConfig(loss_norm=self.loss_norm, eps_low=self.eps_low, eps_high=self.eps_high)  # validates those keys
+        """Every field against its row of CHECKS (all failures in one error), then the checks across the mode."""
+        types = {f.name: f.type for f in dataclasses.fields(self)}
+        bad = [_problem(k, getattr(self, k), _TYPE_CHECKS[t]) for k, t in types.items() if t in _TYPE_CHECKS]
+        bad = [e for e in bad if e] or [_problem(k, getattr(self, k), CHECKS[k], self) for k in types if k in CHECKS]
+        if any(bad):
+            raise ValueError("; ".join(e for e in bad if e))
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda': CUDA is not available here (use --device=auto or --device=cpu)")
         if self.hf_mode:
@@ -120,22 +109,125 @@ class Config:
             if not self.data:
                 raise ValueError(f"model={self.model!r} is an HF checkpoint: HF mode needs --data=prompts.jsonl "
                                  "(one {\"prompt\": ..., \"answer\": ...} per line)")
-            if not os.path.isfile(self.data):
-                raise ValueError(f"data={self.data!r}: no such file (expected jsonl with 'prompt' and 'answer')")
-        else:
-            if self.model not in MODEL_PRESETS:
-                raise ValueError(f"model={self.model!r}: expected a preset {sorted(MODEL_PRESETS)} or an HF checkpoint "
-                                 "directory")
-            if self.data:
-                raise ValueError(f"data={self.data!r}: prompts from a file need --model=<HF checkpoint directory> "
-                                 "(the built-in task generates its own)")
-            task.ProblemSource(self.min_steps, self.max_steps)
+        elif self.data:
+            raise ValueError(f"data={self.data!r}: prompts from a file need --model=<HF checkpoint directory> "
+                             "(the built-in task generates its own)")
 
     @property
     def hf_mode(self) -> bool:
         """--model names a directory (an HF checkpoint) rather than a model.ModelConfig preset."""
         return self.model not in MODEL_PRESETS and os.path.isdir(self.model)
 
+
+# ---- every field checked: one row per field, (test(value, cfg), what is expected) ----
+# The expectation is the error's text: `--grad_clip=-1: expected > 0`. `{field}` in it is filled from the config, so a
+# row may compare with another field. Every Config field needs a row (tests/test_bad_inputs.py checks); the type
+# (int, float -- finite --, str, bool) is checked before the rows, from the dataclass annotation.
+
+def at_least(lo):
+    return (lambda v, c: v >= lo), f">= {lo}"
+
+
+def above(lo):
+    return (lambda v, c: v > lo), f"> {lo}"
+
+
+def one_of(*choices):
+    return (lambda v, c: v in choices), "one of " + ", ".join(choices)
+
+
+def a_dir_path(what):  # a path a directory may be created at: not an existing file
+    return (lambda v, c: v != "" and not os.path.isfile(v)), f"{what} (non-empty, not an existing file)"
+
+
+FLAG = (lambda v, c: True, "true or false")  # the type check is the whole check
+
+CHECKS = {
+    "name":               ((lambda v, c: v != "" and "/" not in v and v not in (".", "..")), "a run name (no '/')"),
+    "seed":               at_least(0),
+    "threads":            at_least(1),
+    "warmup_threads":     at_least(1),
+    "device":             one_of("auto", "cpu", "cuda"),
+    "out":                ((lambda v, c: not os.path.isfile(v)), "a directory ('' = runs/<name>), not a file"),
+    "cache_dir":          a_dir_path("a directory"),
+    "min_steps":          ((lambda v, c: 1 <= v <= c.max_steps), "in [1, max_steps={max_steps}]"),
+    "max_steps":          ((lambda v, c: c.min_steps <= v <= 18), "in [min_steps={min_steps}, 18]"),
+    "p_explicit":         ((lambda v, c: 0 <= v <= 1), "in [0, 1]"),
+    "format_weight":      at_least(0),
+    "model":              ((lambda v, c: v in MODEL_PRESETS or os.path.isdir(v)),
+                           f"a preset ({', '.join(sorted(MODEL_PRESETS))}) or an HF checkpoint directory"),
+    "data":               ((lambda v, c: v == "" or os.path.isfile(v)), "'' or a jsonl file with prompt and answer"),
+    "eval_fraction":      ((lambda v, c: 0 < v < 1), "in (0, 1)"),
+    "max_prompt_tokens":  at_least(1),
+    "max_new_tokens":     ((lambda v, c: v >= 0), ">= 0 (0 = the task's own)"),
+    "sft_steps":          at_least(1),
+    "sft_batch":          at_least(1),
+    "sft_lr":             above(0),
+    "cold_start":         FLAG,
+    "cold_arm":           FLAG,
+    "draft_warmup_steps": at_least(0),
+    "draft_warmup_batch": ((lambda v, c: 1 <= v <= c.draft_warmup_pool), "in [1, draft_warmup_pool={draft_warmup_pool}]"),
+    "draft_warmup_lr":    above(0),
+    "draft_warmup_pool":  at_least(1),
+    "draft_lr":           above(0),
+    "draft_lam":          at_least(0),
+    "draft_grad_clip":    above(0),  # clip_grad_norm_ with a bound <= 0 flips or zeroes the gradient
+    "ttt_passes":         at_least(1),
+    "steps":              at_least(1),
+    "prompts_per_step":   at_least(1),
+    "group_size":         at_least(2),  # GRPO's advantage is relative to the group: one sample has none
+    "temperature":        above(0),
+    "num_draft_tokens":   at_least(1),
+    "rollout_batch":      at_least(1),
+    "lr":                 above(0),
+    "grad_clip":          above(0),  # a negative bound flips the gradient: the update would ascend
+    "updates":            ((lambda v, c: 1 <= v <= c.prompts_per_step * c.group_size),
+                           "in [1, prompts_per_step * group_size = {prompts_per_step} * {group_size}]"),
+    "micro_batches":      at_least(1),
+    "eps_low":            ((lambda v, c: 0 <= v < 1), "in [0, 1)"),
+    "eps_high":           at_least(0),
+    "beta":               at_least(0),
+    "std_norm":           FLAG,
+    "loss_norm":          one_of(*LOSS_NORMS),
+    "eval_every":         at_least(1),
+    "eval_prompts":       at_least(1),
+    "eval_samples":       at_least(1),
+    "pp":                 at_least(1),
+    "cp":                 at_least(1),
+    "dp":                 ((lambda v, c: v >= 0), ">= 0 (0 = world / (pp * cp))"),
+    "schedule":           one_of(*SCHEDULES),
+    "attn_backend":       one_of("torch", "triton", "flash"),
+    "logprob_chunk":      ((lambda v, c: v >= 0), ">= 0 (0 = unfused)"),
+    "ckpt_every":         ((lambda v, c: v >= 0), ">= 0 (0 = never)"),
+    "resume":             FLAG,
+    "overwrite":          ((lambda v, c: not (v and c.resume)), "false with --resume (a resume keeps the run's files)"),
+    "dist_timeout":       at_least(1),
+}
+
+_TYPE_CHECKS = {
+    "int":   ((lambda v, c: isinstance(v, int) and not isinstance(v, bool)), "an integer"),
+    "float": ((lambda v, c: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)),
+              "a finite number"),
+    "str":   ((lambda v, c: isinstance(v, str)), "a string"),
+    "bool":  ((lambda v, c: isinstance(v, bool)), "true or false"),
+}
+
+
+def _show(v) -> str:
+    """A value as the user typed it: -1 for -1.0, '' for the empty string."""
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, str):
+        return v if v else "''"
+    r = repr(v)
+    return r[:-2] if isinstance(v, float) and r.endswith(".0") else r
+
+
+def _problem(key: str, value, rule, cfg=None) -> str | None:
+    test, expect = rule
+    if test(value, cfg):
+        return None
+    return f"--{key}={_show(value)}: expected {expect.format(**vars(cfg)) if cfg is not None else expect}"
 
 PRESETS = {
     # ~7 min under torchrun on 2 cores from an empty cache (warm-ups ~4.2 min). The mini model learns the additions in

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from branch_mask import pad_for_cp, position_ids
+from consistency import check_same_cu_seqlens
 from pipeline import Grid, Microbatch, PipelineSchedule, build_stage, shard_for_cp, split_layers
 from rl_loop import GRPOConfig, RolloutBatch, aggregate, draft_mask, seq_ids, token_logp, token_losses
 
@@ -136,6 +137,7 @@ class DistCotrainer:
         g, K = self.grid, len(self.drafts)
         mbs = microbatches(batch, grpo_weights(batch, cfg, micro_batches), micro_batches, g,
                            pad_even=self.attn_backend is not None)
+        check_same_cu_seqlens([mb.cu_seqlens for mb in mbs], g.cp_group)  # once per step: 8 bytes, no per-call sync
         dev = next(self.stage.parameters()).device
         mbs = [Microbatch(mb.tokens.to(dev), mb.cu_seqlens.to(dev),
                           None if mb.position_ids is None else mb.position_ids.to(dev),

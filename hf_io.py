@@ -1,7 +1,8 @@
 """HF checkpoint directories <-> model.Transformer: config.json + *.safetensors (sharded index supported).
 
 Parameter names are already HF's (model.embed_tokens, model.layers.{i}.self_attn.q_proj, ..., lm_head), so loading is
-a config translation plus a name filter; a pipeline-stage slice takes only its own layers.
+a config translation plus a name filter; a pipeline-stage slice takes only its own layers. Every error names the file
+(and the key) it is about: a truncated safetensors file, a config.json that is not JSON, a missing config key.
 
     python hf_io.py PATH      # prints the translated config and the parameter count of a local HF checkpoint
 """
@@ -13,6 +14,7 @@ import sys
 import tempfile
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from model import ARCHITECTURES, ModelConfig, Transformer
@@ -20,23 +22,58 @@ from model import ARCHITECTURES, ModelConfig, Transformer
 _MODEL_TYPE = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 
 
-def config_from_hf(hf: dict) -> ModelConfig:
-    """Translate an HF config.json dict; anything this decoder does not implement is an error, not a silent drop."""
+def read_json(path: str, what: str = "") -> dict:
+    """A JSON object from `path`; errors name the file (and the line and column of a syntax error)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e.msg} at line {e.lineno}, column {e.colno}){what}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: cannot be read ({type(e).__name__}: {e}){what}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(obj).__name__}{what}")
+    return obj
+
+
+class _Keys(dict):
+    """config.json as a dict whose missing keys raise a ValueError naming the key and the file (not a bare KeyError)."""
+
+    def __init__(self, d: dict, source: str):
+        super().__init__(d)
+        self.source = source
+
+    def __missing__(self, key):
+        raise ValueError(f"{self.source}: missing key {key!r} (an HF decoder config needs it)")
+
+
+def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
+    """Translate an HF config.json dict; anything this decoder does not implement is an error, not a silent drop.
+    `source` (the file's path) prefixes the errors."""
+    hf = _Keys(hf, source)
+    try:
+        return _translate(hf)
+    except (TypeError, ValueError) as e:  # a wrong value type (e.g. "hidden_size": "64") or an unsupported setting
+        msg = str(e)
+        raise ValueError(msg if msg.startswith(source) else f"{source}: {msg}") from None
+
+
+def _translate(hf: dict) -> ModelConfig:
     archs = hf.get("architectures") or []
     if len(archs) != 1 or archs[0] not in ARCHITECTURES:
-        raise ValueError(f"config.json architectures={archs}: expected exactly one of {ARCHITECTURES}")
+        raise ValueError(f"architectures={archs}: expected exactly one of {ARCHITECTURES}")
     arch = archs[0]
     if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"config.json hidden_act={hf['hidden_act']!r}: only 'silu' (SwiGLU) is supported")
+        raise ValueError(f"hidden_act={hf['hidden_act']!r}: only 'silu' (SwiGLU) is supported")
     if hf.get("mlp_bias", False):
-        raise ValueError("config.json mlp_bias=true is not supported")
+        raise ValueError("mlp_bias=true is not supported")
     if hf.get("use_sliding_window", False):
-        raise ValueError("config.json use_sliding_window=true is not supported (full attention only)")
+        raise ValueError("use_sliding_window=true is not supported (full attention only)")
     rope = dict(hf.get("rope_parameters") or {})  # transformers >= 5
     scaling = hf.get("rope_scaling")  # transformers 4
     rope_type = rope.get("rope_type") or (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
     if rope_type != "default":
-        raise ValueError(f"config.json rope type {rope_type!r} is not supported (only plain RoPE, 'default')")
+        raise ValueError(f"rope type {rope_type!r} is not supported (only plain RoPE, 'default')")
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     attn_bias = bool(hf.get("attention_bias", False))
     return ModelConfig(
@@ -67,15 +104,24 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 def read_hf_state_dict(path: str) -> dict:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: missing key 'weight_map' (a dict: tensor name -> shard file)")
+        files = sorted(set(weight_map.values()))
     else:
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise ValueError(f"path={path!r}: no *.safetensors weights found")
     sd = {}
     for f in files:
-        sd.update(load_file(os.path.join(path, f)))
+        shard = os.path.join(path, f)
+        if not os.path.isfile(shard):
+            raise ValueError(f"{shard}: missing (listed in {index})")
+        try:
+            sd.update(load_file(shard))
+        except (SafetensorError, OSError) as e:  # e.g. a truncated download: "incomplete metadata", no path
+            raise ValueError(f"{shard}: unreadable safetensors file ({e}); truncated or not a safetensors file?") \
+                from None
     return sd
 
 
@@ -84,13 +130,15 @@ def from_pretrained(path: str, layers=None, dtype=torch.float32) -> Transformer:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise ValueError(f"path={path!r}: expected an HF checkpoint directory with config.json")
-    with open(cfg_path) as f:
-        cfg = config_from_hf(json.load(f))
+    cfg = config_from_hf(read_json(cfg_path), source=cfg_path)
     model = Transformer(cfg, layers=layers)
     sd = read_hf_state_dict(path)
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)  # some exporters write the tied head anyway
-    model.load_slice(sd)
+    try:
+        model.load_slice(sd)
+    except (ValueError, RuntimeError) as e:  # missing tensors, or shapes that do not match config.json
+        raise ValueError(f"{path}: the weights do not fit {cfg_path}: {e}") from None
     return model.to(dtype)
 
 

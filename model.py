@@ -19,6 +19,7 @@ Letters: T packed tokens, S sequences, B batch rows, L cache length, H hidden, H
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
@@ -93,7 +94,16 @@ def default_tap_layers(n_layers: int) -> tuple[int, ...]:
 
 
 def check_tap_layers(tap_layers, n_layers: int) -> tuple[int, ...]:
-    taps = tuple(int(t) for t in tap_layers)
+    """Explicit tap ids as ints: each an integer (1.7 or True is an error, never truncated) in -1 .. n_layers - 1."""
+    taps = []
+    for t in tap_layers:
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            taps.append(operator.index(t))  # int, numpy or 0-dim torch integers; floats refuse
+        except TypeError:
+            raise ValueError(f"tap_layers={tuple(tap_layers)}: id {t!r} is not an integer layer id") from None
+    taps = tuple(taps)
     bad = [t for t in taps if not (EMBED_TAP <= t < n_layers)]
     if bad:
         raise ValueError(f"tap_layers={taps}: ids {bad} out of range; expected -1 (embeddings) .. {n_layers - 1}")

@@ -13,9 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-
-from checkpoint import capture_rng, latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
+from checkpoint import capture_rng, load_checkpoint, restore_rng, save_checkpoint
 
 if TYPE_CHECKING:
     from experiment import Setup
@@ -34,21 +32,15 @@ def save_run(s: Setup, mesh: Mesh, folder: str, step: int, records: list):
     objs, gens = run_parts(s)
     states = {k: o.state_dict() for k, o in objs.items()}
     states["loop"] = {"source_rng": s.rng.getstate()}  # the prompt sampler (a python Random of its own)
+    g = mesh.grid
     save_checkpoint(folder, step, states=states, rng=capture_rng(gens), metrics=records,
-                    extra=dataclasses.asdict(s.cfg), rank=mesh.rank, world=mesh.world,
+                    config=dataclasses.asdict(s.cfg), mesh=(g.pp, g.cp, g.dp), rank=mesh.rank, world=mesh.world,
                     barrier=mesh.barrier if mesh.world > 1 else None)
 
 
-def load_run(s: Setup, mesh: Mesh, folder: str) -> tuple[int, list]:
-    """-> (steps done, metric records) from the latest valid checkpoint in folder (corrupt ones skipped with a
-    warning), or (0, []) when there is none. Every rank resumes from the step rank 0 chose."""
-    path = latest_checkpoint(folder)
-    if mesh.world > 1:
-        box = [None if path is None else str(path)]
-        dist.broadcast_object_list(box, src=0)
-        path = box[0]
-    if path is None:
-        return 0, []
+def load_run(s: Setup, mesh: Mesh, path) -> tuple[int, list]:
+    """-> (steps done, metric records) from the checkpoint at `path` -- the one resume_policy.start_run chose and
+    checked (same mesh, same config but for run length and housekeeping), the same on every rank."""
     c = load_checkpoint(path, mesh.rank)
     objs, gens = run_parts(s)
     for k, o in objs.items():

@@ -99,7 +99,7 @@ def _logprob(logits, tokens, temperature):  # (B, S, V), (B, S) -> (B, S) log p(
     return torch.log_softmax(z, -1).gather(-1, tokens[..., None])[..., 0]
 
 
-def _check(target, draft, prompts, max_new_tokens, k, temperature):
+def _check(target, draft, prompts, max_new_tokens, k, temperature, eos_id=None):
     if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
         raise ValueError("prompts: expected a non-empty list of 1-D token tensors")
     for i, p in enumerate(prompts):
@@ -116,6 +116,15 @@ def _check(target, draft, prompts, max_new_tokens, k, temperature):
         raise ValueError(f"temperature={temperature}: expected >= 0 (0 = greedy)")
     if not (target.is_first and target.is_last):
         raise ValueError("target: generation needs the whole policy, not a pipeline-stage slice")
+    V = target.cfg.vocab_size
+    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, int) or not 0 <= eos_id < V):
+        raise ValueError(f"eos_id={eos_id!r}: expected an int token id in [0, vocab_size={V}) or None (a row would "
+                         "never stop at an id the policy cannot sample)")
+    ids = torch.cat(list(prompts))  # one min/max for the whole batch: two host syncs, not two per prompt
+    if int(ids.min()) < 0 or int(ids.max()) >= V:
+        i = next(i for i, p in enumerate(prompts) if int(p.min()) < 0 or int(p.max()) >= V)
+        raise ValueError(f"prompts[{i}]: token ids must lie in [0, vocab_size={V}), got min {int(prompts[i].min())} "
+                         f"max {int(prompts[i].max())}")
     if draft is not None:
         c, dc = target.cfg, draft.cfg
         if dc.vocab_size != c.vocab_size:
@@ -159,7 +168,7 @@ def generate(target: Transformer, draft=None, prompts=(), *, max_new_tokens: int
     prefill, then per step compact -> propose (k draft forwards) -> verify (one policy forward) -> commit.
 
     draft=None or num_draft_tokens=0: plain autoregressive sampling through the same code (the baseline)."""
-    _check(target, draft, prompts, max_new_tokens, num_draft_tokens, temperature)
+    _check(target, draft, prompts, max_new_tokens, num_draft_tokens, temperature, eos_id)
     t0 = time.perf_counter()
     k = num_draft_tokens if draft is not None else 0
     if max_new_tokens == 0:

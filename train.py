@@ -46,6 +46,7 @@ from experiment import build
 from mesh import make_mesh
 from report import HEADER, Report
 from resume import load_run, save_run
+from resume_policy import start_run
 from rollout import rollout
 from update import check_finite, update
 
@@ -58,15 +59,19 @@ def train(cfg: Config) -> dict:
     torch.set_num_threads(cfg.threads)
     mesh = make_mesh(cfg)
     out_dir = cfg.out or os.path.join("runs", cfg.name)
+    g = mesh.grid  # a resume continues only this run, on this mesh; a fresh run overwrites nothing (resume_policy.py)
+    resume_from, notes = start_run(out_dir, dataclasses.asdict(cfg), (g.pp, g.cp, g.dp), rank=mesh.rank)
     rep = Report(cfg, out_dir, main=mesh.main)
+    for note in notes:
+        rep.print(note)
     # ---- build: task, warm policy + reference, draft arms (warm-ups cached), this rank's pipeline stage + optimizer
     s = build(cfg, mesh, log=rep.print)
     rep.print(mesh.describe() + f", {cfg.schedule} over layers {s.cotrainer.split}" * (mesh.world > 1))
     ckpt_dir, start = os.path.join(out_dir, "ckpt"), 0
-    if cfg.resume:
-        start, records = load_run(s, mesh, ckpt_dir)
+    if resume_from is not None:
+        start, records = load_run(s, mesh, resume_from)
         rep.restore(records)
-        rep.print(f"resume: {'from step ' + str(start) if start else 'no valid checkpoint in ' + ckpt_dir + ', from 0'}")
+        rep.print(f"resume: from step {start} ({resume_from})")
 
     def do_eval(step: int, kl: float) -> tuple:  # rank 0 evaluates on its full copy; the others wait at the next gather
         t0 = time.perf_counter()
@@ -102,4 +107,7 @@ if __name__ == "__main__":
         config = parse_args(sys.argv[1:])
     except ValueError as e:
         sys.exit(f"train.py: {e}")
-    train(config)
+    try:
+        train(config)
+    except (FileExistsError, FileNotFoundError, ValueError) as e:  # a refused --out / --resume: one line, exit 1
+        sys.exit(f"train.py: {e}")

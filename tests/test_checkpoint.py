@@ -184,12 +184,26 @@ def test_pruning_keeps_the_newest_and_never_the_new_one(tmp_path):
     for s in range(1, 6):
         _save(tmp_path, s, keep_last=2)
     assert _steps(tmp_path) == [4, 5]
-    _save(tmp_path, 9, keep_last=None)
-    _save(tmp_path, 6, keep_last=1)  # resumed from an earlier step: the later step 9 is left for its re-save to replace
-    assert _steps(tmp_path) == [6, 9]
-    new = save_checkpoint(tmp_path, 9, states={"w": {"x": torch.zeros(1)}}, rng=capture_rng(), keep_last=1)
-    assert _steps(tmp_path) == [9] and torch.equal(load_checkpoint(new)["states"]["w"]["x"], torch.zeros(1))
+    with pytest.warns(UserWarning, match="deleting the checkpoints of steps 4, 5 > 3 in "):
+        _save(tmp_path, 3, keep_last=None)  # keep all: still only steps up to the new one are kept
+    assert _steps(tmp_path) == [3]
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+
+
+def test_a_save_deletes_checkpoints_of_later_steps_so_resume_never_picks_them(tmp_path):
+    """The issue's scenario: an older run left steps 5-7; a new run in the same folder saves step 4 and is killed.
+    Its resume must continue from its own step 4, not the older run's step 7 -- whatever keep_last says."""
+    for s in (5, 6, 7):
+        _save(tmp_path, s, keep_last=None)
+    (tmp_path / ".tmp-step_000008").mkdir()  # and an interrupted save of the older run
+    for keep in (None, 1):
+        with pytest.warns(UserWarning, match=r"deleting the checkpoints of steps 5, 6, 7 > 4 in .*: another history"):
+            new = save_checkpoint(tmp_path, 4, states={"w": {"x": torch.zeros(1)}}, rng=capture_rng(), keep_last=keep)
+        assert _steps(tmp_path) == [4] and latest_checkpoint(tmp_path) == new
+        assert torch.equal(load_checkpoint(new)["states"]["w"]["x"], torch.zeros(1))
+        assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+        for s in (5, 6, 7):  # again, for the other keep_last
+            _save(tmp_path, s, keep_last=None)
 
 
 def test_bad_input_gives_clear_errors(tmp_path):
@@ -207,6 +221,41 @@ def test_bad_input_gives_clear_errors(tmp_path):
     path = _save(tmp_path, 1)
     with pytest.raises(ValueError, match="saved by 1 rank.*no file for rank 1"):
         load_checkpoint(path, rank=1)
+
+
+def test_manifest_records_mesh_config_and_code_version_and_files_load_safely(tmp_path, monkeypatch):
+    cfg = {"lr": 3e-4, "name": "toy", "std_norm": True}
+    path = save_checkpoint(tmp_path, 2, states={"w": {"x": torch.ones(2)}}, rng=capture_rng(), config=cfg,
+                           mesh=(1, 1, 1), metrics=[{"loss": np.float64(0.5), "n": np.int64(3)}])
+    m = checkpoint.read_manifest(path)
+    assert m["mesh"] == {"pp": 1, "cp": 1, "dp": 1} and m["config"] == cfg
+    assert set(m["code"]) == {"version", "commit", "dirty"}
+    loads = []
+    real = torch.load
+    monkeypatch.setattr(checkpoint.torch, "load", lambda *a, **k: loads.append(k["weights_only"]) or real(*a, **k))
+    c = load_checkpoint(path)
+    assert loads == [True, True] and c["config"] == cfg and c["mesh"] == m["mesh"]
+    assert c["metrics"] == [{"loss": 0.5, "n": 3}] and type(c["metrics"][0]["loss"]) is float  # numpy -> Python
+    with pytest.raises(ValueError, match=r"mesh=\(2, 1, 1\): expected \(pp, cp, dp\).*world = 1"):
+        save_checkpoint(tmp_path, 3, states={}, rng=capture_rng(), mesh=(2, 1, 1))
+
+
+def test_save_refuses_what_the_safe_loader_would_refuse_naming_where(tmp_path):
+    with pytest.raises(TypeError, match=r"states/rng\['states'\]\['opt'\]\['m'\]: a numpy.ndarray cannot go into"):
+        save_checkpoint(tmp_path, 1, states={"opt": {"m": np.zeros(3)}}, rng=capture_rng())
+    assert not (tmp_path / "step_000001").exists()
+
+
+def test_code_version_without_git_gives_none(monkeypatch):
+    def no_git(*a, **k):
+        raise FileNotFoundError("git")
+    checkpoint.code_version.cache_clear()
+    monkeypatch.setattr(checkpoint.subprocess, "run", no_git)
+    try:
+        v = checkpoint.code_version()
+        assert v["commit"] is None and v["dirty"] is None
+    finally:
+        checkpoint.code_version.cache_clear()
 
 
 # ---- a real SIGKILL: the loop below runs as a child process ----

@@ -25,14 +25,14 @@ def test_parse_args_types_presets_and_flags():
     (["--steps=3.5"], "--steps='3.5': expected a value of type int"),
     (["--cold_start=maybe"], "--cold_start='maybe': expected a value of type bool"),
     (["--lr"], "--lr: expected --lr=<float>"),
-    (["--loss_norm=mean"], "loss_norm='mean'"),
+    (["--loss_norm=mean"], "--loss_norm=mean: expected one of"),
     (["--steps=0"], "steps=0"),
     (["--preset=huge"], "--preset='huge'"),
     (["steps=3"], "expected --key=value"),
-    (["--model=giant"], "model='giant': expected a preset"),
+    (["--model=giant"], "--model=giant: expected a preset"),
     (["--lr", "--steps=3"], "--lr: expected --lr=<float> or --lr <float>"),
     (["--draft_warmup_batch=99", "--draft_warmup_pool=8"], "draft_warmup_batch=99"),
-    (["--device=gpu"], "device='gpu'"),
+    (["--device=gpu"], "--device=gpu: expected one of auto, cpu, cuda"),
 ])
 def test_parse_args_rejects_bad_input_naming_the_key(argv, match):
     with pytest.raises(ValueError, match=match):

@@ -41,7 +41,7 @@ def test_config_checks_for_hf_mode(hf_files, tmp_path):
     assert parse_args(hf_argv(hf_files, tmp_path)).hf_mode and not parse_args([]).hf_mode
     with pytest.raises(ValueError, match="HF mode needs --data"):
         parse_args(["--model", model])
-    with pytest.raises(ValueError, match="data='nope.jsonl': no such file"):
+    with pytest.raises(ValueError, match="--data=nope.jsonl: expected '' or a jsonl file"):
         parse_args(["--model", model, "--data=nope.jsonl"])
     with pytest.raises(ValueError, match="need --model=<HF checkpoint directory>"):
         parse_args([f"--data={data}"])
