@@ -51,6 +51,7 @@ BAD_VALUE = {
     "rollout_batch": "0", "lr": "0", "grad_clip": "0", "updates": "257", "micro_batches": "0", "eps_low": "1",
     "eps_high": "-0.1", "beta": "-1", "loss_norm": "mean", "eval_every": "0", "eval_prompts": "0", "eval_samples": "0",
     "pp": "0", "cp": "0", "dp": "-1", "schedule": "gpipe", "ckpt_every": "-1", "dist_timeout": "0",
+    "attn_backend": "cuda", "logprob_chunk": "-1",
 }
 FIELDS = {f.name: f.type for f in dataclasses.fields(Config)}
 
