@@ -92,6 +92,9 @@ class Config:
     dp: int = 0
     schedule: str = "1f1b"  # pipeline.SCHEDULES
     activation_checkpointing: bool = False  # recompute each decoder layer in the update's backward (memory for time)
+    # memory and kernels at scale (issue 14): see README "Memory of the whole step"
+    attn_backend: str = "torch"  # block kernel of ring_branch_attention: torch | triton | flash (CUDA only)
+    logprob_chunk: int = 0  # > 0: log-probs and the draft's teacher from the final hidden, that many rows at a time
     # checkpoints (checkpoint.py): every ckpt_every steps into <out>/ckpt (0: never); --resume continues the latest
     ckpt_every: int = 0
     log: str = "jsonl"  # comma list: metrics.jsonl always, plus "tensorboard" (<out>/tb) and/or "wandb" (offline)
@@ -212,6 +215,8 @@ CHECKS = {
     "dp":                 ((lambda v, c: v >= 0), ">= 0 (0 = world / (pp * cp))"),
     "schedule":           one_of(*SCHEDULES),
     "activation_checkpointing": FLAG,
+    "attn_backend":       one_of("torch", "triton", "flash"),
+    "logprob_chunk":      ((lambda v, c: v >= 0), ">= 0 (0 = unfused)"),
     "ckpt_every":         ((lambda v, c: v >= 0), ">= 0 (0 = never)"),
     "log":                ((lambda v, c: _backends_ok(v)), f"a comma list of {', '.join(BACKENDS)}"),
     "resume":             FLAG,

@@ -25,9 +25,12 @@ Letters: T packed tokens (this rank's shard under CP), S sequences, M micro-batc
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
+from branch_mask import pad_for_cp, position_ids
 from consistency import check_same_cu_seqlens
 from grid import Grid
 from pipeline import Microbatch, PipelineSchedule, build_stage, shard_for_cp, split_layers
@@ -58,8 +61,9 @@ def _to_positions(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def microbatches(batch: RolloutBatch, w: torch.Tensor, micro_batches: int, grid: Grid) -> list:
+def microbatches(batch: RolloutBatch, w: torch.Tensor, micro_batches: int, grid: Grid, *, pad_even: bool = False) -> list:
     """This DP rank's micro-batches (whole single-process micro-batches r, r+dp, ...; step 3), CP-sharded.
+    pad_even: at cp = 1 too, pad every sequence to an even length (ring_branch_attention as a ring of one).
 
     extra: tgt / w / old / ref / resp per predicting position, adv per position, dmask (the draft's loss mask) and
     chunk (the single-process micro-batch index)."""
@@ -79,8 +83,19 @@ def microbatches(batch: RolloutBatch, w: torch.Tensor, micro_batches: int, grid:
                  "old": _to_positions(mb.old_logp, c), "ref": _to_positions(ref, c),
                  "resp": _to_positions(mb.trained_mask(), c), "adv": mb.adv[seq_ids(c)],
                  "dmask": draft_mask(mb), "chunk": j}
-        out.append(shard_for_cp(Microbatch(mb.tokens, c, None, extra), grid.cp, grid.cp_rank))
+        mb = shard_for_cp(Microbatch(mb.tokens, c, None, extra), grid.cp, grid.cp_rank)
+        out.append(_pad_even(mb) if pad_even and grid.cp == 1 else mb)
     return out
+
+
+def _pad_even(mb: Microbatch) -> Microbatch:
+    """The zigzag layout at cp = 1: sequences padded at their ends to even lengths, as shard_for_cp pads for cp >= 2.
+    Padding rows carry no loss (their w, resp and dmask are 0) and causal attention hides them from real rows."""
+    pad = pad_for_cp(mb.cu_seqlens, 1)
+    T = mb.tokens.shape[0]
+    extra = {k: pad.pad(v) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == T else v
+             for k, v in mb.extra.items()}
+    return Microbatch(pad.pad(mb.tokens), pad.cu_seqlens, position_ids(pad.cu_seqlens), extra)
 
 
 # ------------------------------------------------------------------------------------------------------ the update
@@ -94,9 +109,21 @@ class DistCotrainer:
     """
 
     def __init__(self, policy, drafts: list, grid: Grid, make_opt, *, grad_clip: float = 1.0, schedule: str = "1f1b",
-                 attn_fn=None, activation_checkpointing: bool = False):
+                 attn_fn=None, attn_backend=None, logprob_chunk: int = 0, activation_checkpointing: bool = False):
+        """attn_backend None: the policy uses attn_fn at cp = 1 (the ring otherwise) and each draft its trainer's
+        attn_fn; "torch" / "triton" / "flash": every attention of the step, at any cp (a ring of one at cp = 1), is
+        attention_cp.ring_branch_attention with that block kernel. logprob_chunk > 0: the drafts' teacher is the
+        policy's final hidden + LM head, streamed (draft_loss.Teacher), instead of its logits. activation_checkpointing:
+        each decoder layer of the stage is recomputed in backward."""
         cfg = policy.cfg
         self.grid, self.drafts, self.grad_clip = grid, list(drafts), grad_clip
+        self.attn_backend, self.logprob_chunk = attn_backend, int(logprob_chunk)
+        if self.logprob_chunk < 0:
+            raise ValueError(f"logprob_chunk={logprob_chunk}: expected 0 (unfused) or >= 1 rows")
+        if attn_backend is not None:
+            from attention_cp import ring_branch_attention
+            attn_fn = functools.partial(ring_branch_attention, group=grid.cp_group if grid.cp > 1 else None,
+                                        backend=attn_backend)
         self.split = split_layers(cfg.num_hidden_layers, grid.pp)
         self.stage = build_stage(cfg, self.split[grid.pp_rank], policy.state_dict(), next(policy.parameters()).dtype,
                                  activation_checkpointing=activation_checkpointing)  # recompute each layer in backward
@@ -106,11 +133,13 @@ class DistCotrainer:
         taps = sorted({l for tr in self.drafts for l in tr.draft.tap_layers})
         dparams = [p for tr in self.drafts for p in tr.draft.parameters()] if self.last else ()
         self.sched = PipelineSchedule(self.stage, grid, self.split, schedule=schedule, tap_layers=taps,
-                                      attn_fn=attn_fn if grid.cp == 1 else None, draft_params=dparams)
+                                      attn_fn=attn_fn if grid.cp == 1 or attn_backend else None,
+                                      draft_params=dparams)
 
     def step(self, batch: RolloutBatch, cfg: GRPOConfig, micro_batches: int = 1) -> dict:
         g, K = self.grid, len(self.drafts)
-        mbs = microbatches(batch, grpo_weights(batch, cfg, micro_batches), micro_batches, g)
+        mbs = microbatches(batch, grpo_weights(batch, cfg, micro_batches), micro_batches, g,
+                           pad_even=self.attn_backend is not None)
         check_same_cu_seqlens([mb.cu_seqlens for mb in mbs], g.cp_group)  # once per step: 8 bytes, no per-call sync
         dev = next(self.stage.parameters()).device
         mbs = [Microbatch(mb.tokens.to(dev), mb.cu_seqlens.to(dev),
@@ -133,10 +162,11 @@ class DistCotrainer:
         def draft_hook(d):  # last stage, after F(m): every draft's TTT loss on the detached taps and logits
             mb, total = d.mb, 0.0
             for k, tr in enumerate(self.drafts):
-                L, met = tr.draft.ttt_loss(d.taps, mb.tokens, mb.cu_seqlens, d.logits, loss_mask=mb.extra["dmask"],
+                L, met = tr.draft.ttt_loss(d.taps, mb.tokens, mb.cu_seqlens, loss_mask=mb.extra["dmask"],
                                            num_passes=tr.num_passes, pass_weight=tr.pass_weight,
                                            position_ids=mb.position_ids, group=g.cp_group,
-                                           attn_fn=tr.attn_fn if g.cp == 1 else None)
+                                           attn_fn=tr.attn_fn if g.cp == 1 and self.attn_backend is None else None,
+                                           backend=self.attn_backend or "torch", **self._teacher(d))
                 acc[5 + k] += L.detach().double() / micro_batches
                 metrics[(mb.extra["chunk"], k)] = met
                 total = total + tr.lam * L / micro_batches * g.dp
@@ -166,6 +196,11 @@ class DistCotrainer:
                 "grad_norm": grad_norm, "p2p_bytes": res.p2p_bytes, "tap_bytes": res.tap_bytes,
                 "draft_seconds": float(acc[4]),
                 "loss_total": res.loss + sum(tr.lam * x for tr, x in zip(self.drafts, draft_losses))}
+
+    def _teacher(self, d) -> dict:  # the drafts' teacher: the policy's logits, or (fused) its hidden + LM head
+        if self.logprob_chunk:
+            return dict(teacher_hidden=d.hidden, teacher_head=self.stage.head_weight)
+        return dict(teacher_logits=d.logits)
 
     def _clip_policy_grads(self) -> float:
         """torch.nn.utils.clip_grad_norm_ over the WHOLE policy: squares summed over the PP stages (the tied embedding,

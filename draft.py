@@ -9,7 +9,8 @@ Pass d's query at anchor i attends to the *trunk* -- the pass-1 keys at position
 its *branch* -- the keys of passes 2..d at anchor i (RoPE positions i+1..i+d-1). That is exactly the key set the draft
 sees at inference after d-1 own steps from anchor i, so training matches inference; the attention is
 `attention_cp.ring_branch_attention`, which also runs it under context parallelism (zigzag ring for the trunk, the
-branch local). Loss: L = sum_d w_d * mean_i CE(p_{i+d}, q^d_i), w_d = 0.8^(d-1) (soft CE = forward KL + const).
+branch local). Loss: L = sum_d w_d * mean_i CE(p_{i+d}, q^d_i), w_d = 0.8^(d-1) (soft CE = forward KL + const),
+streamed over token chunks by draft_loss.py (no (T, V) tensor kept; the teacher may be the policy's hidden + LM head).
 Metrics per pass: top-1 agreement with the teacher, that agreement given all earlier passes agreed, the expected
 acceptance alpha_d = E sum_x min(p(x), q(x)), and the predicted acceptance length
 tau_hat = 1 + sum_k prod_{j<=k} alpha_j.
@@ -37,6 +38,7 @@ from safetensors.torch import load_file, save_file
 
 import branch_mask
 from branch_mask import cp_shift, pad_for_cp, shift_packed, zigzag_shard
+from draft_loss import chunk_rows, dense_pass_losses, make_teacher, pass_targets, ring_sum, streaming_pass_losses
 from draft_vocab import maps as draft_vocab_maps
 from model import (EMBED_TAP, MLP, Attention, KVCache, ModelConfig, RMSNorm, Transformer, at_least_f32,
                    check_tap_layers, default_tap_layers, rope_cos_sin)
@@ -286,21 +288,24 @@ class Eagle3Draft(nn.Module):
             raise ValueError(f"taps: layers {bad} are not (T={T}, H={self.cfg.hidden_size})")
         return {l: taps[l].detach() for l in self.tap_layers}
 
-    def ttt_loss(self, taps: dict, tokens, cu_seqlens, teacher_logits, *, loss_mask=None, num_passes: int = 3,
-                 pass_weight: float = 0.8, hard_labels: bool = False, position_ids=None, group=None, attn_fn=None,
-                 backend: str = "torch"):
+    def ttt_loss(self, taps: dict, tokens, cu_seqlens, teacher_logits=None, *, teacher_hidden=None, teacher_head=None,
+                 loss_mask=None, num_passes: int = 3, pass_weight: float = 0.8, hard_labels: bool = False,
+                 position_ids=None, group=None, attn_fn=None, backend: str = "torch", chunk=None):
         """Multi-pass TTT loss on the policy's own forward. Returns (loss, metrics dict).
 
-        teacher_logits (T, V): the policy's logits at each position (predicting the next token). loss_mask (T,) bool:
-        position j's prediction of x_{j+1} counts (default: every position whose sequence has a next token; required
-        under CP, false on the padding). Pass d at anchor i counts iff loss_mask[i+d]. Under CP every per-token input is
-        this rank's zigzag shard and the returned loss is this rank's share: the sum over ranks is the global loss, so
-        the draft's grads are summed over the CP group (as data parallelism does). Metrics are global floats."""
+        The teacher is the policy at each position (predicting the next token): its logits teacher_logits (T, V), or
+        -- no (T, V) tensor at all -- its final normed hidden teacher_hidden (T, H) with its LM-head weight
+        teacher_head (V, H). loss_mask (T,) bool: position j's prediction of x_{j+1} counts (default: every position
+        whose sequence has a next token; required under CP, false on the padding). Pass d at anchor i counts iff
+        loss_mask[i+d]. Under CP every per-token input is this rank's zigzag shard and the returned loss is this rank's
+        share: the sum over ranks is the global loss, so the draft's grads are summed over the CP group (as data
+        parallelism does). Metrics are global floats. chunk: rows per chunk of the streamed loss
+        (draft_loss.StreamingSoftCE, O(chunk * V) memory; None: 2^21 // V rows); 0 runs the dense reference
+        (draft_loss.dense_pass_losses, every (T, V) tensor materialised)."""
         ring = as_ring(group)
         T = tokens.shape[0]
-        if teacher_logits.shape != (T, self.cfg.vocab_size):
-            raise ValueError(f"teacher_logits: expected ({T}, {self.cfg.vocab_size}), got "
-                             f"{tuple(teacher_logits.shape)}")
+        teacher = make_teacher(teacher_logits, teacher_hidden, teacher_head, T, self.cfg.vocab_size, cu_seqlens,
+                               num_passes, ring)
         if loss_mask is None:
             if ring.size > 1:
                 raise ValueError("loss_mask: required under CP (false on the padding)")
@@ -308,41 +313,28 @@ class Eagle3Draft(nn.Module):
         elif loss_mask.shape != (T,):
             raise ValueError(f"loss_mask: expected shape ({T},), got {tuple(loss_mask.shape)}")
         pad = _pad_if_needed(cu_seqlens, ring)
-        if pad is not None:
-            return self.ttt_loss({l: pad.pad(taps[l]) for l in self._tap_inputs(taps, T)}, pad.pad(tokens),
-                                 pad.cu_seqlens, pad.pad(teacher_logits), loss_mask=pad.pad(loss_mask.bool(), False),
-                                 num_passes=num_passes, pass_weight=pass_weight, hard_labels=hard_labels,
-                                 position_ids=None if position_ids is None else pad.pad(position_ids), group=ring,
-                                 attn_fn=attn_fn, backend=backend)
+        if pad is not None:  # cp = 1, odd lengths: pad the (T, H) inputs; the teacher is read through a row map
+            taps = {l: pad.pad(t) for l, t in self._tap_inputs(taps, T).items()}
+            tokens, loss_mask, cu_seqlens = pad.pad(tokens), pad.pad(loss_mask.bool(), False), pad.cu_seqlens
+            position_ids = None if position_ids is None else pad.pad(position_ids)
+            teacher.row_map = pad.pad(torch.arange(T, device=tokens.device))
         hs = self.ttt_forward(taps, tokens, cu_seqlens, num_passes, position_ids=position_ids, group=ring,
                               attn_fn=attn_fn, backend=backend)
-        shifted = lambda x, d, fill: cp_shift(x, cu_seqlens, d, group=ring, fill=fill)[0]  # noqa: E731
-        ids = self.draft_to_target  # (Vd,)
-        valid = [shifted(loss_mask.bool(), d, False) for d in range(1, num_passes + 1)]  # (T,) per pass
-        labels = [shifted(tokens, d + 1, 0) for d in range(1, num_passes + 1)] if hard_labels else None
-        if hard_labels:  # the sampled token x_{i+d+1} must be one the draft can name
-            valid = [m & self.t2d[y] for m, y in zip(valid, labels)]
-        count = _ring_sum(torch.stack([m.sum() for m in valid]).double(), ring)  # (P,) sync point under CP
-        logp = torch.log_softmax(at_least_f32(teacher_logits.detach()), -1)  # (T, V) the teacher at every position
-        loss, stats, agree_prev = 0.0, [], torch.ones(T, dtype=torch.bool, device=tokens.device)
-        for d, (h, m) in enumerate(zip(hs, valid), 1):
-            p_log = shifted(logp, d, 0.0)  # (T, V) teacher p_{i+d}
-            q_log = torch.log_softmax(at_least_f32(self.logits(h)), -1)  # (T, Vd)
-            if hard_labels:
-                ce = -q_log.gather(-1, _to_draft_id(self, labels[d - 1])[:, None])[:, 0]
-            else:  # soft CE against the teacher restricted (renormalised) to the draft vocabulary
-                ce = -(torch.softmax(p_log[:, ids], -1) * q_log).sum(-1)
-            loss = loss + pass_weight ** (d - 1) * (ce * m).sum() / count[d - 1].clamp_min(1).to(ce.dtype)
-            with torch.no_grad():  # acceptance metrics against the full teacher p, q placed in the target vocabulary
-                p = p_log.exp()
-                q = torch.zeros_like(p).index_copy_(-1, ids, q_log.exp())
-                agree = q.argmax(-1) == p.argmax(-1)
-                mf = m.double()
-                stats.append(torch.stack([(ce.double() * mf).sum(), (agree * mf).sum(),
-                                          ((agree & agree_prev) * mf).sum(), (agree_prev * mf).sum(),
-                                          (torch.minimum(p, q).sum(-1).double() * mf).sum()]))
-                agree_prev = agree_prev & agree
-        return loss, _metrics(_ring_sum(torch.stack(stats), ring), count)
+        valid, labels, count = pass_targets(tokens, cu_seqlens, loss_mask, num_passes, ring, hard_labels=hard_labels,
+                                            t2d=self.t2d)
+        labels = None if labels is None else [_to_draft_id(self, y) for y in labels]
+        chunk = chunk_rows(self.cfg.vocab_size, chunk)
+        if chunk == 0:
+            shifted = lambda x, d, fill: cp_shift(x, cu_seqlens, d, group=ring, fill=fill)[0]  # noqa: E731
+            loss, stats = dense_pass_losses(hs, self.logits, self.draft_to_target, teacher.dense(), valid, labels,
+                                            count, pass_weight=pass_weight, shifted=shifted)
+        else:
+            full = self.cfg.draft_vocab_size == self.cfg.vocab_size
+            loss, stats = streaming_pass_losses(hs, self.norm, self.lm_head.weight,
+                                                None if full else self.draft_to_target, teacher, valid, labels, count,
+                                                pass_weight=pass_weight, cp=ring.size, local_cu=cu_seqlens // ring.size,
+                                                chunk=chunk)
+        return loss, _metrics(ring_sum(stats, ring), count)
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
     def save(self, path: str):
@@ -418,16 +410,6 @@ def _pad_if_needed(cu_seqlens, ring):
 def _local_positions(cu_seqlens, ring):  # (T_local,) RoPE position of this rank's tokens
     pos = branch_mask.position_ids(cu_seqlens)  # O(T_global) integers, no activations
     return pos if ring.size == 1 else zigzag_shard(pos, cu_seqlens, ring.size, ring.rank)
-
-
-def _ring_sum(x, ring):
-    """All-reduce (sum) of a small tensor over the CP ring: cp-1 hops, each rank adds what arrives and passes it on."""
-    acc, cur = x.clone(), x
-    for _ in range(ring.size - 1):
-        nxt = torch.empty_like(x)
-        ring.exchange([((ring.rank + 1) % ring.size, cur)], [((ring.rank - 1) % ring.size, nxt)]).wait()
-        acc, cur = acc + nxt, nxt
-    return acc
 
 
 if __name__ == "__main__":

@@ -289,9 +289,12 @@ class Transformer(nn.Module):
     def embed(self) -> nn.Embedding:
         return self.model.embed_tokens
 
+    @property
+    def head_weight(self) -> torch.Tensor:  # (V, H) the LM head (the embedding when tied)
+        return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+
     def head(self, h):  # final-normed hidden (..., H) -> logits (..., V)
-        w = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-        return F.linear(h, w)
+        return F.linear(h, self.head_weight)
 
     # -- input checks: loud and naming the argument ---------------------------------------------------------------
     def _check_input(self, x, batch_dims: int):
@@ -313,7 +316,7 @@ class Transformer(nn.Module):
     def _taps(self, tap_layers):
         return () if tap_layers is None else check_tap_layers(tap_layers, self.cfg.num_hidden_layers)
 
-    def _run(self, x, attend_for, tap_layers, pos, checkpointing=False):
+    def _run(self, x, attend_for, tap_layers, pos, checkpointing=False, logits=True):
         """Shared body: embed (first stage) -> layers -> norm + head (last stage), collecting taps."""
         taps_wanted = self._taps(tap_layers)
         h = self.embed(x) if self.is_first else x
@@ -333,13 +336,16 @@ class Transformer(nn.Module):
         if not self.is_last:
             return ModelOutput(None, h, taps)
         h = self.model.norm(h)
-        return ModelOutput(self.head(h), h, taps)
+        return ModelOutput(self.head(h) if logits else None, h, taps)  # logits=False: no (T, V) tensor (fused_logprob)
 
-    def forward(self, x, cu_seqlens, position_ids=None, *, attn_fn: Optional[Callable] = None, tap_layers=None):
+    def forward(self, x, cu_seqlens, position_ids=None, *, attn_fn: Optional[Callable] = None, tap_layers=None,
+                logits: bool = True):
         """Packed varlen forward.
 
         x: tokens (T,) on the first stage, hidden (T, H) on later stages; cu_seqlens int32 (S+1); position_ids (T,)
         (default: 0.. within each sequence). attn_fn(q, k, v, cu_seqlens, *, softmax_scale) -> (T, Hq, D).
+        logits=False: the last stage returns only the final normed hidden (out.hidden), for the fused log-probs and
+        the draft's fused teacher (fused_logprob.py, draft_loss.py), which apply the head chunk by chunk.
         """
         self._check_input(x, 1)
         T = x.shape[0]
@@ -361,7 +367,7 @@ class Transformer(nn.Module):
         def attend_for(layer, _, cos, sin):
             return lambda hn: layer.self_attn(hn, cos, sin, cu_seqlens, attn_fn)
 
-        return self._run(x, attend_for, tap_layers, position_ids, self.activation_checkpointing)
+        return self._run(x, attend_for, tap_layers, position_ids, self.activation_checkpointing, logits)
 
     def forward_cached(self, x, cache: KVCache, *, tap_layers=None, tree=None):
         """Append x (B, S) tokens (or (B, S, H) hidden on later stages) to every row of `cache` and return their

@@ -296,10 +296,14 @@ def check_finite_weights(model: torch.nn.Module, what: str, hint: str = ""):
 
 
 @torch.no_grad()
-def reference_logp(ref, batch: RolloutBatch, *, attn_fn=None) -> torch.Tensor:
+def reference_logp(ref, batch: RolloutBatch, *, attn_fn=None, logprob_chunk: int = 0) -> torch.Tensor:
     """log pi_ref(tokens[t] | prefix) per token (T,) from the frozen reference (one no-grad forward per batch), on
-    the batch's device."""
+    the batch's device. logprob_chunk > 0: no (T, V) logits, the head applied that many rows at a time."""
     b = batch.to(next(ref.parameters()).device)
+    if logprob_chunk > 0:
+        from fused_logprob import next_token_logp as fused
+        h = ref(b.tokens, b.cu_seqlens, attn_fn=attn_fn, logits=False).hidden  # (T, H)
+        return fused(h, ref.head_weight, b.tokens, b.cu_seqlens, chunk=logprob_chunk).to(batch.tokens.device)
     z = ref(b.tokens, b.cu_seqlens, attn_fn=attn_fn).logits  # (T, V)
     return next_token_logp(z, b.tokens, b.cu_seqlens).to(batch.tokens.device)
 
