@@ -7,7 +7,8 @@ Arms, all on the same prompts, seed and policy snapshot: "ar" (no draft: plain a
 engine), "cotrained" (the draft that drives the rollouts), "frozen" (a copy of the warm-up draft, never updated) and
 "cold" (co-trained from an untrained start, evaluated only).
 
-    acceptance length = (row_steps + accepted) / row_steps       tokens kept per policy forward, bonus token included
+    acceptance length = kept / row_steps       tokens kept per verification forward (up to EOS / max_new_tokens),
+                                               bonus included, prefill excluded (speculative.kept_tokens)
     speedup           = median over chunks of tok/s(arm) / tok/s(ar)
 
 A shared CPU's load swings +-40% between calls, so the arms run interleaved chunk by chunk in a rotating order after
@@ -41,7 +42,7 @@ def evaluate(s: Setup) -> dict:
     probs = [p for p in s.eval_problems for _ in range(c.eval_samples)]
     prompts = [s.task.encode_prompt(p) for p in probs]
     drafts = arms(s)
-    tot = {name: {"row_steps": 0, "accepted": 0, "new_tokens": 0, "seconds": 0.0} for name in drafts}
+    tot = {name: {"row_steps": 0, "kept": 0, "new_tokens": 0, "seconds": 0.0} for name in drafts}
     for draft in drafts.values():  # untimed warm-up: first-call costs (allocator, caches) would skew a 2-chunk timing
         generate(s, draft, prompts[:2], seed=c.seed)
     ar_toks, chunk_tok_s, names = [], {name: [] for name in drafts}, list(drafts)
@@ -59,7 +60,7 @@ def evaluate(s: Setup) -> dict:
     for name, t in tot.items():
         out[f"tok_s_{name}"] = t["new_tokens"] / max(t["seconds"], 1e-9)
         if name != "ar":
-            out[f"accept_{name}"] = (t["row_steps"] + t["accepted"]) / max(t["row_steps"], 1)
+            out[f"accept_{name}"] = t["kept"] / max(t["row_steps"], 1)
             out[f"speedup_{name}"] = statistics.median(a / b for a, b in zip(chunk_tok_s[name], chunk_tok_s["ar"]))
     out["speedup"] = out["speedup_cotrained"]
     return out

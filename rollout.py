@@ -37,7 +37,7 @@ def generate(s: Setup, draft, prompts: list, seed=None):
     autoregressive sampling through the same engine. seed: a fresh generator (every eval arm sees the same seed)."""
     c = s.cfg
     gen = s.gen if seed is None else torch.Generator(device=s.gen.device).manual_seed(seed)
-    toks, lps, st = [], [], {"row_steps": 0, "accepted": 0, "new_tokens": 0, "seconds": 0.0}
+    toks, lps, st = [], [], {"row_steps": 0, "kept": 0, "new_tokens": 0, "seconds": 0.0}
     for i in range(0, len(prompts), c.rollout_batch):
         r = speculative.generate(s.policy, draft, prompts[i: i + c.rollout_batch],
                                  max_new_tokens=s.task.max_new_tokens,
@@ -47,7 +47,7 @@ def generate(s: Setup, draft, prompts: list, seed=None):
         lps += [lp.cpu() for lp in r.logprobs]
         for k in st:
             st[k] += getattr(r.stats, k)
-    st["accept_len"] = (st["row_steps"] + st["accepted"]) / max(st["row_steps"], 1)  # tokens per policy forward
+    st["accept_len"] = st["kept"] / max(st["row_steps"], 1)  # tokens kept per verification forward (speculative.py)
     st["tok_s"] = st["new_tokens"] / max(st["seconds"], 1e-9)
     return toks, lps, st
 
