@@ -118,7 +118,7 @@ class DistCotrainer:
 
         def loss_fn(logits, mb):  # (T, V) this rank's rows -> dp * its share of L_policy
             e = mb.extra
-            logp = token_logp(logits, e["tgt"])  # (T,) log p(x_{p+1} | x_<=p): labels at the predicting position
+            logp = token_logp(logits, e["tgt"], cfg.temperature)  # (T,) log p_tau(x_{p+1} | x_<=p) at the position
             l, clipped, kl = token_losses(logp, e["old"], e["adv"], e["ref"], cfg)
             with torch.no_grad():
                 m = e["resp"].double()
@@ -128,8 +128,9 @@ class DistCotrainer:
 
         def draft_hook(d):  # last stage, after F(m): every draft's TTT loss on the detached taps and logits
             mb, total = d.mb, 0.0
+            teacher = d.logits if cfg.temperature == 1.0 else d.logits / cfg.temperature  # softmax(z / tau)
             for k, tr in enumerate(self.drafts):
-                L, met = tr.draft.ttt_loss(d.taps, mb.tokens, mb.cu_seqlens, d.logits, loss_mask=mb.extra["dmask"],
+                L, met = tr.draft.ttt_loss(d.taps, mb.tokens, mb.cu_seqlens, teacher, loss_mask=mb.extra["dmask"],
                                            num_passes=tr.num_passes, pass_weight=tr.pass_weight,
                                            position_ids=mb.position_ids, group=g.cp_group,
                                            attn_fn=tr.attn_fn if g.cp == 1 else None)

@@ -131,7 +131,7 @@ def build_models(cfg: Config, dev: torch.device, log=print) -> Setup:
     if cfg.cold_arm and not cfg.cold_start:
         drafts["cold"] = trainer(Eagle3Draft.from_target(policy))
     grpo = GRPOConfig(eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta=cfg.beta, std_norm=cfg.std_norm,
-                      loss_norm=cfg.loss_norm, max_len=tsk.max_new_tokens)
+                      loss_norm=cfg.loss_norm, max_len=tsk.max_new_tokens, temperature=cfg.temperature)
     return Setup(cfg, tsk, policy, ref, drafts, frozen, None, tsk.eval_set(cfg.eval_prompts, cfg.seed + 1234),
                  random.Random(cfg.seed), torch.Generator(device=dev).manual_seed(cfg.seed),
                  torch.Generator().manual_seed(cfg.seed + 31), grpo,

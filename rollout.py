@@ -60,7 +60,7 @@ def rollout_local(s: Setup, problems: list) -> tuple[RolloutBatch, dict]:
     R, parts = s.task.score([p for p in problems for _ in range(c.group_size)], toks)
     adv, valid = group_advantages(R, c.group_size, std_norm=c.std_norm)
     batch = RolloutBatch.from_rollouts(prompts, toks, lps, adv, valid)
-    batch.ref_logp = reference_logp(s.ref, batch, attn_fn=padded_causal_attention)
+    batch.ref_logp = reference_logp(s.ref, batch, attn_fn=padded_causal_attention, temperature=c.temperature)
     info = {"reward": float(R.mean()), "correct": float(parts["correct"].mean()),
             "explicit": explicit_share(parts), "resp_len": st["new_tokens"] / len(prompts),
             "zero_var_groups": int((~valid).sum()) // c.group_size,

@@ -39,6 +39,8 @@ class SpecStats:
     acceptance_length: float = 1.0  # kept / row_steps: tokens kept per policy forward per row, bonus included
     accept_per_position: list = field(default_factory=list)  # alpha_j = P(d_j accepted | d_<j accepted), kept positions
     new_tokens: int = 0  # tokens returned (after EOS / max_new_tokens truncation)
+    row_kept: list = field(default_factory=list)  # per prompt: its share of `kept` (paired per-prompt comparisons)
+    row_forwards: list = field(default_factory=list)  # per prompt: verification forwards it was active in
     seconds: float = 0.0
     tokens_per_s: float = 0.0
 
@@ -150,6 +152,8 @@ class _Decode:
     reached: torch.Tensor = None  # (k,) rows whose draft j was tried, per position j
     accepted: torch.Tensor = None  # (k,) of which accepted
     accept_sum: int = 0  # tokens kept (kept_tokens), summed over forwards and rows (device scalar once stepping)
+    row_kept: torch.Tensor = None  # (B,) per prompt: tokens kept over its verification forwards
+    row_fwd: torch.Tensor = None  # (B,) per prompt: verification forwards it was active in
     row_steps: int = 0  # rows active, summed over forwards
 
 
@@ -209,6 +213,7 @@ def prefill(target, draft, prompts, k: int, temperature, eos_id, max_new_tokens,
                 accepted=torch.zeros(max(k, 1), dtype=torch.long, device=dev))
     s.toks[:, 0], s.lps[:, 0] = y, _logprob(z[:, None], y[:, None], temperature)[:, 0]
     s.accept_sum = torch.zeros((), dtype=torch.long, device=dev)
+    s.row_kept, s.row_fwd = torch.zeros(B, dtype=torch.long, device=dev), torch.zeros(B, dtype=torch.long, device=dev)
     s.row_steps = torch.zeros((), dtype=torch.long, device=dev)
     if k:
         s.tap_layers, s.dcache = draft.tap_layers, draft.new_cache(B, max_len)
@@ -298,6 +303,9 @@ def commit(s: _Decode, block, z, n):
         s.accepted += ((j < n[:, None]) & (j < kept[:, None])).sum(0)
     s.accept_sum += kept.sum()
     s.row_steps += active.sum()
+    if s.row_kept is not None:
+        s.row_kept[s.live] += kept
+        s.row_fwd[s.live] += active.long()
     s.stats.policy_forwards += 1
 
 
@@ -317,6 +325,8 @@ def finish(s: _Decode, seconds: float) -> Rollout:
     st.drafted, st.accepted = s.k * st.row_steps, st.kept - st.row_steps
     st.accept_per_position = (s.accepted.float() / s.reached.clamp_min(1)).tolist() if s.k else []
     st.new_tokens = sum(n_keep)
+    if s.row_kept is not None:
+        st.row_kept, st.row_forwards = s.row_kept.tolist(), s.row_fwd.tolist()
     st.tokens_per_s = st.new_tokens / seconds
     return Rollout([s.toks[b, :m].clone() for b, m in enumerate(n_keep)],
                    [s.lps[b, :m].clone() for b, m in enumerate(n_keep)], st)

@@ -289,3 +289,5 @@ def test_acceptance_counts_only_kept_tokens(pair, k):
             st = r.stats
             assert sum(len(t) for t in r.tokens) == st.new_tokens == len(prompts) + st.kept
             assert 1.0 <= st.acceptance_length <= k + 1 and st.kept == st.row_steps + st.accepted
+            assert sum(st.row_kept) == st.kept and sum(st.row_forwards) == st.row_steps
+            assert all(len(t) == 1 + kp for t, kp in zip(r.tokens, st.row_kept))  # per prompt too
