@@ -26,7 +26,8 @@ from rl_loop import GRPOConfig
 @dataclass
 class Config:
     name: str = "default"
-    seed: int = 0
+    seed: int = 0  # the warm-ups (SFT, draft) and the held-out prompts: shared by every rl_seed
+    rl_seed: int = -1  # the RL phase (prompts, rollouts, shuffles, cold-start draft, offline arm); -1: = seed
     threads: int = 1  # 1 is robust on a shared 2-core machine (2 threads spin-wait when cores are busy)
     warmup_threads: int = 2  # the warm-ups run alone (under torchrun on rank 0 while the others wait): use the cores
     device: str = "auto"  # auto: each process's own GPU when CUDA is present and every local rank gets one, else CPU
@@ -50,6 +51,7 @@ class Config:
     # draft and its warm-up
     cold_start: bool = False  # the rollout draft starts untrained (fc/layer random, head copied) and learns online only
     cold_arm: bool = True  # also co-train a cold-start draft on the same taps, evaluated only (no rollouts)
+    offline_arm: bool = True  # the control: the warm-up draft trained as much, on fresh pi_0 samples (offline_arm.py)
     draft_warmup_steps: int = 800  # 200 x 64 at 1e-3 left it at acceptance ~2.2 (k = 3): speculation lost on CPU
     draft_warmup_batch: int = 32
     draft_warmup_lr: float = 3e-3  # the offline fit; draft_lr is the online co-training's
@@ -78,6 +80,8 @@ class Config:
     eval_every: int = 10
     eval_prompts: int = 64
     eval_samples: int = 2  # samples per eval prompt (same seed for every arm)
+    eval_draft_tokens: int = 0  # k at eval (0: num_draft_tokens); a larger k keeps the ceiling k + 1 from binding
+    bootstrap: int = 2000  # paired bootstrap resamples over eval prompts for the acceptance-gain intervals
     # distributed (torchrun, WORLD_SIZE > 1 only): mesh DP x PP x CP, pp * cp * dp = world size (dp=0: world/(pp*cp))
     pp: int = 2
     cp: int = 2
@@ -102,7 +106,9 @@ class Config:
                   ("eval_fraction", 0 < self.eval_fraction < 1), ("max_prompt_tokens", self.max_prompt_tokens >= 1),
                   ("sft_steps", self.sft_steps >= 1), ("draft_warmup_steps", self.draft_warmup_steps >= 0),
                   ("draft_warmup_lr", self.draft_warmup_lr > 0), ("draft_lr", self.draft_lr > 0),
-                  ("draft_warmup_batch", 1 <= self.draft_warmup_batch <= self.draft_warmup_pool)]
+                  ("draft_warmup_batch", 1 <= self.draft_warmup_batch <= self.draft_warmup_pool),
+                  ("rl_seed", self.rl_seed >= -1), ("eval_draft_tokens", self.eval_draft_tokens >= 0),
+                  ("bootstrap", self.bootstrap >= 1), ("lr", self.lr >= 0)]
         for key, ok in checks:
             if not ok:
                 raise ValueError(f"{key}={getattr(self, key)!r} is out of range")
@@ -125,6 +131,16 @@ class Config:
                 raise ValueError(f"data={self.data!r}: prompts from a file need --model=<HF checkpoint directory> "
                                  "(the built-in task generates its own)")
             task.ProblemSource(self.min_steps, self.max_steps)
+
+    @property
+    def run_seed(self) -> int:
+        """The RL phase's seed: rl_seed, or seed when rl_seed = -1."""
+        return self.seed if self.rl_seed < 0 else self.rl_seed
+
+    @property
+    def eval_k(self) -> int:
+        """Draft tokens per step at eval."""
+        return self.eval_draft_tokens or self.num_draft_tokens
 
     @property
     def hf_mode(self) -> bool:

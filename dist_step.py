@@ -25,6 +25,8 @@ Letters: T packed tokens (this rank's shard under CP), S sequences, M micro-batc
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -92,15 +94,18 @@ class DistCotrainer:
     """
 
     def __init__(self, policy, drafts: list, grid: Grid, make_opt, *, grad_clip: float = 1.0, schedule: str = "1f1b",
-                 attn_fn=None):
+                 attn_fn=None, watch: tuple = ()):
+        """watch: drafts (Eagle3Draft) that are NOT trained on the rollouts but whose teacher-forced acceptance on
+        them is measured in the same draft hook, forward only (the frozen and offline-extended arms): no extra policy
+        forward, no gradient. Their taps are the union's, so they must read the trained drafts' tap layers."""
         cfg = policy.cfg
-        self.grid, self.drafts, self.grad_clip = grid, list(drafts), grad_clip
+        self.grid, self.drafts, self.grad_clip, self.watch = grid, list(drafts), grad_clip, list(watch)
         self.split = split_layers(cfg.num_hidden_layers, grid.pp)
         self.stage = build_stage(cfg, self.split[grid.pp_rank], policy.state_dict(), next(policy.parameters()).dtype)
         self.stage.to(next(policy.parameters()).device)
         self.opt = make_opt(self.stage.parameters())
         self.last = self.stage.is_last
-        taps = sorted({l for tr in self.drafts for l in tr.draft.tap_layers})
+        taps = sorted({l for tr in self.drafts for l in tr.draft.tap_layers} | {l for d in self.watch for l in d.tap_layers})
         dparams = [p for tr in self.drafts for p in tr.draft.parameters()] if self.last else ()
         self.sched = PipelineSchedule(self.stage, grid, self.split, schedule=schedule, tap_layers=taps,
                                       attn_fn=attn_fn if grid.cp == 1 else None, draft_params=dparams)
@@ -113,7 +118,7 @@ class DistCotrainer:
                           None if mb.position_ids is None else mb.position_ids.to(dev),
                           {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in mb.extra.items()})
                for mb in mbs]
-        acc = torch.zeros(5 + K, dtype=torch.float64, device=dev)  # clipped, ratio, k3, tokens, draft s, draft losses
+        acc = torch.zeros(6 + K, dtype=torch.float64, device=dev)  # clipped, ratio, k3, tokens, draft s, watch s, losses
         metrics = {}
 
         def loss_fn(logits, mb):  # (T, V) this rank's rows -> dp * its share of L_policy
@@ -134,13 +139,21 @@ class DistCotrainer:
                                            num_passes=tr.num_passes, pass_weight=tr.pass_weight,
                                            position_ids=mb.position_ids, group=g.cp_group,
                                            attn_fn=tr.attn_fn if g.cp == 1 else None)
-                acc[5 + k] += L.detach().double() / micro_batches
+                acc[6 + k] += L.detach().double() / micro_batches
                 metrics[(mb.extra["chunk"], k)] = met
                 total = total + tr.lam * L / micro_batches * g.dp
-            return total
+            t0 = time.perf_counter()
+            with torch.no_grad():  # watched arms: the same taps and teacher, forward only
+                for k, dr in enumerate(self.watch):
+                    metrics[(mb.extra["chunk"], K + k)] = dr.ttt_loss(
+                        d.taps, mb.tokens, mb.cu_seqlens, teacher, loss_mask=mb.extra["dmask"],
+                        num_passes=self.drafts[0].num_passes if self.drafts else 3, position_ids=mb.position_ids,
+                        group=g.cp_group, attn_fn=self.drafts[0].attn_fn if (self.drafts and g.cp == 1) else None)[1]
+            acc[5] += time.perf_counter() - t0
+            return total if self.drafts else None
 
         self.opt.zero_grad(set_to_none=True)
-        res = self.sched.step(mbs, loss_fn, draft_hook if self.drafts else None)
+        res = self.sched.step(mbs, loss_fn, draft_hook if (self.drafts or self.watch) else None)
         grad_norm = self._clip_policy_grads()
         self.opt.step()
         if self.last:
@@ -148,7 +161,8 @@ class DistCotrainer:
                 torch.nn.utils.clip_grad_norm_(tr.draft.parameters(), tr.grad_clip)
                 tr.opt.step()
         if self.last:
-            acc[4] = res.draft_seconds / (g.cp * g.dp)  # summed below: the mean over the last-stage ranks
+            acc[4] = (res.draft_seconds - float(acc[5])) / (g.cp * g.dp)  # summed below: the mean over the last stage
+            acc[5] /= g.cp * g.dp
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(acc)  # world sum: only last-stage ranks hold non-zeros, each its CP / DP share
             everyone = [None] * dist.get_world_size()
@@ -156,9 +170,11 @@ class DistCotrainer:
             metrics = {k: v for part in everyone for k, v in part.items()}
         last = max(j for j, _ in metrics) if metrics else None  # cotrain_step reports the last micro-batch's metrics
         n = max(float(acc[3]), 1.0)
-        draft_losses = [float(x) for x in acc[5:]]
+        draft_losses = [float(x) for x in acc[6:]]
         return {"loss_policy": res.loss, "loss_draft": draft_losses,
                 "draft_metrics": [metrics.get((last, k)) for k in range(K)],
+                "watch_metrics": [metrics.get((last, K + k)) for k in range(len(self.watch))],
+                "watch_seconds": float(acc[5]),
                 "clip_frac": float(acc[0]) / n, "ratio": float(acc[1]) / n, "k3": float(acc[2]) / n,
                 "grad_norm": grad_norm, "p2p_bytes": res.p2p_bytes, "tap_bytes": res.tap_bytes,
                 "draft_seconds": float(acc[4]),

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from config import Config
 
 HEADER = (f"{'step':>4} {'reward':>6} {'acc':>5} {'expl':>5} {'len':>5} {'KL':>6} {'zero':>4} {'clip':>5} "
-          f"{'accept':>6} {'tau^':>5} {'tok/s':>6} {'t_roll':>6} {'t_pol':>5} {'t_dft':>5}")
+          f"{'accept':>6} {'tau^c':>5} {'tau^f':>5} {'tau^o':>5} {'tok/s':>6} {'t_roll':>6} {'t_pol':>5} {'t_dft':>5}")
 
 
 class Report:
@@ -55,7 +55,8 @@ class Report:
         t = row["time"]
         self.print(f"{row['step']:4d} {row['reward']:6.3f} {row['correct']:5.2f} {row['explicit']:5.2f} "
                    f"{row['resp_len']:5.1f} {row['kl']:6.3f} {row['zero_var_groups']:4d} {row['clip_frac']:5.3f} "
-                   f"{row['accept_len']:6.2f} {row['tau_hat_cotrained']:5.2f} {row['rollout_tok_s']:6.0f} "
+                   f"{row['accept_len']:6.2f} {row['tau_hat_cotrained']:5.2f} {row.get('tau_hat_frozen', 0):5.2f} "
+                   f"{row.get('tau_hat_offline', 0):5.2f} {row['rollout_tok_s']:6.0f} "
                    f"{t['rollout']:6.2f} {t['policy_train']:5.2f} {t['draft_train']:5.2f}")
 
     def eval(self, ev: dict | None):  # None: nothing to report (not rank 0, or no evaluation this step)
@@ -63,11 +64,14 @@ class Report:
             return
         self.evals.append(ev)
         self._write(ev)
-        cold = f" cold {ev['accept_cold']:.2f}" if "accept_cold" in ev else ""
+        more = "".join(f" {a} {ev[f'accept_{a}']:.2f}" for a in ("offline", "cold") if f"accept_{a}" in ev)
+        ci = "".join(f" | c-{a[:3]} [{ev[k][0]:+.2f}, {ev[k][1]:+.2f}]" for a in ("frozen", "offline")
+                     if (k := f"accept_gain_vs_{a}_ci") in ev)
         self.print(f"  eval @ {ev['step']}: held-out reward {ev['reward']:.3f} (acc {ev['correct']:.2f}, explicit "
-                   f"{ev['explicit']:.2f}) | acceptance co-trained {ev['accept_cotrained']:.2f} frozen "
-                   f"{ev['accept_frozen']:.2f}{cold} | spec {ev['tok_s_cotrained']:.0f} vs AR {ev['tok_s_ar']:.0f} "
-                   f"tok/s, speedup {ev['speedup']:.2f}x (frozen {ev['speedup_frozen']:.2f}x)")
+                   f"{ev['explicit']:.2f}) | acceptance (k={ev.get('eval_k', '?')}) co-trained "
+                   f"{ev['accept_cotrained']:.2f} frozen {ev['accept_frozen']:.2f}{more}{ci} | spec "
+                   f"{ev['tok_s_cotrained']:.0f} vs AR {ev['tok_s_ar']:.0f} tok/s, speedup {ev['speedup']:.2f}x "
+                   f"(frozen {ev['speedup_frozen']:.2f}x)")
 
     def finish(self, warm: dict, wall_s: float) -> dict:
         """summary.json and train.png (rank 0); returns the summary ({} on other ranks)."""
@@ -88,7 +92,8 @@ class Report:
 def summarize(cfg: Config, rows: list, evals: list, warm: dict, wall_s: float) -> dict:
     n = max(1, len(rows) // 10)  # first / last 10% of steps (rollout rewards are noisy step to step)
     first, last = evals[0], evals[-1]
-    tsum = {k: sum(r["time"].get(k, 0.0) for r in rows) for k in ("rollout", "policy_train", "draft_train", "eval")}
+    tsum = {k: sum(r["time"].get(k, 0.0) for r in rows)
+            for k in ("rollout", "policy_train", "draft_train", "eval", "watch", "offline_sample", "offline_train")}
     out = {"steps": len(rows),
            "reward_first": sum(r["reward"] for r in rows[:n]) / n, "reward_last": sum(r["reward"] for r in rows[-n:]) / n,
            "eval_reward_first": first["reward"], "eval_reward_last": last["reward"],
@@ -103,6 +108,35 @@ def summarize(cfg: Config, rows: list, evals: list, warm: dict, wall_s: float) -
                       "draft_warmup": round(warm["draft_warmup_s"], 1)},
            "warmup_cached": {"policy": warm["policy_cached"], "draft": warm["draft_cached"]},
            "cold_start": cfg.cold_start, "wall_s": round(wall_s, 1)}
-    if "accept_cold" in last:
-        out["accept_len_cold_first"], out["accept_len_cold"] = first["accept_cold"], last["accept_cold"]
+    for arm in ("cold", "offline"):
+        if f"accept_{arm}" in last:
+            out[f"accept_len_{arm}_first"], out[f"accept_len_{arm}"] = first[f"accept_{arm}"], last[f"accept_{arm}"]
+    for arm in ("frozen", "offline"):
+        if f"accept_gain_vs_{arm}_ci" in last:
+            out[f"accept_gain_vs_{arm}_ci"] = last[f"accept_gain_vs_{arm}_ci"]
+    for arm in ("cotrained", "frozen", "offline", "cold"):  # teacher-forced, on the last 10% of steps' rollouts
+        if f"tau_hat_{arm}" in rows[-1]:
+            out[f"tau_hat_{arm}_last"] = sum(r[f"tau_hat_{arm}"] for r in rows[-n:]) / n
+    out["speedup_agreement_eval0"] = first["speedup_frozen"] / first["speedup_cotrained"]  # same draft at eval 0
+    out.update(e2e_step_times(rows, evals))
+    out["temperature"], out["eval_k"], out["rl_seed"], out["lr"] = cfg.temperature, cfg.eval_k, cfg.run_seed, cfg.lr
     return out
+
+
+def e2e_step_times(rows: list, evals: list) -> dict:
+    """End-to-end RL step time, speculative vs autoregressive rollouts (rollout + update + co-training), per step:
+
+        spec = t_rollout + t_policy_train + t_draft_train               (measured: the run itself)
+        ar   = t_rollout * speedup + t_policy_train                     (the same step with AR rollouts, no draft)
+
+    speedup = the co-trained draft's measured paired rollout speedup at the latest eval before that step. The
+    controls' costs (timer "watch", "offline_*") and the eval are not part of either. e2e_step_speedup = sum ar / sum
+    spec over the run."""
+    spec = ar = 0.0
+    for r in rows:
+        sp = max((e for e in evals if e["step"] < r["step"]), key=lambda e: e["step"], default=evals[0])["speedup"]
+        t = r["time"]
+        spec += t["rollout"] + t["policy_train"] + t["draft_train"]
+        ar += t["rollout"] * sp + t["policy_train"]
+    n = max(len(rows), 1)
+    return {"e2e_step_s_spec": spec / n, "e2e_step_s_ar": ar / n, "e2e_step_speedup": ar / max(spec, 1e-9)}
