@@ -65,9 +65,9 @@ class Config:
     prompts_per_step: int = 32  # 8 prompts x 8 samples per step left the GRPO update mostly noise
     group_size: int = 8
     temperature: float = 1.0
-    num_draft_tokens: int = 3
+    num_draft_tokens: int = 4  # k (rollouts and eval): the ceiling k + 1 = 5 sits above the warm-up draft's ~4
     rollout_batch: int = 32  # rows per generate call (the rollout engine's batch), speculative and autoregressive alike
-    lr: float = 3e-4
+    lr: float = 1e-3  # the drift: ~3x the old 3e-4, so the policy leaves its SFT style fast (0 = the no-drift control)
     grad_clip: float = 1.0
     updates: int = 2  # optimisation steps per rollout batch (minibatches), old log-probs from the rollout
     micro_batches: int = 1  # gradient accumulation inside one update
@@ -157,11 +157,12 @@ PRESETS = {
     # acceptance nears 3 (1.24x at the end); 60 steps, ~5 min of RL + ~15 min of warm-ups on 2 cores
     "small": dict(name="small", model="small", p_explicit=0.3, sft_steps=1200, sft_lr=3e-3, steps=60,
                   prompts_per_step=16, rollout_batch=16, lr=2e-4, eval_prompts=32, draft_warmup_steps=200,
-                  draft_warmup_batch=64, draft_warmup_lr=1e-3),
+                  draft_warmup_batch=64, draft_warmup_lr=1e-3, num_draft_tokens=3),
     # CI-sized: every code path and a visible learning signal, ~2.5 min on 2 cores from an empty cache
     # (tests/test_train_torchrun.py)
     "smoke": dict(name="smoke", model="tiny", sft_steps=800, draft_warmup_steps=60, draft_warmup_batch=64,
-                  draft_warmup_lr=1e-3, draft_warmup_pool=256, steps=20, rollout_batch=64, eval_prompts=16, max_steps=5),
+                  draft_warmup_lr=1e-3, draft_warmup_pool=256, steps=20, rollout_batch=64, eval_prompts=16, max_steps=5,
+                  lr=3e-4, num_draft_tokens=3),
     # for tests: seconds
     "test": dict(name="test", model="tiny", sft_steps=3, sft_batch=8, draft_warmup_steps=2, draft_warmup_batch=4,
                  draft_warmup_pool=8, steps=2, prompts_per_step=2, group_size=4, eval_every=1, eval_prompts=2,

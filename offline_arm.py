@@ -82,6 +82,18 @@ class OfflineArm:
         self.steps_done += 1
         return {"offline_sample": t1 - t0, "offline_train": time.perf_counter() - t1}
 
+    def state_dict(self) -> dict:  # for --resume (resume.py): weights, optimizer and the three sample streams
+        return {"draft": self.draft.state_dict(), "opt": self.tr.opt.state_dict(), "rng": self.rng.getstate(),
+                "gen": self.gen.get_state(), "perm": self.perm.get_state(), "steps_done": self.steps_done}
+
+    def load_state_dict(self, st: dict):
+        self.draft.load_state_dict(st["draft"])
+        self.tr.opt.load_state_dict(st["opt"])
+        self.rng.setstate(st["rng"])
+        self.gen.set_state(st["gen"])
+        self.perm.set_state(st["perm"])
+        self.steps_done = st["steps_done"]
+
     @torch.no_grad()
     def broadcast(self, src: int = 0):
         """Every rank's copy <- rank src's (one flat bucket over the world group); a no-op in one process."""
