@@ -5,6 +5,8 @@ every other rank's Report is silent (world size 1 is a plain program: its one pr
     rep.train(row) / rep.eval(ev)       one line on the console and one JSON record per step / evaluation
     summary = rep.finish(warm_info, wall_s)     summary.json + train.png, returns the summary
 
+    python report.py runs/default runs/seed1 runs/seed2      # the seeds table (mean +- sd over runs), markdown
+
 Records: {"kind": "train", "step", reward..., "time": {"rollout", "policy_train", "draft_train", "eval"}} and
 {"kind": "eval", "step", "kl", reward..., accept_<arm>, tok_s_<arm>, speedup_<arm>}.
 """
@@ -140,3 +142,38 @@ def e2e_step_times(rows: list, evals: list) -> dict:
         ar += t["rollout"] * sp + t["policy_train"]
     n = max(len(rows), 1)
     return {"e2e_step_s_spec": spec / n, "e2e_step_s_ar": ar / n, "e2e_step_speedup": ar / max(spec, 1e-9)}
+
+
+SEED_KEYS = (("accept_len_cotrained", "acceptance, co-trained"), ("accept_len_offline", "acceptance, offline-extended"),
+             ("accept_len_frozen", "acceptance, frozen"), ("accept_len_cold", "acceptance, cold start"),
+             ("tau_hat_cotrained_last", "tau_hat (teacher-forced), co-trained"),
+             ("tau_hat_offline_last", "tau_hat (teacher-forced), offline-extended"),
+             ("tau_hat_frozen_last", "tau_hat (teacher-forced), frozen"),
+             ("eval_reward_last", "held-out reward"), ("correct_last", "held-out accuracy"), ("kl_last", "KL at the end"),
+             ("rollout_speedup", "rollout speedup, co-trained"), ("e2e_step_speedup", "e2e step speedup"))
+
+
+def seeds_table(summaries: dict) -> str:
+    """{run name: summary} -> a markdown table: one column per run, then mean +- sd (sample sd over runs), plus the
+    co-trained - offline / - frozen intervals of each run."""
+    import statistics
+    names = list(summaries)
+    lines = ["| | " + " | ".join(names) + " | mean ± sd |", "|---|" + "---:|" * (len(names) + 1)]
+    for key, label in SEED_KEYS:
+        vals = [summaries[n].get(key) for n in names]
+        if any(v is None for v in vals):
+            continue
+        sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
+        lines.append(f"| {label} | " + " | ".join(f"{v:.2f}" for v in vals) + f" | {statistics.mean(vals):.2f} ± {sd:.2f} |")
+    for arm in ("offline", "frozen"):
+        key = f"accept_gain_vs_{arm}_ci"
+        if all(key in summaries[n] for n in names):
+            lines.append(f"| co-trained − {arm}, 95% CI | " + " | ".join(
+                f"[{summaries[n][key][0]:+.2f}, {summaries[n][key][1]:+.2f}]" for n in names) + " | |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+    runs = sys.argv[1:] or ["runs/default"]
+    print(seeds_table({os.path.basename(r.rstrip("/")): json.load(open(os.path.join(r, "summary.json"))) for r in runs}))
