@@ -120,25 +120,26 @@ def summarize(cfg: Config, rows: list, evals: list, warm: dict, wall_s: float) -
         if f"tau_hat_{arm}" in rows[-1]:
             out[f"tau_hat_{arm}_last"] = sum(r[f"tau_hat_{arm}"] for r in rows[-n:]) / n
     out["speedup_agreement_eval0"] = first["speedup_frozen"] / first["speedup_cotrained"]  # same draft at eval 0
-    out.update(e2e_step_times(rows, evals))
+    out.update(e2e_step_times(rows, evals, trained_drafts=1 + (cfg.cold_arm and not cfg.cold_start)))
     out["temperature"], out["eval_k"], out["rl_seed"], out["lr"] = cfg.temperature, cfg.eval_k, cfg.run_seed, cfg.lr
     return out
 
 
-def e2e_step_times(rows: list, evals: list) -> dict:
+def e2e_step_times(rows: list, evals: list, trained_drafts: int = 1) -> dict:
     """End-to-end RL step time, speculative vs autoregressive rollouts (rollout + update + co-training), per step:
 
-        spec = t_rollout + t_policy_train + t_draft_train               (measured: the run itself)
-        ar   = t_rollout * speedup + t_policy_train                     (the same step with AR rollouts, no draft)
+        spec = t_rollout + t_policy_train + t_draft_train / trained_drafts    (measured: the run itself)
+        ar   = t_rollout * speedup + t_policy_train                           (the same step with AR rollouts, no draft)
 
     speedup = the co-trained draft's measured paired rollout speedup at the latest eval before that step. The
-    controls' costs (timer "watch", "offline_*") and the eval are not part of either. e2e_step_speedup = sum ar / sum
-    spec over the run."""
+    controls' costs (the cold arm's share of t_draft_train: the drafts trained on the same taps are the same size, so
+    the co-trained one's share is 1 / trained_drafts; timers "watch", "offline_*") and the eval are not part of
+    either. e2e_step_speedup = sum ar / sum spec over the run."""
     spec = ar = 0.0
     for r in rows:
         sp = max((e for e in evals if e["step"] < r["step"]), key=lambda e: e["step"], default=evals[0])["speedup"]
         t = r["time"]
-        spec += t["rollout"] + t["policy_train"] + t["draft_train"]
+        spec += t["rollout"] + t["policy_train"] + t["draft_train"] / trained_drafts
         ar += t["rollout"] * sp + t["policy_train"]
     n = max(len(rows), 1)
     return {"e2e_step_s_spec": spec / n, "e2e_step_s_ar": ar / n, "e2e_step_speedup": ar / max(spec, 1e-9)}
