@@ -105,7 +105,8 @@ class DistCotrainer:
         self.stage.to(next(policy.parameters()).device)
         self.opt = make_opt(self.stage.parameters())
         self.last = self.stage.is_last
-        taps = sorted({l for tr in self.drafts for l in tr.draft.tap_layers} | {l for d in self.watch for l in d.tap_layers})
+        taps = sorted({l for tr in self.drafts for l in tr.draft.tap_layers}
+                      | {l for d in self.watch for l in d.tap_layers})
         dparams = [p for tr in self.drafts for p in tr.draft.parameters()] if self.last else ()
         self.sched = PipelineSchedule(self.stage, grid, self.split, schedule=schedule, tap_layers=taps,
                                       attn_fn=attn_fn if grid.cp == 1 else None, draft_params=dparams)
@@ -118,7 +119,7 @@ class DistCotrainer:
                           None if mb.position_ids is None else mb.position_ids.to(dev),
                           {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in mb.extra.items()})
                for mb in mbs]
-        acc = torch.zeros(6 + K, dtype=torch.float64, device=dev)  # clipped, ratio, k3, tokens, draft s, watch s, losses
+        acc = torch.zeros(6 + K, dtype=torch.float64, device=dev)  # clip, ratio, k3, tokens, draft s, watch s, losses
         metrics = {}
 
         def loss_fn(logits, mb):  # (T, V) this rank's rows -> dp * its share of L_policy

@@ -69,7 +69,8 @@ def plot_run(train_rows: list, eval_rows: list, path: str, title: str = "") -> s
         a.legend(fontsize=7)
 
     parts = [("rollout", "tab:orange"), ("policy_train", "tab:purple"), ("draft_train", "tab:blue"),
-             ("eval", "tab:gray"), ("watch", "tab:pink"), ("offline_sample", "tab:olive"), ("offline_train", "tab:cyan")]
+             ("eval", "tab:gray"), ("watch", "tab:pink"), ("offline_sample", "tab:olive"),
+             ("offline_train", "tab:cyan")]
     bottom = [0.0] * len(train_rows)
     for key, color in parts:
         vals = [r["time"].get(key, 0.0) for r in train_rows]

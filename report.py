@@ -150,7 +150,8 @@ SEED_KEYS = (("accept_len_cotrained", "acceptance, co-trained"), ("accept_len_of
              ("tau_hat_cotrained_last", "tau_hat (teacher-forced), co-trained"),
              ("tau_hat_offline_last", "tau_hat (teacher-forced), offline-extended"),
              ("tau_hat_frozen_last", "tau_hat (teacher-forced), frozen"),
-             ("eval_reward_last", "held-out reward"), ("correct_last", "held-out accuracy"), ("kl_last", "KL at the end"),
+             ("eval_reward_last", "held-out reward"), ("correct_last", "held-out accuracy"),
+             ("kl_last", "KL at the end"),
              ("rollout_speedup", "rollout speedup, co-trained"), ("e2e_step_speedup", "e2e step speedup"))
 
 
@@ -165,7 +166,8 @@ def seeds_table(summaries: dict) -> str:
         if any(v is None for v in vals):
             continue
         sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
-        lines.append(f"| {label} | " + " | ".join(f"{v:.2f}" for v in vals) + f" | {statistics.mean(vals):.2f} ± {sd:.2f} |")
+        cells = " | ".join(f"{v:.2f}" for v in vals)
+        lines.append(f"| {label} | {cells} | {statistics.mean(vals):.2f} ± {sd:.2f} |")
     for arm in ("offline", "frozen"):
         key = f"accept_gain_vs_{arm}_ci"
         if all(key in summaries[n] for n in names):
@@ -177,4 +179,5 @@ def seeds_table(summaries: dict) -> str:
 if __name__ == "__main__":
     import sys
     runs = sys.argv[1:] or ["runs/default"]
-    print(seeds_table({os.path.basename(r.rstrip("/")): json.load(open(os.path.join(r, "summary.json"))) for r in runs}))
+    print(seeds_table({os.path.basename(r.rstrip("/")): json.load(open(os.path.join(r, "summary.json")))
+                       for r in runs}))

@@ -11,8 +11,9 @@ greedy (accept iff d_j = argmax p_j) and reproduces plain greedy decoding token 
 bonus included (1.0 = no speedup), is the one definition of DESIGN.md section 3:
     acceptance length = sum_forwards (tokens the row keeps from that forward) / sum_forwards (rows active in it)
 the prefill forward and its token excluded; the forward in which a row stops counts only the tokens kept up to EOS or
-max_new_tokens (kept_tokens). So returned tokens = rows with a prefill token + the numerator, exactly. The log-probs returned for GRPO
-are the policy's, log softmax(logits / tau) (tau = 0: of the raw logits), read from the verification forwards.
+max_new_tokens (kept_tokens). So returned tokens = rows with a prefill token + the numerator, exactly.
+The log-probs returned for GRPO are the policy's, log softmax(logits / tau) (tau = 0: of the raw logits), read from
+the verification forwards.
 
     python speculative.py      # tiny random policy + draft: greedy exactness and the stats of a sampled rollout
 

@@ -4,7 +4,8 @@ The single-process step runs here (the oracle); one 4-process spawn then runs th
 two more loss normalisations (spawning costs seconds on 2 cores). Every rank checks, after DistCotrainer.step + refit,
 that its FULL policy and drafts (re-assembled for rollouts), the policy loss, both draft losses and the GRPO statistics
 equal the oracle's (fp64 within 1e-8). The batch is hand-made (no generation): random advantages, one zero-variance
-group, old log-probs near the policy's own at temperature 0.7 (so some ratios clip), a reference for the k3 penalty (beta > 0), two drafts,
+group, old log-probs near the policy's own at temperature 0.7 (so some ratios clip; every log-prob and the drafts'
+teacher at that temperature), a reference for the k3 penalty (beta > 0), two drafts,
 tied embeddings (a copy on the first and the last stage) and a policy gradient that gets clipped.
 """
 import pytest
