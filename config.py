@@ -29,7 +29,8 @@ from rl_loop import LOSS_NORMS
 @dataclass
 class Config:
     name: str = "default"
-    seed: int = 0
+    seed: int = 0  # the warm-ups (SFT, draft) and the held-out prompts: shared by every rl_seed
+    rl_seed: int = -1  # the RL phase (prompts, rollouts, shuffles, cold-start draft, offline arm); -1: = seed
     threads: int = 1  # 1 is robust on a shared 2-core machine (2 threads spin-wait when cores are busy)
     warmup_threads: int = 2  # the warm-ups run alone (under torchrun on rank 0 while the others wait): use the cores
     device: str = "auto"  # auto: each process's own GPU when CUDA is present and every local rank gets one, else CPU
@@ -56,6 +57,7 @@ class Config:
     # draft and its warm-up
     cold_start: bool = False  # the rollout draft starts untrained (fc/layer random, head copied) and learns online only
     cold_arm: bool = True  # also co-train a cold-start draft on the same taps, evaluated only (no rollouts)
+    offline_arm: bool = True  # the control: the warm-up draft trained as much, on fresh pi_0 samples (offline_arm.py)
     draft_warmup_steps: int = 800  # 200 x 64 at 1e-3 left it at acceptance ~2.2 (k = 3): speculation lost on CPU
     draft_warmup_batch: int = 32
     draft_warmup_lr: float = 3e-3  # the offline fit; draft_lr is the online co-training's
@@ -70,10 +72,10 @@ class Config:
     prompts_per_step: int = 32  # 8 prompts x 8 samples per step left the GRPO update mostly noise
     group_size: int = 8
     temperature: float = 1.0
-    num_draft_tokens: int = 3
+    num_draft_tokens: int = 4  # k (rollouts and eval): the ceiling k + 1 = 5 sits above the warm-up draft's ~4
     tree: tuple = ()  # a tree draft (b_1,...,b_k), --tree=2,2,1 (speculative_tree.py); (): the chain of num_draft_tokens
     rollout_batch: int = 32  # rows per generate call (the rollout engine's batch), speculative and autoregressive alike
-    lr: float = 3e-4
+    lr: float = 1e-3  # the drift: ~3x the old 3e-4, so the policy leaves its SFT style fast (0 = the no-drift control)
     grad_clip: float = 1.0
     updates: int = 2  # optimisation steps per rollout batch (minibatches), old log-probs from the rollout
     micro_batches: int = 1  # gradient accumulation inside one update
@@ -86,6 +88,8 @@ class Config:
     eval_every: int = 10
     eval_prompts: int = 64
     eval_samples: int = 2  # samples per eval prompt (same seed for every arm)
+    eval_draft_tokens: int = 0  # k at eval (0: num_draft_tokens); a larger k keeps the ceiling k + 1 from binding
+    bootstrap: int = 2000  # paired bootstrap resamples over eval prompts for the acceptance-gain intervals
     # distributed (torchrun, WORLD_SIZE > 1 only): mesh DP x PP x CP, pp * cp * dp = world size (dp=0: world/(pp*cp))
     pp: int = 2
     cp: int = 2
@@ -122,6 +126,16 @@ class Config:
                              "(the built-in task generates its own)")
 
     @property
+    def run_seed(self) -> int:
+        """The RL phase's seed: rl_seed, or seed when rl_seed = -1."""
+        return self.seed if self.rl_seed < 0 else self.rl_seed
+
+    @property
+    def eval_k(self) -> int:
+        """Draft tokens per step at eval."""
+        return self.eval_draft_tokens or self.num_draft_tokens
+
+    @property
     def hf_mode(self) -> bool:
         """--model names a directory (an HF checkpoint) rather than a model.ModelConfig preset."""
         return self.model not in MODEL_PRESETS and os.path.isdir(self.model)
@@ -153,6 +167,7 @@ FLAG = (lambda v, c: True, "true or false")  # the type check is the whole check
 CHECKS = {
     "name":               ((lambda v, c: v != "" and "/" not in v and v not in (".", "..")), "a run name (no '/')"),
     "seed":               at_least(0),
+    "rl_seed":            ((lambda v, c: v >= -1), ">= 0, or -1 (= seed)"),
     "threads":            at_least(1),
     "warmup_threads":     at_least(1),
     "device":             one_of("auto", "cpu", "cuda"),
@@ -178,6 +193,7 @@ CHECKS = {
     "sft_lr":             above(0),
     "cold_start":         FLAG,
     "cold_arm":           FLAG,
+    "offline_arm":        FLAG,
     "draft_warmup_steps": at_least(0),
     "draft_vocab":        ((lambda v, c: v >= 0), ">= 0 (0 = the full vocabulary)"),
     "draft_warmup_batch": ((lambda v, c: 1 <= v <= c.draft_warmup_pool), "in [1, draft_warmup_pool={draft_warmup_pool}]"),
@@ -197,7 +213,7 @@ CHECKS = {
                            "() or branching factors >= 1, as many as num_draft_tokens={num_draft_tokens} (the tree's "
                            "depth), e.g. --tree=2,2,1"),
     "rollout_batch":      at_least(1),
-    "lr":                 above(0),
+    "lr":                 at_least(0),  # 0: the no-drift control (the policy does not move)
     "grad_clip":          above(0),  # a negative bound flips the gradient: the update would ascend
     "updates":            ((lambda v, c: 1 <= v <= c.prompts_per_step * c.group_size),
                            "in [1, prompts_per_step * group_size = {prompts_per_step} * {group_size}]"),
@@ -210,6 +226,8 @@ CHECKS = {
     "eval_every":         at_least(1),
     "eval_prompts":       at_least(1),
     "eval_samples":       at_least(1),
+    "eval_draft_tokens":  ((lambda v, c: v >= 0), ">= 0 (0 = num_draft_tokens)"),
+    "bootstrap":          at_least(1),
     "pp":                 at_least(1),
     "cp":                 at_least(1),
     "dp":                 ((lambda v, c: v >= 0), ">= 0 (0 = world / (pp * cp))"),
@@ -268,11 +286,12 @@ PRESETS = {
     # acceptance nears 3 (1.24x at the end); 60 steps, ~5 min of RL + ~15 min of warm-ups on 2 cores
     "small": dict(name="small", model="small", p_explicit=0.3, sft_steps=1200, sft_lr=3e-3, steps=60,
                   prompts_per_step=16, rollout_batch=16, lr=2e-4, eval_prompts=32, draft_warmup_steps=200,
-                  draft_warmup_batch=64, draft_warmup_lr=1e-3),
+                  draft_warmup_batch=64, draft_warmup_lr=1e-3, num_draft_tokens=3),
     # CI-sized: every code path and a visible learning signal, ~2.5 min on 2 cores from an empty cache
     # (tests/test_train_torchrun.py)
     "smoke": dict(name="smoke", model="tiny", sft_steps=800, draft_warmup_steps=60, draft_warmup_batch=64,
-                  draft_warmup_lr=1e-3, draft_warmup_pool=256, steps=20, rollout_batch=64, eval_prompts=16, max_steps=5),
+                  draft_warmup_lr=1e-3, draft_warmup_pool=256, steps=20, rollout_batch=64, eval_prompts=16, max_steps=5,
+                  lr=3e-4, num_draft_tokens=3),
     # for tests: seconds
     "test": dict(name="test", model="tiny", sft_steps=3, sft_batch=8, draft_warmup_steps=2, draft_warmup_batch=4,
                  draft_warmup_pool=8, steps=2, prompts_per_step=2, group_size=4, eval_every=1, eval_prompts=2,

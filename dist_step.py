@@ -26,6 +26,7 @@ Letters: T packed tokens (this rank's shard under CP), S sequences, M micro-batc
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 import torch.distributed as dist
@@ -109,14 +110,17 @@ class DistCotrainer:
     """
 
     def __init__(self, policy, drafts: list, grid: Grid, make_opt, *, grad_clip: float = 1.0, schedule: str = "1f1b",
-                 attn_fn=None, attn_backend=None, logprob_chunk: int = 0, activation_checkpointing: bool = False):
+                 attn_fn=None, attn_backend=None, logprob_chunk: int = 0, activation_checkpointing: bool = False,
+                 watch: tuple = ()):
         """attn_backend None: the policy uses attn_fn at cp = 1 (the ring otherwise) and each draft its trainer's
         attn_fn; "torch" / "triton" / "flash": every attention of the step, at any cp (a ring of one at cp = 1), is
         attention_cp.ring_branch_attention with that block kernel. logprob_chunk > 0: the drafts' teacher is the
         policy's final hidden + LM head, streamed (draft_loss.Teacher), instead of its logits. activation_checkpointing:
-        each decoder layer of the stage is recomputed in backward."""
+        each decoder layer of the stage is recomputed in backward. watch: drafts (Eagle3Draft) NOT trained on the
+        rollouts whose teacher-forced acceptance on them is measured in the same draft hook, forward only (the frozen
+        and offline-extended arms): no extra policy forward, no gradient; they must read the trained drafts' taps."""
         cfg = policy.cfg
-        self.grid, self.drafts, self.grad_clip = grid, list(drafts), grad_clip
+        self.grid, self.drafts, self.grad_clip, self.watch = grid, list(drafts), grad_clip, list(watch)
         self.attn_backend, self.logprob_chunk = attn_backend, int(logprob_chunk)
         if self.logprob_chunk < 0:
             raise ValueError(f"logprob_chunk={logprob_chunk}: expected 0 (unfused) or >= 1 rows")
@@ -130,7 +134,8 @@ class DistCotrainer:
         self.stage.to(next(policy.parameters()).device)
         self.opt = make_opt(self.stage.parameters())
         self.last = self.stage.is_last
-        taps = sorted({l for tr in self.drafts for l in tr.draft.tap_layers})
+        taps = sorted({l for tr in self.drafts for l in tr.draft.tap_layers}
+                      | {l for d in self.watch for l in d.tap_layers})
         dparams = [p for tr in self.drafts for p in tr.draft.parameters()] if self.last else ()
         self.sched = PipelineSchedule(self.stage, grid, self.split, schedule=schedule, tap_layers=taps,
                                       attn_fn=attn_fn if grid.cp == 1 or attn_backend else None,
@@ -146,12 +151,12 @@ class DistCotrainer:
                           None if mb.position_ids is None else mb.position_ids.to(dev),
                           {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in mb.extra.items()})
                for mb in mbs]
-        acc = torch.zeros(5 + K, dtype=torch.float64, device=dev)  # clipped, ratio, k3, tokens, draft s, draft losses
+        acc = torch.zeros(6 + K, dtype=torch.float64, device=dev)  # clip, ratio, k3, tokens, draft s, watch s, losses
         metrics = {}
 
         def loss_fn(logits, mb):  # (T, V) this rank's rows -> dp * its share of L_policy
             e = mb.extra
-            logp = token_logp(logits, e["tgt"])  # (T,) log p(x_{p+1} | x_<=p): labels at the predicting position
+            logp = token_logp(logits, e["tgt"], cfg.temperature)  # (T,) log p_tau(x_{p+1} | x_<=p) at the position
             l, clipped, kl = token_losses(logp, e["old"], e["adv"], e["ref"], cfg)
             with torch.no_grad():
                 m = e["resp"].double()
@@ -161,19 +166,29 @@ class DistCotrainer:
 
         def draft_hook(d):  # last stage, after F(m): every draft's TTT loss on the detached taps and logits
             mb, total = d.mb, 0.0
+            teacher = self._teacher(d, cfg.temperature)  # softmax(z / tau): the rollout's temperature
+            backend = dict(backend=self.attn_backend or "torch", group=g.cp_group)
             for k, tr in enumerate(self.drafts):
                 L, met = tr.draft.ttt_loss(d.taps, mb.tokens, mb.cu_seqlens, loss_mask=mb.extra["dmask"],
                                            num_passes=tr.num_passes, pass_weight=tr.pass_weight,
-                                           position_ids=mb.position_ids, group=g.cp_group,
-                                           attn_fn=tr.attn_fn if g.cp == 1 and self.attn_backend is None else None,
-                                           backend=self.attn_backend or "torch", **self._teacher(d))
-                acc[5 + k] += L.detach().double() / micro_batches
+                                           position_ids=mb.position_ids, attn_fn=self._draft_attn(tr.attn_fn),
+                                           **backend, **teacher)
+                acc[6 + k] += L.detach().double() / micro_batches
                 metrics[(mb.extra["chunk"], k)] = met
                 total = total + tr.lam * L / micro_batches * g.dp
-            return total
+            t0 = time.perf_counter()
+            with torch.no_grad():  # watched arms: the same taps and teacher, forward only
+                for k, dr in enumerate(self.watch):
+                    metrics[(mb.extra["chunk"], K + k)] = dr.ttt_loss(
+                        d.taps, mb.tokens, mb.cu_seqlens, loss_mask=mb.extra["dmask"],
+                        num_passes=self.drafts[0].num_passes if self.drafts else 3, position_ids=mb.position_ids,
+                        attn_fn=self._draft_attn(self.drafts[0].attn_fn if self.drafts else None), **backend,
+                        **teacher)[1]
+            acc[5] += time.perf_counter() - t0
+            return total if self.drafts else None
 
         self.opt.zero_grad(set_to_none=True)
-        res = self.sched.step(mbs, loss_fn, draft_hook if self.drafts else None)
+        res = self.sched.step(mbs, loss_fn, draft_hook if (self.drafts or self.watch) else None)
         grad_norm = self._clip_policy_grads()
         self.opt.step()
         if self.last:
@@ -181,7 +196,8 @@ class DistCotrainer:
                 torch.nn.utils.clip_grad_norm_(tr.draft.parameters(), tr.grad_clip)
                 tr.opt.step()
         if self.last:
-            acc[4] = res.draft_seconds / (g.cp * g.dp)  # summed below: the mean over the last-stage ranks
+            acc[4] = (res.draft_seconds - float(acc[5])) / (g.cp * g.dp)  # summed below: the mean over the last stage
+            acc[5] /= g.cp * g.dp
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(acc)  # world sum: only last-stage ranks hold non-zeros, each its CP / DP share
             everyone = [None] * dist.get_world_size()
@@ -189,18 +205,25 @@ class DistCotrainer:
             metrics = {k: v for part in everyone for k, v in part.items()}
         last = max(j for j, _ in metrics) if metrics else None  # cotrain_step reports the last micro-batch's metrics
         n = max(float(acc[3]), 1.0)
-        draft_losses = [float(x) for x in acc[5:]]
+        draft_losses = [float(x) for x in acc[6:]]
         return {"loss_policy": res.loss, "loss_draft": draft_losses,
                 "draft_metrics": [metrics.get((last, k)) for k in range(K)],
+                "watch_metrics": [metrics.get((last, K + k)) for k in range(len(self.watch))],
+                "watch_seconds": float(acc[5]),
                 "clip_frac": float(acc[0]) / n, "ratio": float(acc[1]) / n, "k3": float(acc[2]) / n,
                 "grad_norm": grad_norm, "p2p_bytes": res.p2p_bytes, "tap_bytes": res.tap_bytes,
                 "draft_seconds": float(acc[4]),
                 "loss_total": res.loss + sum(tr.lam * x for tr, x in zip(self.drafts, draft_losses))}
 
-    def _teacher(self, d) -> dict:  # the drafts' teacher: the policy's logits, or (fused) its hidden + LM head
+    def _teacher(self, d, tau: float) -> dict:
+        """The drafts' teacher softmax(z / tau): the policy's logits, or (fused) its hidden + LM head, W / tau."""
         if self.logprob_chunk:
-            return dict(teacher_hidden=d.hidden, teacher_head=self.stage.head_weight)
-        return dict(teacher_logits=d.logits)
+            w = self.stage.head_weight
+            return dict(teacher_hidden=d.hidden, teacher_head=w if tau == 1.0 else w / tau)
+        return dict(teacher_logits=d.logits if tau == 1.0 else d.logits / tau)
+
+    def _draft_attn(self, attn_fn):  # a draft's own single-process kernel, used only at cp = 1 without a backend
+        return attn_fn if self.grid.cp == 1 and self.attn_backend is None else None
 
     def _clip_policy_grads(self) -> float:
         """torch.nn.utils.clip_grad_norm_ over the WHOLE policy: squares summed over the PP stages (the tied embedding,

@@ -28,6 +28,7 @@ from dist_step import DistCotrainer
 from draft import Eagle3Draft
 from hf_io import from_pretrained
 from model import ModelConfig, Transformer
+from offline_arm import OfflineArm
 from rl_loop import DraftTrainer, GRPOConfig
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ class Setup:
     perm_gen: torch.Generator  # the minibatch shuffle: the same stream on every rank
     grpo: GRPOConfig
     warm_info: dict = field(default_factory=dict)
+    offline: OfflineArm = None  # the offline-extended control (cfg.offline_arm): trained on fresh pi_0 samples
 
 
 def build_task(cfg: Config):
@@ -91,12 +93,29 @@ def build(cfg: Config, mesh: Mesh, log=print) -> Setup:
     s = build_models(cfg, mesh.device, log) if mesh.main else None
     mesh.barrier()
     s = s or build_models(cfg, mesh.device, log=lambda *a, **k: None)
-    s.gen.manual_seed(cfg.seed + 1000 * mesh.grid.dp_rank)  # each DP replica samples its own rollouts
+    s.gen.manual_seed(cfg.run_seed + 1000 * mesh.grid.dp_rank)  # each DP replica samples its own rollouts
     s.cotrainer = DistCotrainer(
         s.policy, list(s.drafts.values()), mesh.grid,
         lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99)),
         grad_clip=cfg.grad_clip, schedule=cfg.schedule, attn_fn=padded_causal_attention,
-        activation_checkpointing=cfg.activation_checkpointing)
+        attn_backend=cfg.attn_backend, logprob_chunk=cfg.logprob_chunk,
+        activation_checkpointing=cfg.activation_checkpointing,
+        watch=[d for _, d in watched(s)])  # frozen / offline-extended: teacher-forced acceptance, forward only
+    return s
+
+
+def watched(s: Setup) -> list:
+    """(arm name, draft) of the arms measured on the rollouts' taps but not trained on them."""
+    return [("frozen", s.frozen)] + ([("offline", s.offline.draft)] if s.offline is not None else [])
+
+
+def build_offline(cfg: Config, s: Setup, warm: Eagle3Draft) -> Setup:
+    """The offline-extended arm (offline_arm.py): a copy of the warm-up draft, reading the live embedding like the
+    frozen copy; cfg.offline_arm = False: none."""
+    if cfg.offline_arm:
+        d = copy.deepcopy(warm)
+        d.attach(s.policy)
+        s.offline = OfflineArm(cfg, s.task, s.ref, d, seed=cfg.run_seed)
     return s
 
 
@@ -122,6 +141,7 @@ def build_models(cfg: Config, dev: torch.device, log=print) -> Setup:
     done = "none (an untrained draft)" if cfg.draft_warmup_steps == 0 else "loaded from cache" if dloaded else "trained"
     log(f"draft warm-up: {done} ({t2 - t1:.0f}s)")
     ref = copy.deepcopy(policy).requires_grad_(False)
+    warm_copy = copy.deepcopy(warm)  # the offline arm's start (the co-trained arm trains `warm` itself)
     frozen = copy.deepcopy(warm).requires_grad_(False)
     frozen.attach(policy)  # like the co-trained draft it reads the live policy's embedding; its own weights stay put
 
@@ -129,14 +149,16 @@ def build_models(cfg: Config, dev: torch.device, log=print) -> Setup:
         return DraftTrainer(d, torch.optim.AdamW(d.parameters(), lr=cfg.draft_lr, weight_decay=0.0), lam=cfg.draft_lam,
                             grad_clip=cfg.draft_grad_clip, num_passes=cfg.ttt_passes, attn_fn=padded_branch_attention)
 
-    torch.manual_seed(cfg.seed + 7)
+    torch.manual_seed(cfg.run_seed + 7)
     vocab = warm.draft_to_target if cfg.draft_vocab else None  # every arm names the same draft tokens
     drafts = {"cotrained": trainer(Eagle3Draft.from_target(policy, draft_vocab=vocab) if cfg.cold_start else warm)}
     if cfg.cold_arm and not cfg.cold_start:
         drafts["cold"] = trainer(Eagle3Draft.from_target(policy, draft_vocab=vocab))
     grpo = GRPOConfig(eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta=cfg.beta, std_norm=cfg.std_norm,
-                      loss_norm=cfg.loss_norm, max_len=tsk.max_new_tokens)
-    return Setup(cfg, tsk, policy, ref, drafts, frozen, None, tsk.eval_set(cfg.eval_prompts, cfg.seed + 1234),
-                 random.Random(cfg.seed), torch.Generator(device=dev).manual_seed(cfg.seed),
-                 torch.Generator().manual_seed(cfg.seed + 31), grpo,
-                 {"sft_s": t1 - t0, "draft_warmup_s": t2 - t1, "policy_cached": loaded, "draft_cached": dloaded})
+                      loss_norm=cfg.loss_norm, max_len=tsk.max_new_tokens, temperature=cfg.temperature)
+    r = cfg.run_seed  # the RL phase's streams; the warm-ups and the held-out prompts follow cfg.seed (shared)
+    s = Setup(cfg, tsk, policy, ref, drafts, frozen, None, tsk.eval_set(cfg.eval_prompts, cfg.seed + 1234),
+              random.Random(r), torch.Generator(device=dev).manual_seed(r), torch.Generator().manual_seed(r + 31), grpo,
+              {"sft_s": t1 - t0, "draft_warmup_s": t2 - t1, "policy_cached": loaded, "draft_cached": dloaded})
+    build_offline(cfg, s, warm_copy)
+    return s

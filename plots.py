@@ -2,9 +2,11 @@
 
     python plots.py runs/default          # re-draw runs/default/train.png from its metrics.jsonl
 
-Panels: (1) reward and accuracy per RL step; (2) acceptance length at each eval step on the same held-out prompts for
-the co-trained draft, the frozen warm-up draft and the cold-start draft; (3) acceptance vs KL(pi_t || pi_0) -- the
-frozen draft decays as the policy drifts, the co-trained one keeps up; (4) where the wall-clock time went.
+Panels: (1) reward and accuracy per RL step (rollouts, held-out); (2) acceptance length at each eval on the same
+held-out prompts for every arm (co-trained, frozen warm-up, offline-extended, cold start); (3) the teacher-forced
+tau_hat of every arm on each step's rollouts (from the update's own taps); (4) the staleness curve: tau_hat vs
+KL(pi_t || pi_0) -- a draft that cannot follow the drift falls as KL grows; (5) per-position acceptance alpha_j at the
+end; (6) where the wall-clock time went.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import os
 import sys
 
 ARMS = (("cotrained", "co-trained draft", "tab:blue"), ("frozen", "frozen warm-up draft", "tab:red"),
+        ("offline", "offline-extended (fresh pi_0 samples)", "tab:orange"),
         ("cold", "cold-start draft (co-trained)", "tab:green"))
 
 
@@ -27,7 +30,8 @@ def plot_run(train_rows: list, eval_rows: list, path: str, title: str = "") -> s
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, 4, figsize=(17, 3.6))
+    fig, ax = plt.subplots(2, 3, figsize=(16, 8))
+    ax = ax.ravel()
     steps = [r["step"] for r in train_rows]
     ax[0].plot(steps, [r["reward"] for r in train_rows], color="tab:purple", alpha=0.35, label="reward (rollouts)")
     ax[0].plot(steps, _smooth([r["reward"] for r in train_rows]), color="tab:purple", label="reward (smoothed)")
@@ -35,43 +39,51 @@ def plot_run(train_rows: list, eval_rows: list, path: str, title: str = "") -> s
     if eval_rows:
         ax[0].plot([r["step"] for r in eval_rows], [r["reward"] for r in eval_rows], "o", color="k", ms=4,
                    label="reward (held-out)")
-    ax[0].set(xlabel="RL step", title="reward", ylim=(0, None))
+        ax[0].plot([r["step"] for r in eval_rows], [r["correct"] for r in eval_rows], "s", color="tab:gray", ms=4,
+                   label="accuracy (held-out)")
+    ax[0].set(xlabel="RL step", title="reward and accuracy", ylim=(0, None))
     ax[0].legend(fontsize=7)
 
+    kls = [r["kl"] for r in train_rows]
     for key, label, color in ARMS:
         pts = [(r["step"], r[f"accept_{key}"]) for r in eval_rows if r.get(f"accept_{key}") is not None]
         if pts:
             ax[1].plot(*zip(*pts), "o-", color=color, label=label)
-            kl = [_window_kl(train_rows, eval_rows, r) for r in eval_rows if r.get(f"accept_{key}") is not None]
-            ax[2].plot(kl, [a for _, a in pts], "o-", color=color, label=label)
+        tau = [r.get(f"tau_hat_{key}") for r in train_rows]
+        if any(t is not None for t in tau):
+            ax[2].plot(steps, tau, color=color, alpha=0.3)
+            ax[2].plot(steps, _smooth(tau), color=color, label=label)
+            ax[3].scatter(kls, tau, color=color, s=8, alpha=0.6, label=label)
+        alpha = [r.get(f"alpha_{key}") for r in train_rows[-max(len(train_rows) // 10, 1):]]
+        if alpha and alpha[0] is not None:
+            mean = [sum(a[j] for a in alpha) / len(alpha) for j in range(len(alpha[0]))]
+            ax[4].plot(range(1, len(mean) + 1), mean, "o-", color=color, label=label)
     ax[1].axhline(1.0, color="k", lw=0.5)
-    ax[1].set(xlabel="RL step", ylabel="tokens / policy forward", title="acceptance length (held-out prompts)")
-    ax[1].legend(fontsize=7)
-    ax[2].set(xlabel="KL(pi_t || pi_0) on rollouts (mean since the previous eval)", ylabel="acceptance length",
+    ax[1].set(xlabel="RL step", ylabel="tokens kept / verification forward",
+              title="acceptance length, held-out prompts (speculative)")
+    ax[2].set(xlabel="RL step", ylabel="tau_hat", title="teacher-forced tau_hat on each step's rollouts")
+    ax[3].set(xlabel="KL(pi_t || pi_0) on the step's rollouts", ylabel="tau_hat (teacher-forced)",
               title="staleness: acceptance vs drift")
-    ax[2].legend(fontsize=7)
+    ax[4].set(xlabel="draft position j", ylabel="alpha_j", title="per-position acceptance, last 10% of steps")
+    for a in ax[1:5]:
+        a.legend(fontsize=7)
 
-    parts = [("rollout", "tab:orange"), ("policy_train", "tab:purple"), ("draft_train", "tab:blue"), ("eval", "tab:gray")]
+    parts = [("rollout", "tab:orange"), ("policy_train", "tab:purple"), ("draft_train", "tab:blue"),
+             ("eval", "tab:gray"), ("watch", "tab:pink"), ("offline_sample", "tab:olive"),
+             ("offline_train", "tab:cyan")]
     bottom = [0.0] * len(train_rows)
     for key, color in parts:
         vals = [r["time"].get(key, 0.0) for r in train_rows]
-        ax[3].bar(steps, vals, bottom=bottom, color=color, width=1.0, label=key)
+        ax[5].bar(steps, vals, bottom=bottom, color=color, width=1.0, label=key)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax[3].set(xlabel="RL step", ylabel="seconds", title="time per step")
-    ax[3].legend(fontsize=7)
+    ax[5].set(xlabel="RL step", ylabel="seconds", title="time per step (watch, offline_*: the controls' cost)")
+    ax[5].legend(fontsize=7)
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
-
-
-def _window_kl(train_rows: list, eval_rows: list, ev: dict) -> float:
-    """Mean rollout KL over the train steps since the previous eval (one step's estimate is noisy); 0 at step 0."""
-    prev = max([e["step"] for e in eval_rows if e["step"] < ev["step"]], default=0)
-    kls = [r["kl"] for r in train_rows if prev < r["step"] <= ev["step"]]
-    return sum(kls) / len(kls) if kls else 0.0
 
 
 def _smooth(xs: list, w: int = 5) -> list:

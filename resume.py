@@ -25,6 +25,8 @@ def run_parts(s: Setup) -> tuple[dict, dict]:
     states = {"policy": s.cotrainer.stage, "policy_opt": s.cotrainer.opt}
     for name, tr in s.drafts.items():
         states[f"draft_{name}"], states[f"draft_opt_{name}"] = tr.draft, tr.opt
+    if s.offline is not None:  # the offline-extended control: its draft, optimizer and sample streams
+        states["offline"] = s.offline
     return states, {"rollout": s.gen, "perm": s.perm_gen}
 
 

@@ -8,6 +8,8 @@ For each prompt, G responses o_1..o_G are sampled (speculatively, exactly from p
      Groups whose rewards are all equal give A = 0: they are counted and skipped (no loss, no token counts; DAPO).
   2. Clipped surrogate with asymmetric clip ("clip-higher", DAPO [Yu et al. 2025]) and an optional KL penalty:
          rho_{i,t} = pi_theta(o_t | q, o_<t) / pi_old(o_t | q, o_<t)    (pi_old: the log-probs the rollout recorded)
+     Every pi here is softmax(logits / tau) at the rollout's temperature tau (GRPOConfig.temperature): the samples
+     come from pi_old at tau, so on-policy rho = 1 exactly; a log_softmax(logits) would make rho != 1 at tau != 1.
          l_{i,t}   = -min(rho A_i, clip(rho, 1 - eps_low, 1 + eps_high) A_i) + beta * k3_{i,t}
          k3        = ratio - 1 - log ratio,  ratio = pi_ref / pi_theta  (unbiased, always >= 0; Schulman 2020,
                      "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html; used by GRPO)
@@ -96,17 +98,20 @@ class RolloutBatch:
         return RolloutBatch(cu_seqlens=new_cu, adv=self.adv[idx], valid=self.valid[idx], ref_logp=ref, **per_tok)
 
 
-def token_logp(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """logits (T, V), targets (T,) -> (T,) log softmax(logits)[t, targets[t]], in fp32 at least (bf16 logits; fp64
-    kept). Gathered logit minus logsumexp: never materialises the (T, V) log-softmax."""
-    z = at_least_f32(logits)
+def token_logp(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """logits (T, V), targets (T,) -> (T,) log softmax(logits / tau)[t, targets[t]], in fp32 at least (bf16 logits;
+    fp64 kept). tau: the rollout's temperature -- the distribution the samples came from, so that every log-prob of
+    the update (old, new, reference) is of the same pi. Gathered logit minus logsumexp: never materialises the (T, V)
+    log-softmax."""
+    z = at_least_f32(logits) if temperature == 1.0 else at_least_f32(logits) / temperature
     return z.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(z, -1)
 
 
-def next_token_logp(logits: torch.Tensor, tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """logits (T, V) of a packed forward -> (T,) log p(tokens[t] | tokens of its sequence before t); 0 at starts
-    (position t-1 predicts token t)."""
-    lp = token_logp(logits[:-1], tokens[1:])
+def next_token_logp(logits: torch.Tensor, tokens: torch.Tensor, cu_seqlens: torch.Tensor,
+                    temperature: float = 1.0) -> torch.Tensor:
+    """logits (T, V) of a packed forward -> (T,) log p_tau(tokens[t] | tokens of its sequence before t); 0 at starts
+    (position t-1 predicts token t). p_tau = softmax(logits / tau), the rollout's temperature."""
+    lp = token_logp(logits[:-1], tokens[1:], temperature)
     out = torch.zeros(tokens.shape[0], dtype=lp.dtype, device=logits.device)
     starts = torch.zeros_like(tokens, dtype=torch.bool)
     starts[cu_seqlens[:-1].long()] = True
@@ -170,8 +175,11 @@ class GRPOConfig:
     std_norm: bool = True  # False + loss_norm="constant" is Dr. GRPO
     loss_norm: str = "global-token"
     max_len: int = 64  # L_max for the "constant" normalisation (the rollout's max new tokens)
+    temperature: float = 1.0  # the rollout's tau: pi_theta, pi_old and pi_ref are all softmax(logits / tau)
 
     def __post_init__(self):
+        if not self.temperature > 0:
+            raise ValueError(f"temperature={self.temperature}: expected > 0 (the rollouts' sampling temperature)")
         if self.loss_norm not in LOSS_NORMS:
             raise ValueError(f"loss_norm={self.loss_norm!r}: expected one of {LOSS_NORMS}")
         if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
@@ -226,10 +234,13 @@ def draft_mask(mb: RolloutBatch) -> torch.Tensor:
     return m
 
 
-def draft_loss(tr: DraftTrainer, taps: dict, logits, mb: RolloutBatch):
-    """L_draft: TTT loss on detached taps with the policy's detached logits as teacher. Returns (loss, metrics)."""
+def draft_loss(tr: DraftTrainer, taps: dict, logits, mb: RolloutBatch, temperature: float = 1.0):
+    """L_draft: TTT loss on detached taps with the policy's detached logits as teacher, at the rollout temperature:
+    the teacher is softmax(logits / tau), the distribution the draft's proposals are verified against. Returns (loss,
+    metrics)."""
     taps = {l: taps[l].detach() for l in tr.draft.tap_layers}
-    return tr.draft.ttt_loss(taps, mb.tokens, mb.cu_seqlens, logits.detach(), loss_mask=draft_mask(mb),
+    teacher = logits.detach() if temperature == 1.0 else logits.detach() / temperature
+    return tr.draft.ttt_loss(taps, mb.tokens, mb.cu_seqlens, teacher, loss_mask=draft_mask(mb),
                              num_passes=tr.num_passes, pass_weight=tr.pass_weight, attn_fn=tr.attn_fn)
 
 
@@ -256,7 +267,7 @@ def cotrain_step(policy, policy_opt, batch: RolloutBatch, cfg: GRPOConfig, draft
         mb = batch.select(chunk).to(dev)
         t0 = time.perf_counter()
         out = policy(mb.tokens, mb.cu_seqlens, attn_fn=attn_fn, tap_layers=taps_wanted)  # logits (T, V), taps
-        logp = next_token_logp(out.logits, mb.tokens, mb.cu_seqlens)
+        logp = next_token_logp(out.logits, mb.tokens, mb.cu_seqlens, cfg.temperature)
         L_p, st = policy_loss(logp, mb, cfg, n_seqs=n_seqs, n_tokens=n_tokens, n_micro=micro_batches)
         if n_tokens > 0:
             L_p.backward()
@@ -265,7 +276,7 @@ def cotrain_step(policy, policy_opt, batch: RolloutBatch, cfg: GRPOConfig, draft
         stats["loss_policy"] += float(L_p.detach())
         pstats.append(st)
         for k, tr in enumerate(drafts):
-            L_d, dm = draft_loss(tr, out.taps, out.logits, mb)
+            L_d, dm = draft_loss(tr, out.taps, out.logits, mb, cfg.temperature)
             (tr.lam * L_d / micro_batches).backward()
             stats["loss_draft"][k] += float(L_d.detach()) / micro_batches
             stats["draft_metrics"][k] = dm  # the last micro-batch's metrics
@@ -296,16 +307,19 @@ def check_finite_weights(model: torch.nn.Module, what: str, hint: str = ""):
 
 
 @torch.no_grad()
-def reference_logp(ref, batch: RolloutBatch, *, attn_fn=None, logprob_chunk: int = 0) -> torch.Tensor:
+def reference_logp(ref, batch: RolloutBatch, *, attn_fn=None, temperature: float = 1.0,
+                   logprob_chunk: int = 0) -> torch.Tensor:
     """log pi_ref(tokens[t] | prefix) per token (T,) from the frozen reference (one no-grad forward per batch), on
-    the batch's device. logprob_chunk > 0: no (T, V) logits, the head applied that many rows at a time."""
+    the batch's device; pi_ref = softmax(logits / tau) at the rollout's temperature, like pi_old and pi_theta.
+    logprob_chunk > 0: no (T, V) logits, the head applied that many rows at a time."""
     b = batch.to(next(ref.parameters()).device)
     if logprob_chunk > 0:
         from fused_logprob import next_token_logp as fused
         h = ref(b.tokens, b.cu_seqlens, attn_fn=attn_fn, logits=False).hidden  # (T, H)
-        return fused(h, ref.head_weight, b.tokens, b.cu_seqlens, chunk=logprob_chunk).to(batch.tokens.device)
+        return fused(h, ref.head_weight, b.tokens, b.cu_seqlens, chunk=logprob_chunk,
+                     temperature=temperature).to(batch.tokens.device)
     z = ref(b.tokens, b.cu_seqlens, attn_fn=attn_fn).logits  # (T, V)
-    return next_token_logp(z, b.tokens, b.cu_seqlens).to(batch.tokens.device)
+    return next_token_logp(z, b.tokens, b.cu_seqlens, temperature).to(batch.tokens.device)
 
 
 def rollout_kl(batch: RolloutBatch) -> float:

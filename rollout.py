@@ -32,22 +32,28 @@ if TYPE_CHECKING:
     from mesh import Mesh
 
 
-def generate(s: Setup, draft, prompts: list, seed=None):
+def generate(s: Setup, draft, prompts: list, seed=None, k=None):
     """speculative.generate over chunks of cfg.rollout_batch rows -> (tokens, logprobs, stats). draft=None: plain
-    autoregressive sampling through the same engine. seed: a fresh generator (every eval arm sees the same seed)."""
+    autoregressive sampling through the same engine. seed: a fresh generator (every eval arm sees the same seed).
+    k: draft tokens per step (default cfg.num_draft_tokens). stats: sums, plus per prompt row_kept / row_forwards."""
     c = s.cfg
     gen = s.gen if seed is None else torch.Generator(device=s.gen.device).manual_seed(seed)
-    toks, lps, st = [], [], {"row_steps": 0, "accepted": 0, "new_tokens": 0, "seconds": 0.0}
+    toks, lps, st = [], [], {"row_steps": 0, "kept": 0, "new_tokens": 0, "seconds": 0.0}
+    rows = {"row_kept": [], "row_forwards": []}
     for i in range(0, len(prompts), c.rollout_batch):
         r = speculative.generate(s.policy, draft, prompts[i: i + c.rollout_batch],
                                  max_new_tokens=s.task.max_new_tokens,
-                                 num_draft_tokens=c.num_draft_tokens if draft is not None else 0,
-                                 temperature=c.temperature, eos_id=s.task.tok.eos_id, generator=gen, tree=c.tree)
+                                 num_draft_tokens=(k or c.num_draft_tokens) if draft is not None else 0,
+                                 temperature=c.temperature, eos_id=s.task.tok.eos_id, generator=gen,
+                                 tree=c.tree if not k or k == len(c.tree) else None)  # eval's own k: a chain
         toks += [t.cpu() for t in r.tokens]  # rollouts are scored, packed and exchanged on the host
         lps += [lp.cpu() for lp in r.logprobs]
-        for k in st:
-            st[k] += getattr(r.stats, k)
-    st["accept_len"] = (st["row_steps"] + st["accepted"]) / max(st["row_steps"], 1)  # tokens per policy forward
+        for key in st:
+            st[key] += getattr(r.stats, key)
+        for key in rows:
+            rows[key] += getattr(r.stats, key)
+    st.update(rows)
+    st["accept_len"] = st["kept"] / max(st["row_steps"], 1)  # tokens kept per verification forward (speculative.py)
     st["tok_s"] = st["new_tokens"] / max(st["seconds"], 1e-9)
     return toks, lps, st
 
@@ -60,7 +66,8 @@ def rollout_local(s: Setup, problems: list) -> tuple[RolloutBatch, dict]:
     R, parts = s.task.score([p for p in problems for _ in range(c.group_size)], toks)
     adv, valid = group_advantages(R, c.group_size, std_norm=c.std_norm)
     batch = RolloutBatch.from_rollouts(prompts, toks, lps, adv, valid)
-    batch.ref_logp = reference_logp(s.ref, batch, attn_fn=padded_causal_attention)
+    batch.ref_logp = reference_logp(s.ref, batch, attn_fn=padded_causal_attention, temperature=c.temperature,
+                                    logprob_chunk=c.logprob_chunk)
     info = {"reward": float(R.mean()), "correct": float(parts["correct"].mean()),
             "explicit": explicit_share(parts), "resp_len": st["new_tokens"] / len(prompts),
             "zero_var_groups": int((~valid).sum()) // c.group_size,

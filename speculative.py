@@ -10,9 +10,13 @@ p the policy's and q the draft's next-token distributions, both at temperature t
   4. commit:  d_1..d_n, y; roll both KV caches back past the rejected entries (rows advance by different amounts)
 and `finish` truncates each row at EOS / max_new_tokens.
 Every emitted token is distributed exactly as policy sampling [Leviathan et al. 2023; Chen et al. 2023]; tau = 0 is
-greedy (accept iff d_j = argmax p_j) and reproduces plain greedy decoding token for token. The acceptance length is
-the number of generated tokens per policy forward, bonus included (1.0 = no speedup). The log-probs returned for GRPO
-are the policy's, log softmax(logits / tau) (tau = 0: of the raw logits), read from the verification forwards.
+greedy (accept iff d_j = argmax p_j) and reproduces plain greedy decoding token for token. The acceptance length,
+bonus included (1.0 = no speedup), is the one definition of DESIGN.md section 3:
+    acceptance length = sum_forwards (tokens the row keeps from that forward) / sum_forwards (rows active in it)
+the prefill forward and its token excluded; the forward in which a row stops counts only the tokens kept up to EOS or
+max_new_tokens (kept_tokens). So returned tokens = rows with a prefill token + the numerator, exactly.
+The log-probs returned for GRPO are the policy's, log softmax(logits / tau) (tau = 0: of the raw logits), read from
+the verification forwards.
 
 Tree drafts (several candidates per position, verified in the same one forward): speculative_tree.py, generate(tree=).
 
@@ -37,10 +41,13 @@ class SpecStats:
     policy_forwards: int = 0  # verification (or, without a draft, decode) forwards after the prefill
     row_steps: int = 0  # sum over those forwards of the rows still generating
     drafted: int = 0  # draft tokens proposed to active rows
-    accepted: int = 0  # of which accepted
-    acceptance_length: float = 1.0  # generated tokens per policy forward per row, bonus included
-    accept_per_position: list = field(default_factory=list)  # alpha_j = P(d_j accepted | d_<j accepted)
+    accepted: int = 0  # draft tokens kept: kept - row_steps (a row's last forward counts only up to EOS / budget)
+    kept: int = 0  # tokens kept from those forwards, summed over rows (= new_tokens - rows that got a prefill token)
+    acceptance_length: float = 1.0  # kept / row_steps: tokens kept per policy forward per row, bonus included
+    accept_per_position: list = field(default_factory=list)  # alpha_j = P(d_j accepted | d_<j accepted), kept positions
     new_tokens: int = 0  # tokens returned (after EOS / max_new_tokens truncation)
+    row_kept: list = field(default_factory=list)  # per prompt: its share of `kept` (paired per-prompt comparisons)
+    row_forwards: list = field(default_factory=list)  # per prompt: verification forwards it was active in
     seconds: float = 0.0
     tokens_per_s: float = 0.0
 
@@ -160,7 +167,9 @@ class _Decode:
     stats: SpecStats = field(default_factory=SpecStats)
     reached: torch.Tensor = None  # (k,) rows whose draft j was tried, per position j
     accepted: torch.Tensor = None  # (k,) of which accepted
-    accept_sum: int = 0  # tokens kept, summed over forwards and rows (device scalar once stepping)
+    accept_sum: int = 0  # tokens kept (kept_tokens), summed over forwards and rows (device scalar once stepping)
+    row_kept: torch.Tensor = None  # (B,) per prompt: tokens kept over its verification forwards
+    row_fwd: torch.Tensor = None  # (B,) per prompt: verification forwards it was active in
     row_steps: int = 0  # rows active, summed over forwards
 
 
@@ -233,6 +242,7 @@ def prefill(target, draft, prompts, k: int, temperature, eos_id, max_new_tokens,
                 accepted=torch.zeros(max(k, 1), dtype=torch.long, device=dev))
     s.toks[:, 0], s.lps[:, 0] = y, _logprob(z[:, None], y[:, None], temperature)[:, 0]
     s.accept_sum = torch.zeros((), dtype=torch.long, device=dev)
+    s.row_kept, s.row_fwd = torch.zeros(B, dtype=torch.long, device=dev), torch.zeros(B, dtype=torch.long, device=dev)
     s.row_steps = torch.zeros((), dtype=torch.long, device=dev)
     if k:
         s.tap_layers, s.dcache = draft.tap_layers, draft.new_cache(B, max_len)
@@ -279,34 +289,52 @@ def verify_step(target, s: _Decode, d, q):
     n, y = verify(z, d, q, s.temperature, s.generator)
     block = torch.cat([d, d[:, :1]], 1)
     block[torch.arange(d.shape[0], device=d.device), n] = y
-    active, steps = ~s.done, torch.arange(s.k, device=d.device)
-    s.reached += ((steps[None] <= n[:, None]) & active[:, None]).sum(0)
-    s.accepted += ((steps[None] < n[:, None]) & active[:, None]).sum(0)
     return block, z, n, out.taps
 
 
+def kept_tokens(block, n, n_gen, active, eos_id, max_new_tokens):
+    """(b,) tokens each row KEEPS from this verification forward: n + 1 (the accepted drafts and the token after them),
+    cut after the first EOS among them and at the row's remaining budget max_new_tokens - n_gen; 0 for rows already
+    finished. This is the numerator of the acceptance length (DESIGN.md section 3): a forward in which a row stops
+    counts only what that row keeps."""
+    cols = torch.arange(block.shape[1], device=block.device)
+    kept = n + 1
+    if eos_id is not None:
+        is_eos = (block == eos_id) & (cols[None] <= n[:, None])  # (b, k+1) EOS among the n + 1 new tokens
+        kept = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, kept)  # through the first EOS
+    kept = torch.minimum(kept, max_new_tokens - n_gen)
+    return torch.where(active, kept, 0)
+
+
 def commit(s: _Decode, block, z, n):
-    """Step 4. Write each active row's n + 1 new tokens and their policy log-probs, advance its count, mark rows that
-    hit EOS or max_new_tokens, and roll both caches back past the rejected entries (finished rows restart their
-    caches at 0: while they ride along they never grow)."""
+    """Step 4. Write each active row's n + 1 new tokens and their policy log-probs, advance its count by the tokens it
+    keeps (kept_tokens), mark rows that hit EOS or max_new_tokens, and roll both caches back past the rejected entries
+    (finished rows restart their caches at 0: while they ride along they never grow)."""
     active = ~s.done
-    kept = torch.where(active, n + 1, 0)
     cols = torch.arange(block.shape[1], device=block.device)
     g = s.n_gen[s.live]
     idx = g[:, None] + cols  # (b, k+1) output columns
     s.toks[s.live[:, None], idx] = block
     s.lps[s.live[:, None], idx] = _logprob(z, block, s.temperature)
+    kept = kept_tokens(block, n, g, active, s.eos_id, s.max_new_tokens)
     if s.eos_id is not None:
         s.done = s.done | ((block == s.eos_id) & (cols[None] <= n[:, None]) & active[:, None]).any(1)
     g = g + kept
     s.n_gen[s.live] = g
     s.done = s.done | (g >= s.max_new_tokens)
-    s.pcache.rollback(torch.where(s.done, 0, s.pcache.lengths - block.shape[1] + kept))
+    s.pcache.rollback(torch.where(s.done, 0, s.pcache.lengths - block.shape[1] + kept))  # live rows kept n + 1
     if s.k:
         s.dcache.rollback(torch.where(s.done, 0, s.dcache.lengths))
     s.y = block[torch.arange(block.shape[0], device=block.device), n]
+    if s.k:  # per position j: draft j tried (j <= n) / accepted (j < n), among the positions the row keeps
+        j = cols[None, : s.k]
+        s.reached += ((j <= n[:, None]) & (j < kept[:, None])).sum(0)
+        s.accepted += ((j < n[:, None]) & (j < kept[:, None])).sum(0)
     s.accept_sum += kept.sum()
     s.row_steps += active.sum()
+    if s.row_kept is not None:
+        s.row_kept[s.live] += kept
+        s.row_fwd[s.live] += active.long()
     s.stats.policy_forwards += 1
 
 
@@ -321,10 +349,13 @@ def finish(s: _Decode, seconds: float) -> Rollout:
     st = s.stats
     st.seconds = seconds
     st.row_steps = int(s.row_steps)
-    st.acceptance_length = float(s.accept_sum) / max(st.row_steps, 1)
-    st.drafted, st.accepted = s.k * st.row_steps, int(s.accept_sum) - st.row_steps
+    st.kept = int(s.accept_sum)
+    st.acceptance_length = st.kept / max(st.row_steps, 1)
+    st.drafted, st.accepted = s.k * st.row_steps, st.kept - st.row_steps
     st.accept_per_position = (s.accepted.float() / s.reached.clamp_min(1)).tolist() if s.k else []
     st.new_tokens = sum(n_keep)
+    if s.row_kept is not None:
+        st.row_kept, st.row_forwards = s.row_kept.tolist(), s.row_fwd.tolist()
     st.tokens_per_s = st.new_tokens / seconds
     return Rollout([s.toks[b, :m].clone() for b, m in enumerate(n_keep)],
                    [s.lps[b, :m].clone() for b, m in enumerate(n_keep)], st)

@@ -1,7 +1,8 @@
 """One RL step's update: `updates` optimisation steps of the policy (GRPO) and of every draft (TTT), each followed by
 a refit of the full copies the next rollouts use. The same path at every world size.
 
-    up = update(s, batch, timer)      # {"loss_policy", "loss_draft", "kl", "clip_frac", "ratio", "grad_norm", tau_hat}
+    up = update(s, batch, timer)      # {"loss_policy", "loss_draft", "kl", "clip_frac", "ratio", "grad_norm",
+                                      #  "tau_hat_<arm>", "alpha_<arm>" for every arm}
 
   1. KL drift    KL(pi_t || pi_0) from the rollouts themselves (rl_loop.rollout_kl: no extra forward);
   2. shuffle     the batch's sequences in a random order, cut into `updates` minibatches (one stream on every rank);
@@ -9,6 +10,12 @@ a refit of the full copies the next rollouts use. The same path at every world s
                  each stage), GRPO on its log-probs, every draft's TTT loss on its taps (TapChannel) on the last stage;
                  rl_loop.cotrain_step is the naive single-process reference it equals (tests/test_dist_step.py);
   4. refit       the full policy and drafts re-assembled from the stages (DistCotrainer.refit).
+  5. control     the offline-extended arm's step on fresh pi_0 samples (offline_arm.py; rank 0, then broadcast),
+                 timed apart ("offline"): it is the control's cost, not the co-trained run's.
+
+Teacher-forced acceptance per arm and step: the draft hook's metrics on this step's rollouts (the last update's last
+micro-batch) -- alpha_j = E sum_x min(p_j(x), q_j(x)) per TTT pass j and tau_hat = 1 + sum_k prod_{j<=k} alpha_j --
+for the trained arms (co-trained, cold) and, forward only, the watched ones (frozen, offline-extended).
 
 check_finite stops the run at the first NaN/inf loss or weight, naming it.
 """
@@ -19,7 +26,9 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
+from experiment import watched
 from rl_loop import RolloutBatch, check_finite_weights, rollout_kl
 
 if TYPE_CHECKING:
@@ -37,11 +46,17 @@ def update(s: Setup, batch: RolloutBatch, timer: dict) -> dict:
         s.cotrainer.refit(s.policy)
     draft_s = sum(st["draft_seconds"] for st in stats)
     timer["draft_train"] = timer.get("draft_train", 0.0) + draft_s
-    timer["policy_train"] = timer.get("policy_train", 0.0) + time.perf_counter() - t0 - draft_s
+    watch_s = sum(st["watch_seconds"] for st in stats)
+    timer["policy_train"] = timer.get("policy_train", 0.0) + time.perf_counter() - t0 - draft_s - watch_s
+    timer["watch"] = timer.get("watch", 0.0) + watch_s  # the controls' teacher-forced metrics: not the run's cost
+    if s.offline is not None:
+        timer.update(s.offline.step() if (not dist.is_initialized() or dist.get_rank() == 0) else {})
+        s.offline.broadcast()
     last = stats[-1]
     out = {k: sum(st[k] for st in stats) / len(stats) for k in ("loss_policy", "clip_frac", "ratio", "grad_norm")}
-    for name, m in zip(s.drafts, last["draft_metrics"]):
-        out[f"tau_hat_{name}"] = m["tau_hat"]
+    names = list(s.drafts) + [n for n, _ in watched(s)]
+    for name, m in zip(names, last["draft_metrics"] + last["watch_metrics"]):
+        out[f"tau_hat_{name}"], out[f"alpha_{name}"] = m["tau_hat"], m["alpha"]
     out["loss_draft"] = last["loss_draft"][0]
     out["kl"] = kl
     return out

@@ -35,7 +35,7 @@ ISSUE_FLAGS = [
     ("--eval_prompts=0", "--eval_prompts=0: expected >= 1"),  # was a ZeroDivisionError
     ("--eval_samples=0", "--eval_samples=0: expected >= 1"),  # was a ZeroDivisionError
     ("--sft_batch=0", "--sft_batch=0: expected >= 1"),  # was "pack: expected a non-empty list"
-    ("--lr=-0.01", "--lr=-0.01: expected > 0"),  # failed inside torch's Adam
+    ("--lr=-0.01", "--lr=-0.01: expected >= 0"),  # failed inside torch's Adam (0: the no-drift control)
     ("--lr=inf", "--lr=inf: expected a finite number"),
     ("--temperature=nan", "--temperature=nan: expected a finite number"),
 ]
@@ -48,11 +48,12 @@ BAD_VALUE = {
     "sft_batch": "0", "sft_lr": "0", "draft_warmup_steps": "-1", "draft_warmup_batch": "2000", "draft_warmup_lr": "0",
     "draft_warmup_pool": "0", "draft_lr": "-0.001", "draft_lam": "-0.5", "draft_grad_clip": "0", "ttt_passes": "0",
     "steps": "0", "prompts_per_step": "0", "group_size": "1", "temperature": "0", "num_draft_tokens": "0",
-    "rollout_batch": "0", "lr": "0", "grad_clip": "0", "updates": "257", "micro_batches": "0", "eps_low": "1",
+    "rollout_batch": "0", "lr": "-0.01", "grad_clip": "0", "updates": "257", "micro_batches": "0", "eps_low": "1",
     "eps_high": "-0.1", "beta": "-1", "loss_norm": "mean", "eval_every": "0", "eval_prompts": "0", "eval_samples": "0",
     "pp": "0", "cp": "0", "dp": "-1", "schedule": "gpipe", "ckpt_every": "-1", "dist_timeout": "0",
     "prompt_key": "", "answer_key": "", "chat_template": "nope.jinja", "draft_vocab": "-1", "log": "csv", "tree": "2,0,1",
     "attn_backend": "cuda", "logprob_chunk": "-1",
+    "rl_seed": "-2", "eval_draft_tokens": "-1", "bootstrap": "0",
 }
 FIELDS = {f.name: f.type for f in dataclasses.fields(Config)}
 
@@ -91,7 +92,7 @@ def test_types_and_contradictions_are_refused(kw, message):
 
 
 def test_all_bad_fields_are_reported_at_once_and_every_preset_is_valid():
-    with pytest.raises(ValueError, match=r"--lr=-1: expected > 0; --beta=-1: expected >= 0"):
+    with pytest.raises(ValueError, match=r"--lr=-1: expected >= 0; --beta=-1: expected >= 0"):
         parse_args(["--beta=-1", "--lr=-1"])
     for name in PRESETS:
         parse_args([f"--preset={name}"])

@@ -4,7 +4,8 @@ The single-process step runs here (the oracle); one 4-process spawn then runs th
 two more loss normalisations (spawning costs seconds on 2 cores). Every rank checks, after DistCotrainer.step + refit,
 that its FULL policy and drafts (re-assembled for rollouts), the policy loss, both draft losses and the GRPO statistics
 equal the oracle's (fp64 within 1e-8). The batch is hand-made (no generation): random advantages, one zero-variance
-group, old log-probs near the policy's own (so some ratios clip), a reference for the k3 penalty (beta > 0), two drafts,
+group, old log-probs near the policy's own at temperature 0.7 (so some ratios clip; every log-prob and the drafts'
+teacher at that temperature), a reference for the k3 penalty (beta > 0), two drafts,
 tied embeddings (a copy on the first and the last stage) and a policy gradient that gets clipped.
 """
 import pytest
@@ -25,8 +26,11 @@ CASES = [("global-token", lay) for lay in LAYOUTS] + NORMS
 MICRO = 4
 
 
+TAU = 0.7  # the rollouts' temperature: every log-prob of the update and the drafts' teacher are at tau
+
+
 def grpo(norm):
-    return GRPOConfig(eps_low=0.2, eps_high=0.28, beta=0.05, loss_norm=norm, max_len=8)
+    return GRPOConfig(eps_low=0.2, eps_high=0.28, beta=0.05, loss_norm=norm, max_len=8, temperature=TAU)
 
 
 TOL = 1e-8
@@ -62,7 +66,7 @@ def make_batch(policy):
     adv[~valid] = 0
     b = RolloutBatch.from_rollouts(prompts, resps, lps, adv, valid)
     with torch.no_grad():
-        lp = next_token_logp(policy(b.tokens, b.cu_seqlens).logits, b.tokens, b.cu_seqlens)
+        lp = next_token_logp(policy(b.tokens, b.cu_seqlens).logits, b.tokens, b.cu_seqlens, TAU)
     noise = 0.3 * torch.randn(lp.shape, generator=g, dtype=torch.float64)
     b.old_logp = torch.where(b.resp_mask, lp + noise, 0.0)
     b.ref_logp = torch.where(b.resp_mask, lp - noise.flip(0), 0.0)

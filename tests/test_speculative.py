@@ -239,3 +239,55 @@ def test_bad_input(pair):
     other = Eagle3Draft.from_target(Transformer(ModelConfig.preset("tiny", vocab_size=50)).double())
     with pytest.raises(ValueError, match="vocab_size"):
         generate(policy, other, ok, max_new_tokens=4, num_draft_tokens=2)
+
+
+class _StubCache:  # lengths + rollback: all commit needs of a KV cache
+    def __init__(self, lengths):
+        self.lengths = torch.tensor(lengths)
+
+    def rollback(self, lengths):
+        self.lengths = lengths.clone()
+
+
+def test_acceptance_hand_count():
+    """Two verification forwards (k = 3, EOS = 9, max_new_tokens = 6) counted by hand. Every row got 1 prefill token.
+    forward 1: row 0 keeps all 4 (n = 3); row 1 accepts 3 but the 2nd token is EOS: keeps 2 and stops; row 2 keeps 2
+               (n = 1).                                                   kept 4 + 2 + 2 over 3 active rows
+    forward 2: row 0 (5 tokens) has a budget of 1: keeps 1 of its 4 and stops; row 1 is done (not active); row 2
+               rejects at once and its correction is EOS: keeps 1.      kept 1 + 1 over 2 active rows
+    acceptance length = (8 + 2) / (3 + 2) = 2.0 -- the old n + 1 count said (4 + 4 + 2 + 4 + 1) / 5 = 3.0."""
+    k, B, eos = 3, 3, 9
+    s = speculative._Decode(k, 1.0, eos, 6, None, toks=torch.zeros(B, 6 + 2 * (k + 1), dtype=torch.long),
+                            lps=torch.zeros(B, 6 + 2 * (k + 1)), n_gen=torch.ones(B, dtype=torch.long),
+                            live=torch.arange(B), y=torch.tensor([1, 1, 1]), done=torch.zeros(B, dtype=torch.bool),
+                            pcache=_StubCache([10, 10, 10]), dcache=_StubCache([6, 6, 6]),
+                            reached=torch.zeros(k, dtype=torch.long), accepted=torch.zeros(k, dtype=torch.long))
+    s.accept_sum, s.row_steps = torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)
+    z = torch.zeros(B, k + 1, 11)
+    speculative.commit(s, torch.tensor([[2, 3, 4, 5], [2, 9, 4, 5], [2, 3, 0, 0]]), z, torch.tensor([3, 3, 1]))
+    assert s.done.tolist() == [False, True, False] and s.n_gen.tolist() == [5, 3, 3]
+    speculative.commit(s, torch.tensor([[6, 7, 8, 2], [0, 0, 0, 0], [9, 0, 0, 0]]), z, torch.tensor([3, 3, 0]))
+    st = speculative.finish(s, 1.0).stats
+    assert (st.kept, st.row_steps, st.acceptance_length) == (10, 5, 2.0)
+    assert st.accepted == 5 and st.drafted == 15 and st.new_tokens == 6 + 3 + 4 == B + st.kept
+    # per position j, kept positions only (tried: j <= n and j < kept; accepted: j < n and j < kept):
+    # fwd 1 tried rows 0,1,2 / 0,1,2 / 0 and accepted 0,1,2 / 0,1 / 0; fwd 2 tried rows 0,2 at j = 0, accepted row 0
+    assert st.accept_per_position == pytest.approx([4 / 5, 2 / 3, 1 / 1])
+
+
+@pytest.mark.parametrize("k", [0, 2, 4])
+def test_acceptance_counts_only_kept_tokens(pair, k):
+    """End to end with EOS and max_new_tokens cuts: the tokens returned are exactly one prefill token per row plus
+    the numerator of the acceptance length (each row's last forward counts only what it keeps)."""
+    policy, draft = pair[0], pair[1]
+    prompts = ragged_prompts(torch.Generator().manual_seed(2), 6, policy.cfg.vocab_size)
+    eos = int(greedy_generate(policy, prompts, 24)[0][6])  # recurs inside accepted draft blocks
+    for max_new in (4, 7, 24):
+        for tau in (0.0, 1.0):
+            r = generate(policy, draft, prompts, max_new_tokens=max_new, num_draft_tokens=k, temperature=tau,
+                         eos_id=eos, generator=torch.Generator().manual_seed(max_new))
+            st = r.stats
+            assert sum(len(t) for t in r.tokens) == st.new_tokens == len(prompts) + st.kept
+            assert 1.0 <= st.acceptance_length <= k + 1 and st.kept == st.row_steps + st.accepted
+            assert sum(st.row_kept) == st.kept and sum(st.row_forwards) == st.row_steps
+            assert all(len(t) == 1 + kp for t, kp in zip(r.tokens, st.row_kept))  # per prompt too
