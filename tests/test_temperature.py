@@ -77,7 +77,8 @@ def test_draft_teacher_is_tempered():
     a, _ = draft_loss(trainer, out.taps, out.logits, batch, TAU)
     b, _ = draft_loss(trainer, out.taps, out.logits / TAU, batch, 1.0)
     c, _ = draft_loss(trainer, out.taps, out.logits, batch, 1.0)
-    assert float(a) == pytest.approx(float(b), abs=1e-12) and abs(float(a) - float(c)) > 1e-4
+    a, b, c = (float(x.detach()) for x in (a, b, c))
+    assert a == pytest.approx(b, abs=1e-12) and abs(a - c) > 1e-4
 
 
 def test_temperature_must_be_positive():

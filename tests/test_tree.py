@@ -361,8 +361,8 @@ def test_sampling_test_has_power(small_vocab_pair, monkeypatch):
 
 def test_config_tree_flag():
     from config import parse_args
-    assert parse_args(["--preset", "test", "--tree=2,2,1"]).tree == (2, 2, 1)
-    assert parse_args(["--preset", "test", "--tree=3,1,1,1", "--num_draft_tokens=4"]).tree == (3, 1, 1, 1)
+    assert parse_args(["--preset", "test", "--tree=2,2,1", "--num_draft_tokens=3"]).tree == (2, 2, 1)
+    assert parse_args(["--preset", "test", "--tree=3,1,1,1"]).tree == (3, 1, 1, 1)
     assert parse_args(["--preset", "test", "--tree="]).tree == ()
     with pytest.raises(ValueError, match="num_draft_tokens"):
         parse_args(["--preset", "test", "--tree=2,2"])
