@@ -11,6 +11,7 @@ from draft import Eagle3Draft
 from hf_io import from_pretrained
 from branch_mask import cu_seqlens_from_lengths
 from model import KVCache, ModelConfig, Transformer, greedy_generate
+from spec_cases import exact_first3, make_small_vocab_pair
 from speculative import accept_prob, generate, residual
 
 
@@ -129,16 +130,6 @@ def test_accept_residual_is_exact(V, seed, zero_frac):
         assert torch.allclose(out, p, atol=1e-12)
 
 
-def exact_first3(policy, prompt, tau):
-    """P(x1 x2 x3 | prompt) at temperature tau for every continuation, by enumeration: (V, V, V)."""
-    V = policy.cfg.vocab_size
-    x12 = torch.cartesian_prod(torch.arange(V), torch.arange(V))  # (V^2, 2)
-    seqs = torch.cat([prompt.expand(V * V, -1), x12], 1)  # (V^2, L+2)
-    with torch.no_grad():
-        z = policy(seqs.flatten(), torch.arange(0, seqs.numel() + 1, seqs.shape[1], dtype=torch.int32)).logits
-    p = torch.softmax(z.view(V * V, -1, V)[:, -3:].double() / tau, -1)  # (V^2, 3, V)
-    p1, p2, p3 = p[0, 0], p[::V, 1], p[:, 2].view(V, V, V)  # p2 (V, V) rows x1
-    return p1[:, None, None] * p2[:, :, None] * p3
 
 
 def empirical_first3(policy, draft, prompt, tau, N, seed):
@@ -151,18 +142,7 @@ def empirical_first3(policy, draft, prompt, tau, N, seed):
 
 @pytest.fixture(scope="module")
 def small_vocab_pair():
-    """A 6-token policy with peaked, position-dependent distributions and a deliberately mismatched draft (random
-    head, 4 of the 6 tokens only)."""
-    torch.manual_seed(0)
-    policy = Transformer(ModelConfig.preset("tiny", vocab_size=6)).eval()
-    with torch.no_grad():
-        for p in policy.parameters():
-            if p.dim() == 2:
-                p.mul_(25)
-    draft = Eagle3Draft.from_target(policy, draft_vocab=[0, 2, 3, 5], tap_layers=(0, 1))  # the taps it was tuned on
-    with torch.no_grad():
-        draft.lm_head.weight.normal_(0, 1.0)
-    return policy, draft
+    return make_small_vocab_pair()
 
 
 @pytest.mark.parametrize("tau", [0.7, 1.0])

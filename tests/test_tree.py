@@ -14,6 +14,7 @@ import speculative_tree
 from branch_mask import cu_seqlens_from_lengths
 from draft import Eagle3Draft
 from model import ModelConfig, Transformer, greedy_generate
+from spec_cases import exact_first3, make_small_vocab_pair
 from speculative import generate
 from speculative_tree import Tree, tree_rule, tree_rule_naive
 
@@ -307,29 +308,9 @@ def test_chain_tree_rule_equals_chain_rule():
 # ----------------------------------------------------------------------------------- end to end, statistically
 @pytest.fixture(scope="module")
 def small_vocab_pair():
-    """A 6-token policy with peaked, position-dependent distributions and a deliberately mismatched draft (random
-    head, 4 of the 6 tokens only: a (4, ...) root exhausts its support)."""
-    torch.manual_seed(0)
-    policy = Transformer(ModelConfig.preset("tiny", vocab_size=6)).eval()
-    with torch.no_grad():
-        for p in policy.parameters():
-            if p.dim() == 2:
-                p.mul_(25)
-    draft = Eagle3Draft.from_target(policy, draft_vocab=[0, 2, 3, 5], tap_layers=(0, 1))  # the taps it was tuned on
-    with torch.no_grad():
-        draft.lm_head.weight.normal_(0, 1.0)
-    return policy, draft
+    return make_small_vocab_pair()
 
 
-def exact_first3(policy, prompt, tau):
-    """P(x1 x2 x3 | prompt) at temperature tau for every continuation, by enumeration: (V, V, V)."""
-    V = policy.cfg.vocab_size
-    x12 = torch.cartesian_prod(torch.arange(V), torch.arange(V))
-    seqs = torch.cat([prompt.expand(V * V, -1), x12], 1)
-    with torch.no_grad():
-        z = policy(seqs.flatten(), torch.arange(0, seqs.numel() + 1, seqs.shape[1], dtype=torch.int32)).logits
-    p = torch.softmax(z.view(V * V, -1, V)[:, -3:].double() / tau, -1)
-    return p[0, 0][:, None, None] * p[::V, 1][:, :, None] * p[:, 2].view(V, V, V)
 
 
 def tv_first3(pair, tau, tree, N=6000, seed=0):
