@@ -33,7 +33,9 @@ import torch.distributed as dist
 
 from branch_mask import pad_for_cp, position_ids
 from consistency import check_same_cu_seqlens
+from fused_logprob import token_logp as fused_token_logp
 from grid import Grid
+from model import EMBED_TAP
 from pipeline import Microbatch, PipelineSchedule, build_stage, shard_for_cp, split_layers
 from rl_loop import GRPOConfig, RolloutBatch, aggregate, draft_mask, seq_ids, token_logp, token_losses
 
@@ -114,8 +116,10 @@ class DistCotrainer:
                  watch: tuple = ()):
         """attn_backend None: the policy uses attn_fn at cp = 1 (the ring otherwise) and each draft its trainer's
         attn_fn; "torch" / "triton" / "flash": every attention of the step, at any cp (a ring of one at cp = 1), is
-        attention_cp.ring_branch_attention with that block kernel. logprob_chunk > 0: the drafts' teacher is the
-        policy's final hidden + LM head, streamed (draft_loss.Teacher), instead of its logits. activation_checkpointing:
+        attention_cp.ring_branch_attention with that block kernel. logprob_chunk > 0: no (T, V) logits on the last
+        stage: GRPO's log-probs come from the final hidden through fused_logprob.token_logp and the drafts' teacher is
+        the final hidden + LM head, streamed (draft_loss.Teacher). The drafts read e(x_{i+d}) from the embedding tap
+        (stage 0's, through TapChannel), never from the full policy copy, which serves the rollouts only. activation_checkpointing:
         each decoder layer of the stage is recomputed in backward. watch: drafts (Eagle3Draft) NOT trained on the
         rollouts whose teacher-forced acceptance on them is measured in the same draft hook, forward only (the frozen
         and offline-extended arms): no extra policy forward, no gradient; they must read the trained drafts' taps."""
@@ -136,10 +140,12 @@ class DistCotrainer:
         self.last = self.stage.is_last
         taps = sorted({l for tr in self.drafts for l in tr.draft.tap_layers}
                       | {l for d in self.watch for l in d.tap_layers})
+        if taps:  # the embedding tap: e(x_{i+d}) for the drafts from stage 0's forward, not from a full policy copy
+            taps = [EMBED_TAP] + taps
         dparams = [p for tr in self.drafts for p in tr.draft.parameters()] if self.last else ()
         self.sched = PipelineSchedule(self.stage, grid, self.split, schedule=schedule, tap_layers=taps,
                                       attn_fn=attn_fn if grid.cp == 1 or attn_backend else None,
-                                      draft_params=dparams)
+                                      draft_params=dparams, logits=not self.logprob_chunk)
 
     def step(self, batch: RolloutBatch, cfg: GRPOConfig, micro_batches: int = 1) -> dict:
         g, K = self.grid, len(self.drafts)
@@ -154,9 +160,9 @@ class DistCotrainer:
         acc = torch.zeros(6 + K, dtype=torch.float64, device=dev)  # clip, ratio, k3, tokens, draft s, watch s, losses
         metrics = {}
 
-        def loss_fn(logits, mb):  # (T, V) this rank's rows -> dp * its share of L_policy
+        def loss_fn(z, mb):  # logits (T, V), or the final hidden (T, H) when fused -> dp * this rank's share of L
             e = mb.extra
-            logp = token_logp(logits, e["tgt"], cfg.temperature)  # (T,) log p_tau(x_{p+1} | x_<=p) at the position
+            logp = self._token_logp(z, e["tgt"], cfg.temperature)  # (T,) log p_tau(x_{p+1} | x_<=p) at the position
             l, clipped, kl = token_losses(logp, e["old"], e["adv"], e["ref"], cfg)
             with torch.no_grad():
                 m = e["resp"].double()
@@ -214,6 +220,13 @@ class DistCotrainer:
                 "grad_norm": grad_norm, "p2p_bytes": res.p2p_bytes, "tap_bytes": res.tap_bytes,
                 "draft_seconds": float(acc[4]),
                 "loss_total": res.loss + sum(tr.lam * x for tr, x in zip(self.drafts, draft_losses))}
+
+    def _token_logp(self, z, targets, tau: float):
+        """(T,) log p_tau(targets): from the logits z (T, V), or -- logprob_chunk > 0 -- from the final hidden z (T, H)
+        and this stage's LM head, chunk rows at a time (fused_logprob.token_logp; no (T, V) tensor, gradient kept)."""
+        if self.logprob_chunk:
+            return fused_token_logp(z, self.stage.head_weight, targets, chunk=self.logprob_chunk, temperature=tau)
+        return token_logp(z, targets, tau)
 
     def _teacher(self, d, tau: float) -> dict:
         """The drafts' teacher softmax(z / tau): the policy's logits, or (fused) its hidden + LM head, W / tau."""

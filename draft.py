@@ -240,7 +240,13 @@ class Eagle3Draft(nn.Module):
         taps {layer: (T, H)} (detached here: no draft gradient reaches the policy) and tokens (T,) are the packed batch,
         or this rank's zigzag shard of it under CP; cu_seqlens (S+1) the global boundaries (CP-padded under CP;
         without CP any lengths). group: None, a torch ProcessGroup or a ring.Ring. attn_fn defaults to
-        attention_cp.ring_branch_attention (tests pass the dense oracle)."""
+        attention_cp.ring_branch_attention (tests pass the dense oracle).
+
+        taps[EMBED_TAP] (T, H), if given, is the policy's own input embedding e(x_i) (its first stage's tap, carried by
+        TapChannel): e(x_{i+d}) is then that tap shifted by d rows (cp_shift: under CP only boundary rows travel)
+        instead of a lookup in the shared embedding, so the update path needs no full policy copy. The two agree at
+        every position that has a next token; past a sequence's end the shift fills zeros where the lookup embeds id
+        0, and those positions carry no loss and are seen by no counted query."""
         if num_passes < 1:
             raise ValueError(f"num_passes={num_passes}: expected >= 1")
         ring = as_ring(group)
@@ -257,11 +263,13 @@ class Eagle3Draft(nn.Module):
         scale = 1.0 / math.sqrt(self.cfg.head_dim)
         pos = _local_positions(cu_seqlens, ring) if position_ids is None else position_ids.long()  # (T,)
         h = self.features(taps)  # h^0 (T, H)
+        emb = taps[EMBED_TAP].to(h.dtype) if EMBED_TAP in taps else None  # (T, H) e(x_i), or None: look tokens up
         k1 = v1 = None
         branch_k, branch_v, hs = [], [], []
         for d in range(1, num_passes + 1):
             # 1. inputs: the token d positions ahead (CP-aware shift; past a sequence end -> id 0, masked in the loss)
-            e = self.embed(cp_shift(tokens, cu_seqlens, d, group=ring, fill=0)[0])
+            e = (self.embed(cp_shift(tokens, cu_seqlens, d, group=ring, fill=0)[0]) if emb is None
+                 else cp_shift(emb, cu_seqlens, d, group=ring, fill=0)[0])  # (T, H) e(x_{i+d})
             cos, sin = rope_cos_sin(pos + (d - 1), self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
             x = torch.cat([self.midlayer.input_layernorm(e), self.midlayer.hidden_norm(h)], dim=-1)  # (T, 2H)
             q, k, v = attn.qkv(x, cos, sin)  # (T, Hq, D), (T, Hkv, D) x2
@@ -283,10 +291,11 @@ class Eagle3Draft(nn.Module):
         missing = [l for l in self.tap_layers if l not in taps]
         if missing:
             raise ValueError(f"taps: missing layers {missing}; the draft reads {self.tap_layers}")
-        bad = [l for l in self.tap_layers if tuple(taps[l].shape) != (T, self.cfg.hidden_size)]
+        keep = self.tap_layers + ((EMBED_TAP,) if EMBED_TAP in taps else ())  # the embedding tap: optional
+        bad = [l for l in keep if tuple(taps[l].shape) != (T, self.cfg.hidden_size)]
         if bad:
             raise ValueError(f"taps: layers {bad} are not (T={T}, H={self.cfg.hidden_size})")
-        return {l: taps[l].detach() for l in self.tap_layers}
+        return {l: taps[l].detach() for l in keep}
 
     def ttt_loss(self, taps: dict, tokens, cu_seqlens, teacher_logits=None, *, teacher_hidden=None, teacher_head=None,
                  loss_mask=None, num_passes: int = 3, pass_weight: float = 0.8, hard_labels: bool = False,

@@ -169,7 +169,7 @@ class DraftInputs:  # what the draft hook receives on the last stage after F(m);
     m: int
     taps: dict  # {layer id: (T, H)} in layer order; remote ones live in a landing slot until the hook returns
     hidden: torch.Tensor  # (T, H) final-normed hidden
-    logits: torch.Tensor  # (T, V)
+    logits: Optional[torch.Tensor]  # (T, V); None under PipelineSchedule(logits=False)
     mb: Microbatch
 
 
@@ -202,16 +202,21 @@ class PipelineSchedule:
         sched = PipelineSchedule(stage, grid, split, schedule="1f1b", tap_layers=(-1, 1, 2), draft_params=draft)
         res = sched.step(microbatches, loss_fn, draft_hook)    # loss_fn(logits (T, V), mb) -> scalar
         optimizer.step()                                        # .grad is reduced and ready
+
+    logits=False: the last stage never forms its (T, V) logits; loss_fn receives the final normed hidden (T, H)
+    instead (with the graph to the stage's weights: take the head from stage.head_weight, e.g. through
+    fused_logprob.token_logp) and the draft hook gets DraftInputs.logits = None.
     """
 
     def __init__(self, stage: Transformer, grid: Grid, split, *, schedule: str = "1f1b", tap_layers=None,
-                 attn_fn: Optional[Callable] = None, draft_params=()):
+                 attn_fn: Optional[Callable] = None, draft_params=(), logits: bool = True):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r}: expected one of {SCHEDULES}")
         if len(split) != grid.pp or tuple(stage.layer_range) != tuple(split[grid.pp_rank]):
             raise ValueError(f"stage holds layers {stage.layer_range}, but split {split} gives stage {grid.pp_rank} "
                              f"of {grid.pp} the layers {split[grid.pp_rank] if grid.pp_rank < len(split) else None}")
         self.stage, self.grid, self.split, self.schedule = stage, grid, [tuple(r) for r in split], schedule
+        self.logits = bool(logits)
         self.first, self.last = stage.is_first, stage.is_last
         n = stage.cfg.num_hidden_layers
         self.tap_layers = () if tap_layers is None else tuple(sorted(check_tap_layers(tap_layers, n)))
@@ -272,15 +277,17 @@ class PipelineSchedule:
         """F(m); returns the stage output to send on (None on the last stage)."""
         mb = self._mbs[m]
         x = mb.tokens if self.first else self._input(m, got)
-        out = self.stage(x, mb.cu_seqlens, mb.position_ids, attn_fn=self.attn_fn, tap_layers=self.local_taps)
+        out = self.stage(x, mb.cu_seqlens, mb.position_ids, attn_fn=self.attn_fn, tap_layers=self.local_taps,
+                         logits=self.logits)
         if not self.last:
             self._saved[m] = (x, out.hidden)
             return out
-        loss = self._loss_fn(out.logits, mb)
+        loss = self._loss_fn(out.logits if self.logits else out.hidden, mb)
         taps = self._gather_taps(m, out)
         if self._draft_hook is not None:
             t0 = time.perf_counter()
-            d = self._draft_hook(DraftInputs(m, taps, out.hidden.detach(), out.logits.detach(), mb))
+            logits = out.logits.detach() if self.logits else None
+            d = self._draft_hook(DraftInputs(m, taps, out.hidden.detach(), logits, mb))
             if d is not None:
                 d.backward()  # the draft's backward, now: its inputs are detached, so it never leaves this stage
                 self._draft = self._draft + d.detach().double()

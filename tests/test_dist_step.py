@@ -1,7 +1,9 @@
 """dist_step.py on real gloo processes: one GRPO + co-training step under (dp, pp, cp) equals rl_loop.cotrain_step.
 
 The single-process step runs here (the oracle); one 4-process spawn then runs the five layouts one after another, and
-two more loss normalisations (spawning costs seconds on 2 cores). Every rank checks, after DistCotrainer.step + refit,
+three more loss normalisations and two --logprob_chunk layouts (no (T, V) logits; spawning costs seconds on 2 cores).
+The drafts' shared embedding is NaN in every case: the update path must read e(x) from the embedding tap (stage 0's,
+carried by TapChannel), not from a full policy copy. Every rank checks, after DistCotrainer.step + refit,
 that its FULL policy and drafts (re-assembled for rollouts), the policy loss, both draft losses and the GRPO statistics
 equal the oracle's (fp64 within 1e-8). The batch is hand-made (no generation): random advantages, one zero-variance
 group, old log-probs near the policy's own at temperature 0.7 (so some ratios clip; every log-prob and the drafts'
@@ -22,7 +24,9 @@ from rl_loop import DraftTrainer, GRPOConfig, RolloutBatch, cotrain_step, next_t
 LAYOUTS = [(1, 2, 2), (2, 2, 1), (2, 1, 2), (1, 4, 1), (1, 1, 4)]  # (dp, pp, cp)
 # the other normalisations, each on a layout where it can go wrong (per-micro-batch means split over DP; CP shards).
 NORMS = [("token-mean", (2, 2, 1)), ("constant", (1, 2, 2)), ("seq-mean", (2, 1, 2))]
-CASES = [("global-token", lay) for lay in LAYOUTS] + NORMS
+# --logprob_chunk: GRPO's log-probs and the drafts' teacher from the final hidden, no (T, V) logits (pp and cp both)
+FUSED = [("global-token", (1, 2, 2), {"logprob_chunk": 3}), ("token-mean", (2, 1, 2), {"logprob_chunk": 5})]
+CASES = [("global-token", lay, {}) for lay in LAYOUTS] + [(n, lay, {}) for n, lay in NORMS] + FUSED
 MICRO = 4
 
 
@@ -99,6 +103,9 @@ def run_case(grid, norm, ref, **kw) -> dict:
     """One DistCotrainer step + refit on `grid` -> max |difference| to the single-process reference, per part."""
     policy, drafts = make_models()
     batch = make_batch(policy)
+    for tr in drafts:  # the update path reads e(x) from the embedding tap, never the shared embedding: poison it
+        tr.draft.register_buffer("embed_weight", torch.full_like(tr.draft.embed_weight, float("nan")),
+                                 persistent=False)
     ct = DistCotrainer(policy, drafts, grid, make_policy_opt, grad_clip=0.5, **kw)
     st = ct.step(batch, grpo(norm), MICRO)
     ct.refit(policy)
@@ -108,12 +115,12 @@ def run_case(grid, norm, ref, **kw) -> dict:
 
 def _worker(rank, world, cases, refs):
     out = []
-    for norm, (dp, pp, cp) in cases:  # a case that raises is reported by its own test, the others still run
+    for norm, (dp, pp, cp), kw in cases:  # a case that raises is reported by its own test, the others still run
         try:
-            out.append({"case": (norm, (dp, pp, cp)), "diff": run_case(Grid.build(pp=pp, cp=cp, dp=dp), norm,
-                                                                        refs[norm])})
+            out.append({"case": (norm, (dp, pp, cp), kw),
+                        "diff": run_case(Grid.build(pp=pp, cp=cp, dp=dp), norm, refs[norm], **kw)})
         except Exception as e:  # noqa: BLE001
-            out.append({"case": (norm, (dp, pp, cp)), "error": f"{type(e).__name__}: {e}"})
+            out.append({"case": (norm, (dp, pp, cp), kw), "error": f"{type(e).__name__}: {e}"})
         dist.barrier()
     return out
 
@@ -128,7 +135,7 @@ def single_process(norm):
 
 @pytest.fixture(scope="module")
 def reference():
-    return {norm: single_process(norm) for norm in {n for n, _ in CASES}}
+    return {norm: single_process(norm) for norm in {c[0] for c in CASES}}
 
 
 @pytest.fixture(scope="module")
@@ -142,10 +149,16 @@ def test_reference_exercises_clipping_and_drafts(reference):
     assert all(l > 0 for l in s["loss_draft"]) and s["k3"] > 0
 
 
-@pytest.mark.parametrize("norm", sorted({n for n, _ in CASES}))
+@pytest.mark.parametrize("norm", sorted({c[0] for c in CASES}))
 def test_one_process_update_path_matches_single_process(reference, norm):
     """World size 1, as train.py runs it: DistCotrainer on the 1 x 1 x 1 grid, no process group at all."""
     diff = run_case(Grid(), norm, reference[norm])
+    assert all(v <= TOL for v in diff.values()), diff
+
+
+def test_fused_logprobs_one_process_match_single_process(reference):
+    """--logprob_chunk at world size 1: no (T, V) logits on the update path, the same step (cotrain_step's logits)."""
+    diff = run_case(Grid(), "global-token", reference["global-token"], logprob_chunk=4)
     assert all(v <= TOL for v in diff.values()), diff
 
 
@@ -155,7 +168,8 @@ def test_activation_checkpointing_leaves_the_step_unchanged(reference):
     assert all(v <= TOL for v in diff.values()), diff
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{n}-dp{d}-pp{p}-cp{c}" for n, (d, p, c) in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[f"{n}-dp{d}-pp{p}-cp{c}{'-fused' if kw else ''}"
+                                             for n, (d, p, c), kw in CASES])
 def test_step_matches_single_process(world4, case):
     i = CASES.index(case)
     for rank, res in enumerate(world4):

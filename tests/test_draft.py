@@ -201,6 +201,20 @@ def test_cp_threads_equal_cp1(cp, hard):
     assert_cp_matches(ranks, cp_reference(hard))
 
 
+@pytest.mark.parametrize("cp", [1, 2, 3])
+def test_embedding_tap_equals_embedding_lookup(cp):
+    """The update path's inputs: e(x_{i+d}) read from the policy's embedding tap (shifted, under CP across ranks)
+    instead of looked up in the draft's shared embedding, which is NaN here so that a read would show. Loss, metrics
+    and grads equal the lookup path at cp = 1 (fp64)."""
+    policy, draft, tokens, cu, out = case(lens=CP_LENS)
+    with torch.no_grad():
+        out.taps[EMBED_TAP] = policy.embed(tokens)  # (T, H) what stage 0's forward taps
+    draft.register_buffer("embed_weight", torch.full_like(draft.embed_weight, float("nan")), persistent=False)
+    built = (policy, draft, tokens, cu, out)
+    ranks = run_ranks(cp, lambda ring: cp_rank(ring.rank, cp, ring, built=copy.deepcopy(built)), timeout=60)
+    assert_cp_matches(ranks, cp_reference())
+
+
 def _gloo_worker(rank, world_size):
     import torch.distributed as dist
     pair = dist.new_group([0, 1])  # every rank takes part in creating it
