@@ -75,7 +75,7 @@ class Config:
     num_draft_tokens: int = 4  # k (rollouts and eval): the ceiling k + 1 = 5 sits above the warm-up draft's ~4
     tree: tuple = ()  # a tree draft (b_1,...,b_k), --tree=2,2,1 (speculative_tree.py); (): the chain of num_draft_tokens
     rollout_batch: int = 32  # rows per generate call (the rollout engine's batch), speculative and autoregressive alike
-    lr: float = 1e-3  # the drift: ~3x the old 3e-4, so the policy leaves its SFT style fast (0 = the no-drift control)
+    lr: float = 5e-4  # the drift: leaves the SFT style while held-out accuracy rises (0: the no-drift control)
     grad_clip: float = 1.0
     updates: int = 2  # optimisation steps per rollout batch (minibatches), old log-probs from the rollout
     micro_batches: int = 1  # gradient accumulation inside one update

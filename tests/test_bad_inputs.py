@@ -183,8 +183,8 @@ CFG = dataclasses.asdict(parse_args(["--preset=test"]))
 
 
 @pytest.mark.parametrize("change, mesh, message", [
-    ({"lr": 1e-4}, (1, 1, 1), r"another config; lr: checkpoint 0.001, now 0.0001\. A resume may change only "),
-    ({"lr": 1e-4, "seed": 5}, (1, 1, 1), r"lr: checkpoint 0.001, now 0.0001; seed: checkpoint 0, now 5"),
+    ({"lr": 1e-4}, (1, 1, 1), r"another config; lr: checkpoint 0.0005, now 0.0001\. A resume may change only "),
+    ({"lr": 1e-4, "seed": 5}, (1, 1, 1), r"lr: checkpoint 0.0005, now 0.0001; seed: checkpoint 0, now 5"),
     ({}, (2, 1, 2), r"written on the mesh pp=2 x cp=2 x dp=1, this run's is pp=2 x cp=1 x dp=2: .*\(resume with "
                     r"--pp=2 --cp=2 --dp=1 on 4 rank"),
     ({"steps": 1}, (1, 1, 1), r"has done 2 steps: --steps=1 is fewer"),
@@ -329,7 +329,7 @@ def test_start_run_gives_every_rank_the_same_checkpoint_or_the_same_error(tmp_pa
         start_run(tmp_path, fresh, (1, 1, 1), rank=1, share=lambda v: verdicts[-1])
     path, notes = start_run(tmp_path, {**CFG, "resume": True}, (1, 1, 1))
     assert path == tmp_path / "ckpt" / "step_000002" and notes == [f"resume: from {path}"]
-    with pytest.raises(ValueError, match="lr: checkpoint 0.001, now 0.1"):
+    with pytest.raises(ValueError, match="lr: checkpoint 0.0005, now 0.1"):
         start_run(tmp_path, {**CFG, "resume": True, "lr": 0.1}, (1, 1, 1))
     assert start_run(tmp_path, {**fresh, "overwrite": True}, (1, 1, 1))[0] is None
     with pytest.raises(NoCheckpointError, match="--resume: no valid checkpoint"):  # --overwrite deleted them
