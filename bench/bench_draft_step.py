@@ -22,6 +22,7 @@ The chunk is 2^21 // V rows (the same bytes per chunk at every V). Seconds: wall
     python bench/bench_draft_step.py            # ~21 min on 2 shared cores; bench/results/draft_step.{json,md,png}
     python bench/bench_draft_step.py --quick    # ~1 min; bench/results/draft_step_quick.{json,md,png}
     python bench/bench_draft_step.py --replot   # table and plot again from the JSON
+    python bench/bench_draft_step.py --long_vocab   # ~11 min: adds the T = 64K, V = 32K rows (cp 1 and 4) to the JSON
 
 Letters: T tokens (all ranks), T_l = T / cp, H hidden, V vocabulary, P passes, cp CP size.
 """
@@ -70,7 +71,8 @@ def reset_peak() -> int:
 
 # ------------------------------------------------------------------------------------------------------ one rank
 def build(T, V, seq_len, cp, rank, seed=0):
-    """This rank's inputs: draft, policy head W (V, H), taps, tokens, teacher hidden / logits, masks, its zigzag rows."""
+    """This rank's inputs: draft, policy head W (V, H), taps, tokens, teacher hidden / logits, masks, its zigzag
+    rows."""
     torch.manual_seed(seed)
     cfg = DraftConfig(vocab_size=V, hidden_size=H, intermediate_size=INTER, num_attention_heads=HEADS[0],
                       num_key_value_heads=HEADS[1], head_dim=HEAD_DIM, tap_layers=TAPS, target_num_layers=8)
@@ -172,7 +174,7 @@ def rank_main(rank, cp, store_path, jobs, q_out):
         torch.set_num_threads(1)  # ranks share the cores
         dist.init_process_group("gloo", store=dist.FileStore(store_path, cp), rank=rank, world_size=cp)
         group = dist.group.WORLD
-        for method in sorted({m for m, *_ in jobs}):  # warm-up (same order on every rank): imports, gloo connections, first-call caches
+        for method in sorted({m for m, *_ in jobs}):  # warm-up on every rank: imports, gloo links, caches
             run_method(build(64 * cp, 512, 64 * cp, cp, rank), method, group, cp)
         for method, T, V, seq_len in jobs:
             x = build(T, V, seq_len, cp, rank)
@@ -246,6 +248,9 @@ def grid(quick):
             (8, [big])]
 
 
+LONG_VOCAB = [(1, [("fused", 65536, 32768, 2048)]), (4, [("fused", 65536, 32768, 2048)])]  # the issue's own row
+
+
 def markdown(rows, cmd, machine):
     lines = [f"`{cmd}` on {machine}", "",
              "| method | T | cp | V | chunk rows | growth MiB / rank | total MiB / rank | seconds | status |",
@@ -273,6 +278,8 @@ def claims(rows):
         "loss share of the streamed draft step's growth": ratio(g("loss_stream", T, V, 1), g("stream", T, V, 1)),
         "growth(cp1)/growth(cp4), fused draft step, T=65536 V=1024": ratio(g("fused", 65536, 1024, 1),
                                                                            g("fused", 65536, 1024, 4)),
+        "growth(cp1)/growth(cp4), fused draft step, T=65536 V=32768": ratio(g("fused", 65536, 32768, 1),
+                                                                            g("fused", 65536, 32768, 4)),
         "growth(cp1)/growth(cp8), fused draft step, T=65536 V=1024": ratio(g("fused", 65536, 1024, 1),
                                                                            g("fused", 65536, 1024, 8)),
         "gather / fused growth, T=16384 V=1024 cp=4": ratio(g("gather", 16384, 1024, 4), g("fused", 16384, 1024, 4)),
@@ -314,20 +321,24 @@ def plot(rows, path):
 
 
 def main(argv):
-    quick, replot = "--quick" in argv, "--replot" in argv
+    quick, replot, long_vocab = "--quick" in argv, "--replot" in argv, "--long_vocab" in argv
     name = "draft_step_quick" if quick else "draft_step"
     out = os.path.join(ROOT, "bench", "results")
     os.makedirs(out, exist_ok=True)
-    cmd = "python bench/bench_draft_step.py" + (" --quick" if quick else "")
+    cmd = "python bench/bench_draft_step.py" + (" --quick" if quick else " (then --long_vocab)" if long_vocab else "")
     machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, gloo CPU processes"
-    if replot:
+    if replot or long_vocab:
         with open(os.path.join(out, name + ".json")) as f:
             rows = json.load(f)["rows"]
-    else:
+    if not replot:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 << 10)  # inherited by the spawned ranks
-        rows = []
-        for cp, jobs in grid(quick):  # the JSON is rewritten after every group: a cut run keeps what it measured
-            t0 = time.time()
+        if long_vocab:  # added to the full run's rows (replacing earlier ones of the same key)
+            keys = {(m, T, V, cp) for cp, jobs in LONG_VOCAB for m, T, V, _ in jobs}
+            rows = [r for r in rows if (r["method"], r["T"], r["V"], r["cp"]) not in keys]
+        else:
+            rows = []
+        for cp, jobs in (LONG_VOCAB if long_vocab else grid(quick)):  # the JSON is rewritten after every group:
+            t0 = time.time()  # a cut run keeps what it measured
             rows += list(run_group(cp, jobs, timeout_s=1800).values())
             print(f"cp={cp}: {len(jobs)} rows in {time.time() - t0:.0f} s", flush=True)
             with open(os.path.join(out, name + ".json"), "w") as f:
