@@ -7,17 +7,20 @@ a minute on a synthetic "phrase language" (24 fixed phrases of 3-6 tokens over a
 phrase one of two successors follows, so the text is predictable except for ~1 bit at each phrase boundary). Its
 samples are therefore peaky, like an RL policy late in training on a structured task. The draft is then trained (TTT,
 soft CE against the policy) on rollouts the policy itself sampled, and the two decoders run on held-out prompts at
-batch sizes 1, 8, 64 and k = 2, 4, 6 draft tokens at temperature 1, runs interleaved so machine noise hits all methods
-alike; the median of `repeats` runs is reported. Exactness is checked on the way: at temperature 0 the speculative
-tokens must equal the autoregressive ones.
+batch sizes 1, 8, 64 and k = 2, 3, 4, 6 draft tokens at temperature 1, runs interleaved so machine noise hits all
+methods alike; the median of `repeats` runs is reported (each repeat its own prompts and sampling seed, the same for
+every draft). Exactness is checked on the way: at temperature 0 the speculative tokens must equal the autoregressive
+ones.
 
 Tree drafts (speculative_tree.py) run beside the chains: `trees` (6-22 nodes, depth 2-6) at every batch, and all
-drafts again at batches 1 and 8 at `hot_temperature`, where the policy is flatter and the per-position acceptance drops
-to ~0.7-0.85 (the regime trees are for). `costs` times the two terms a speculative step is made of, a policy forward
-over S tokens and a draft level of width n, at each batch: they bound what any chain or tree can gain on this machine.
+drafts again at `hot_temperature` (batches `hot_batches`), where the policy is flatter and the per-position acceptance
+drops to ~0.7-0.85 (the regime trees are for). `equal_depth` sets each chain beside the tree of its depth that keeps the
+most tokens per policy forward, at the largest batch (64 rows x 96 tokens x `repeats`: the least noisy acceptance).
+`costs` times the two terms a speculative step is made of, a policy forward over S tokens and a draft level of width n,
+at each batch: they bound what any chain or tree can gain on this machine.
 
-    python bench/bench_rollout.py                    # ~3-5 min on 2 CPU cores (training included; cached afterwards)
-    python bench/bench_rollout.py --repeats=5 --threads=2 --batches=1,8
+    python bench/bench_rollout.py                    # ~5 min on 2 CPU cores (training included; cached afterwards)
+    python bench/bench_rollout.py --repeats=9 --threads=2 --batches=1,8
     python bench/bench_rollout.py --trees=2,2,1:3,2,1 --hot_temperature=0   # other trees (':'-separated), no hot rows
 
 Writes bench/results/rollout.json (rows: batch, k, tokens_per_s_ar, tokens_per_s_spec, speedup, acceptance_length, ...;
@@ -58,13 +61,14 @@ class BenchConfig:
     draft_batch: int = 16
     ttt_passes: int = 5
     batches: tuple = (1, 8, 64)
-    ks: tuple = (2, 4, 6)
+    ks: tuple = (2, 3, 4, 6)
     trees: str = "3,1:2,1,1:2,2,1:2,2,1,1:2,1,1,1,1,1:2,2,1,1,1,1"  # (b_1,...,b_k) ':'-separated, 6-22 nodes; "": none
-    hot_temperature: float = 1.5  # the chains and trees again at batches 1 and 8 at this temperature (0: skip)
+    hot_temperature: float = 1.5  # the chains and trees again at `hot_batches` at this temperature (0: skip)
+    hot_batches: tuple = (1, 8, 64)
     max_new_tokens: int = 96
     prompt_len: int = 8
     temperature: float = 1.0
-    repeats: int = 3
+    repeats: int = 5
     threads: int = 1
     seed: int = 0
     out: str = "bench/results/rollout.json"
@@ -188,14 +192,15 @@ def drafts(cfg) -> list:
 
 def measure(cfg, policy, draft, prompts, B: int, tau: float) -> list:
     """Every draft at batch B and temperature tau, interleaved (AR, chains, trees, AR, ...), medians of `repeats`."""
-    run = lambda k, tree: generate(  # noqa: E731
-        policy, draft, prompts[:B], max_new_tokens=cfg.max_new_tokens, num_draft_tokens=k if tree is None else 0,
-        temperature=tau, tree=tree, generator=torch.Generator().manual_seed(cfg.seed))
+    run = lambda k, tree, r: generate(  # noqa: E731
+        policy, draft, [prompts[(r * B + i) % len(prompts)] for i in range(B)], max_new_tokens=cfg.max_new_tokens,
+        num_draft_tokens=k if tree is None else 0, temperature=tau, tree=tree,
+        generator=torch.Generator().manual_seed(cfg.seed + r))
     ds = drafts(cfg)
     res = {label: [] for label, _, _ in ds}
-    for _ in range(cfg.repeats):
-        for label, k, tree in ds:
-            res[label].append(run(k, tree).stats)
+    for r in range(cfg.repeats):  # repeat r: the same prompts and sampling seed for every draft, new ones per
+        for label, k, tree in ds:  # repeat, so acceptance averages over prompts and paths (one at B = 1 is noisy)
+            res[label].append(run(k, tree, r).stats)
     ar = statistics.median(s.tokens_per_s for s in res["AR"])
     rows = []
     for label, k, tree in ds[1:]:
@@ -261,7 +266,7 @@ def main(cfg: BenchConfig):
     rows, load = [], os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     for B in cfg.batches:
         rows += measure(cfg, policy, draft, prompts, B, cfg.temperature)
-    for B in [b for b in cfg.batches if b <= 8] if cfg.hot_temperature > 0 else []:
+    for B in [b for b in cfg.batches if b in cfg.hot_batches] if cfg.hot_temperature > 0 else []:
         rows += measure(cfg, policy, draft, prompts, B, cfg.hot_temperature)
     cost = [costs(cfg, policy, draft, B) for B in cfg.batches]
     for c in cost:
@@ -278,12 +283,12 @@ def main(cfg: BenchConfig):
         best=dict(batch=chain["batch"], k=chain["k"]),
         best_per_batch=[dict(batch=b, temperature=t, kind=kind, draft=r["draft"], speedup=r["speedup"],
                              tokens_per_forward=r["acceptance_length"]) for (b, t, kind), r in best.items()],
-        greedy_exact=exact, draft_train_metrics=metrics, train_seconds=round(train_s, 1),
+        equal_depth=equal_depth(rows), greedy_exact=exact, draft_train_metrics=metrics, train_seconds=round(train_s, 1),
         machine=dict(platform=platform.platform(), cpus=os.cpu_count(), threads=cfg.threads,
                      torch=torch.__version__, load_avg_1min_at_start=load),
         policy_parameters=sum(p.numel() for p in policy.parameters()),
         draft_parameters=sum(p.numel() for p in draft.parameters()))
-    table = markdown(rows) + "\n\n" + markdown_costs(cost)
+    table = markdown(rows) + "\n\n" + markdown_costs(cost) + "\n\n" + markdown_depth(result["equal_depth"])
     print("\n" + table)
     os.makedirs(os.path.dirname(cfg.out), exist_ok=True)
     with open(cfg.out, "w") as f:
@@ -300,6 +305,30 @@ def markdown(rows) -> str:
     body = [f"| {r['batch']} | {r['temperature']:g} | {r['draft']} | {r['nodes']} | {r['tokens_per_s_ar']:.0f} | "
             f"{r['tokens_per_s_spec']:.0f} | **{r['speedup']:.2f}x** | {r['acceptance_length']:.2f} | "
             f"{', '.join(f'{a:.2f}' for a in r['accept_per_position'])} |" for r in rows]
+    return "\n".join([head] + body)
+
+
+def equal_depth(rows) -> list:
+    """Tokens per policy forward at equal depth: at the largest batch measured (the most rows, the least noise) and
+    each temperature, the chain of k against the tree of depth k that keeps the most tokens per forward."""
+    B, out = max(r["batch"] for r in rows), []
+    for tau in sorted({r["temperature"] for r in rows if r["batch"] == B}):
+        at = [r for r in rows if r["batch"] == B and r["temperature"] == tau]
+        for c in (r for r in at if not r["tree"]):
+            trees = [r for r in at if len(r["tree"]) == c["k"]]
+            if trees:
+                t = max(trees, key=lambda r: r["acceptance_length"])
+                out.append(dict(batch=B, temperature=tau, depth=c["k"], chain=c["acceptance_length"], tree=t["draft"],
+                                tree_tokens=t["acceptance_length"], gain=round(t["acceptance_length"] /
+                                                                               c["acceptance_length"] - 1, 3)))
+    return out
+
+
+def markdown_depth(eq) -> str:
+    head = ("| batch | tau | depth | chain tokens / forward | best tree of that depth | tree tokens / forward | "
+            "gain |\n|---:|---:|---:|---:|---|---:|---:|")
+    body = [f"| {e['batch']} | {e['temperature']:g} | {e['depth']} | {e['chain']:.2f} | {e['tree']} | "
+            f"{e['tree_tokens']:.2f} | {e['gain']:+.1%} |" for e in eq]
     return "\n".join([head] + body)
 
 
