@@ -58,13 +58,22 @@ class Tree:
         self.depth = torch.tensor(depth)  # (1+N,)
         self.first_child = torch.tensor(first_child)  # (I,)
         self.visible = tree_mask(parents)  # (1+N, 1+N) ancestors and self
+        # the tail: depths m+1..k where every node has one child (b_j = 1 for j > m). Below a node at depth m the
+        # path is a chain, tried in one pass. tail[i, l] = the node at depth m+1+l under the i-th node at depth m.
+        self.m = max([j for j in range(1, self.k + 1) if b[j - 1] > 1], default=0)
+        tail = [list(range(self.level[self.m], self.level[self.m + 1]))]  # depth m
+        for _ in range(self.k - self.m):
+            tail.append([first_child[c] for c in tail[-1]])
+        self.tail = torch.tensor([[col[i] for col in tail[1:]] for i in range(width[self.m])],
+                                 dtype=torch.long).view(width[self.m], self.k - self.m)  # (n_m, k-m)
         self._on = {}
 
     def on(self, device) -> "Tree":  # the index tensors moved to `device` once
         if device not in self._on:
             t = object.__new__(Tree)
             t.__dict__.update(self.__dict__)
-            t.depth, t.first_child, t.visible = (x.to(device) for x in (self.depth, self.first_child, self.visible))
+            t.depth, t.first_child, t.visible, t.tail = (x.to(device) for x in (self.depth, self.first_child,
+                                                                                self.visible, self.tail))
             self._on[device] = t
         return self._on[device]
 
@@ -105,7 +114,8 @@ def tree_rule(p, q, cand, u, tree: Tree):
     node tokens (column 0, the root, unused); u (B, 1+N) uniforms, u[:, c] decides node c. Returns path (B, k+1) the
     accepted nodes (column 0 the root; 0 past n), n (B,) their number, r (B, V) the distribution of the next token,
     and a (B, 1+N) the acceptance probability of every tried node (nan where untried): node c is accepted iff
-    u[:, c] < a[:, c]."""
+    u[:, c] < a[:, c]. Levels 1..m (those with siblings) are walked child by child; below them every node has one
+    child, and that tail is tried in one pass (`_rule_tail`; for a chain, m = 0 and the whole rule is one pass)."""
     B = p.shape[0]
     rows = torch.arange(B, device=p.device)
     cur = torch.zeros(B, dtype=torch.long, device=p.device)  # the node whose children are tried
@@ -113,7 +123,7 @@ def tree_rule(p, q, cand, u, tree: Tree):
     path = torch.zeros(B, tree.k + 1, dtype=torch.long, device=p.device)
     a = torch.full(cand.shape, float("nan"), dtype=p.dtype, device=p.device)
     r = p[:, 0]
-    for j, b in enumerate(tree.branching, 1):
+    for j, b in enumerate(tree.branching[: tree.m], 1):  # levels with siblings: child by child
         kids = tree.first_child[cur][:, None] + torch.arange(b, device=p.device)  # (B, b) in draw order
         xs = cand.gather(1, kids)
         pj, qj = p[rows, cur], q[rows, cur]  # (B, V) step 1
@@ -134,8 +144,32 @@ def tree_rule(p, q, cand, u, tree: Tree):
         r = torch.where((alive & ~took)[:, None], pj, r)  # step 3: every child rejected -> the final residual
         alive, cur = took, torch.where(took, kids.gather(1, first[:, None])[:, 0], cur)
         path[:, j] = torch.where(took, cur, 0)
-    r = torch.where(alive[:, None], p[rows, cur], r)  # a leaf reached: the bonus token ~ p(. | leaf)
+    r = _rule_tail(p, q, cand, u, tree, cur, alive, path, r, a)
     return path, (path[:, 1:] > 0).sum(1), r, a
+
+
+def _rule_tail(p, q, cand, u, tree: Tree, cur, alive, path, r, a):
+    """Depths m+1..k of `tree_rule`, where every node has one child: below `cur` the rest is a chain, and steps 1-3
+    with b = 1 are the chain's rule, tried for all k-m nodes in one pass. Fills path and a in place; returns r."""
+    L = tree.k - tree.m
+    rows = torch.arange(p.shape[0], device=p.device)[:, None]
+    if L == 0:
+        return torch.where(alive[:, None], p[rows[:, 0], cur], r)  # a leaf reached: the bonus token ~ p(. | leaf)
+    idx = torch.where(alive, cur - tree.level[tree.m], 0)  # stopped rows (cur above depth m) read any chain: unused
+    nodes = tree.tail[idx]  # (B, L) the chain below cur
+    par = torch.cat([cur[:, None], nodes[:, :-1]], 1)  # (B, L) each node's parent
+    x = cand.gather(1, nodes)
+    px, qx = p[rows, par, x], q[rows, par, x]  # (B, L) step 1 at every parent
+    ai = torch.where(qx > 0, (px / qx.clamp_min(torch.finfo(qx.dtype).tiny)).clamp(max=1.0), 0.0)  # step 2
+    n = (u.gather(1, nodes) < ai).long().cumprod(1).sum(1) * alive  # (B,) accepted before the first rejection
+    steps = torch.arange(L, device=p.device)[None]
+    tried = alive[:, None] & (steps <= n[:, None])  # up to and including the first rejection
+    a.scatter_(1, nodes, torch.where(tried, ai, a.gather(1, nodes)))
+    path[:, tree.m + 1:] = torch.where(steps < n[:, None], nodes, 0)
+    stop = par.gather(1, n.clamp(max=L - 1)[:, None])[:, 0]  # the node whose child was rejected
+    rejected = _residual(p[rows[:, 0], stop], q[rows[:, 0], stop])  # step 3
+    leaf = p[rows[:, 0], nodes[:, -1]]  # every node accepted: the bonus token ~ p(. | leaf)
+    return torch.where(alive[:, None], torch.where((n < L)[:, None], rejected, leaf), r)
 
 
 def tree_rule_naive(p, q, cand, u, tree: Tree):

@@ -265,10 +265,11 @@ def test_exact_test_catches_wrong_rules(wrong, monkeypatch):
     assert 0.5 * (got - exact_policy(P, V, tree.k)).abs().sum() > 1e-3
 
 
-@pytest.mark.parametrize("branching", [(2, 2, 1), (3, 1), (1, 1, 1)])
+@pytest.mark.parametrize("branching", [(2, 2, 1), (3, 1), (1, 1, 1), (2, 1, 1, 1), (1, 2, 1), (1, 1, 2, 1), (3, 2)])
 def test_batched_rule_equals_naive(branching):
     """Random p, q, candidates and uniforms, 64 rows: the batched rule == the per-row recursion; node c is accepted
-    iff u[c] < a[c] (a is the threshold the rule used)."""
+    iff u[c] < a[c] (a is the threshold the rule used). Trees with and without a tail of single-child levels (the
+    rule's one-pass part) and with a single-child level above siblings."""
     tree, B, V = Tree(branching), 64, 5
     g = torch.Generator().manual_seed(0)
     p = torch.softmax(3 * torch.randn(B, 1 + tree.num_nodes, V, generator=g, dtype=torch.float64), -1)
