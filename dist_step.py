@@ -119,10 +119,11 @@ class DistCotrainer:
         attention_cp.ring_branch_attention with that block kernel. logprob_chunk > 0: no (T, V) logits on the last
         stage: GRPO's log-probs come from the final hidden through fused_logprob.token_logp and the drafts' teacher is
         the final hidden + LM head, streamed (draft_loss.Teacher). The drafts read e(x_{i+d}) from the embedding tap
-        (stage 0's, through TapChannel), never from the full policy copy, which serves the rollouts only. activation_checkpointing:
-        each decoder layer of the stage is recomputed in backward. watch: drafts (Eagle3Draft) NOT trained on the
-        rollouts whose teacher-forced acceptance on them is measured in the same draft hook, forward only (the frozen
-        and offline-extended arms): no extra policy forward, no gradient; they must read the trained drafts' taps."""
+        (stage 0's, through TapChannel), never from the full policy copy, which serves the rollouts only.
+        activation_checkpointing: each decoder layer of the stage is recomputed in backward. watch: drafts
+        (Eagle3Draft) NOT trained on the rollouts whose teacher-forced acceptance on them is measured in the same draft
+        hook, forward only (the frozen and offline-extended arms): no extra policy forward, no gradient; they must read
+        the trained drafts' taps."""
         cfg = policy.cfg
         self.grid, self.drafts, self.grad_clip, self.watch = grid, list(drafts), grad_clip, list(watch)
         self.attn_backend, self.logprob_chunk = attn_backend, int(logprob_chunk)
