@@ -34,6 +34,7 @@ import torch
 
 import speculative_tree
 from model import Transformer, at_least_f32
+from spec_rule import accept_prob, residual
 
 
 @dataclass
@@ -62,18 +63,6 @@ class Rollout:
 # ------------------------------------------------------------------------------------------------ the sampling rule
 def probs(logits, temperature: float):  # (..., V) -> p (..., V) at temperature tau > 0
     return torch.softmax(at_least_f32(logits) / temperature, dim=-1)
-
-
-def accept_prob(p_d, q_d):
-    """min(1, p(d) / q(d)) for a token d drawn from q (so q(d) > 0)."""
-    return torch.clamp(p_d / q_d, max=1.0)
-
-
-def residual(p, q):
-    """norm(max(p - q, 0)) (..., V); where p == q (then nothing is ever rejected) fall back to p."""
-    r = (p - q).clamp_min(0)
-    s = r.sum(-1, keepdim=True)
-    return torch.where(s > 0, r / s.clamp_min(torch.finfo(r.dtype).tiny), p)
 
 
 def verify(p_logits, d, q, temperature: float, generator=None):

@@ -31,6 +31,8 @@ import torch
 
 from branch_mask import tree_mask
 from model import at_least_f32
+from spec_rule import accept_prob
+from spec_rule import residual as _residual  # a module name of its own: tests swap it for a wrong rule
 
 
 class Tree:
@@ -93,13 +95,6 @@ def sample_children(zq, b: int, temperature: float, generator=None):
     return (q.log() + g).topk(b, -1).indices, q  # zero-q tokens (key -inf) come last: drawn only once q is exhausted
 
 
-def _residual(p, q):
-    """norm(max(p - q, 0)) (B, V); where it is empty (p == q: nothing can be rejected) keep p."""
-    r = (p - q).clamp_min(0)
-    s = r.sum(-1, keepdim=True)
-    return torch.where(s > 0, r / s.clamp_min(torch.finfo(r.dtype).tiny), p)
-
-
 def _without(q, x):
     """q with token x (B,) removed, renormalised (B, V); all zero once q's support is exhausted."""
     q = q.scatter(-1, x[:, None], 0.0)
@@ -131,7 +126,7 @@ def tree_rule(p, q, cand, u, tree: Tree):
         for i in range(b):  # step 2. Child i is tried only after 1..i-1 were rejected, so its (p, q) are the
             x = xs[:, i : i + 1]  # updates by those children alone: no per-row branching is needed
             px, qx = pj.gather(-1, x)[:, 0], qj.gather(-1, x)[:, 0]
-            ai.append(torch.where(qx > 0, (px / qx.clamp_min(torch.finfo(qx.dtype).tiny)).clamp(max=1.0), 0.0))
+            ai.append(accept_prob(px, qx))
             pj = _residual(pj, qj)
             if i < b - 1:  # the last child's rejection ends the level: no next draw to renormalise q for
                 qj = _without(qj, x[:, 0])
@@ -160,7 +155,7 @@ def _rule_tail(p, q, cand, u, tree: Tree, cur, alive, path, r, a):
     par = torch.cat([cur[:, None], nodes[:, :-1]], 1)  # (B, L) each node's parent
     x = cand.gather(1, nodes)
     px, qx = p[rows, par, x], q[rows, par, x]  # (B, L) step 1 at every parent
-    ai = torch.where(qx > 0, (px / qx.clamp_min(torch.finfo(qx.dtype).tiny)).clamp(max=1.0), 0.0)  # step 2
+    ai = accept_prob(px, qx)  # step 2
     n = (u.gather(1, nodes) < ai).long().cumprod(1).sum(1) * alive  # (B,) accepted before the first rejection
     steps = torch.arange(L, device=p.device)[None]
     tried = alive[:, None] & (steps <= n[:, None])  # up to and including the first rejection
