@@ -201,7 +201,7 @@ class Eagle3Draft(nn.Module):
 
     def _cached(self, cache: KVCache, e, h, tree=None):  # e, h (B, N, H) -> (B, N, H), N entries appended per row
         N = e.shape[1]
-        pos = cache.begin(N) if tree is None else cache.begin_tree(*tree)  # (B, N)
+        pos = cache.begin(N) if tree is None else cache.begin_nodes(tree)  # (B, N)
         cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
         attn = self.midlayer.self_attn
         h = self.midlayer(e, h, lambda x: attn.forward_cached(x, cos, sin, cache, 0))
@@ -227,7 +227,7 @@ class Eagle3Draft(nn.Module):
 
     def tree_step(self, cache: KVCache, tokens, h, tree):
         """One level of a draft tree (speculative_tree.py): tokens (B, N) the level's nodes, h (B, N, H) their parents'
-        states, tree = (depth, visible, base) for KVCache.begin_tree -> h (B, N, H) and target-vocab logits (B, N, V).
+        states, tree the level's kv_cache.TreeNodes (KVCache.begin_nodes) -> h (B, N, H), target-vocab logits (B, N, V).
         """
         h = self._cached(cache, self.embed(tokens), h, tree)
         return h, self.target_logits(h)

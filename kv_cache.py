@@ -5,13 +5,17 @@ per row: `write` appends S entries to every row at its current length (rows that
 `rollback(lengths)` shortens rows in O(1) (entries past a row's length are never attended), and `keep_rows` drops
 finished rows from the batch. model.Transformer.forward_cached drives it: begin(S) -> write per layer -> commit().
 
-Tree drafts (speculative_tree.py) append S tree nodes instead of a chain: `begin_tree` gives node s the position
-base + depth[s] and lets it see the rows' committed prefix plus its own ancestors; after verification `keep_path`
-moves each row's accepted root-to-leaf path to the front of the block, so the cache again holds one sequence per row.
+Tree drafts (speculative_tree.py) append tree nodes instead of a chain: a `TreeLayout`, built once per step, gives
+node s the position base + depth[s] and lets it see the rows' committed prefix plus its own ancestors; `begin_nodes`
+appends its nodes lo..hi-1 (the policy all at once, the draft level by level, each level a slice of the one layout);
+after verification `keep_path` moves each row's accepted root-to-leaf path to the front of the block, so the cache
+again holds one sequence per row.
 
 Letters: B rows, S new entries per row, L = max_len, Hkv heads, D head dim.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -53,30 +57,36 @@ class KVCache:
     def begin_tree(self, depth, visible, base) -> torch.Tensor:
         """Start a forward that appends S tree nodes to every row -> their RoPE positions (B, S).
 
-        base (B,): where each row's tree began (the nodes appended since then are earlier levels of the same tree);
+        base (B,): where each row's tree began (the nodes appended since then are earlier nodes of the same tree);
         depth (S,) long: node s sits at position base + depth[s]; visible (S, M) bool with M = lengths - base + S (the
         same for every row): node s attends to every slot < base (the row's sequence) and to the tree slot base + m iff
         visible[s, m] (its ancestors and itself: branch_mask.tree_mask). The nodes are written at slots
-        lengths + 0..S-1."""
-        base = torch.as_tensor(base, dtype=torch.long, device=self.lengths.device)
-        depth = torch.as_tensor(depth, dtype=torch.long, device=self.lengths.device)
+        lengths + 0..S-1. (A tree appended in several forwards builds one TreeLayout and calls begin_nodes.)"""
+        depth, visible = torch.as_tensor(depth, dtype=torch.long), torch.as_tensor(visible, dtype=torch.bool)
         S, M = visible.shape
-        if depth.shape != (S,) or base.shape != self.lengths.shape:
-            raise ValueError(f"begin_tree: depth {tuple(depth.shape)} / base {tuple(base.shape)}: expected ({S},) and "
-                             f"{tuple(self.lengths.shape)}")
-        Lk, bad = torch.stack([self.lengths.max() + S, (self.lengths - base + S != M).any()]).tolist()  # one sync
-        if bad:
-            raise ValueError(f"begin_tree: visible has {M} columns; every row needs lengths - base + S = "
-                             f"{(self.lengths - base + S).tolist()}")
+        if depth.shape != (S,) or M < S:
+            raise ValueError(f"begin_tree: depth {tuple(depth.shape)} / visible {tuple(visible.shape)}: expected "
+                             f"({S},) and (S, M >= S)")
+        full = torch.zeros(M, M, dtype=torch.bool, device=visible.device)
+        full[M - S:] = visible  # the earlier nodes' rows are never used
+        layout = TreeLayout(torch.cat([depth.new_zeros(M - S), depth]), full, base, self.max_len)
+        return self.begin_nodes(layout.nodes(M - S, M))
+
+    def begin_nodes(self, nodes: "TreeNodes") -> torch.Tensor:
+        """Start a forward that appends nodes lo..hi-1 of a TreeLayout to every row (every row must hold exactly the
+        layout's nodes 0..lo-1 past its base) -> their RoPE positions (B, hi - lo)."""
+        t, lo, hi = nodes
+        if t.base.shape != self.lengths.shape:
+            raise ValueError(f"begin_nodes: the layout has {t.base.shape[0]} rows, the cache {self.batch}")
+        if bool((self.lengths - t.base != lo).any()):
+            raise ValueError(f"begin_tree: visible has {hi} columns for {hi - lo} new nodes, so every row must hold "
+                             f"the {lo} earlier tree nodes past its base; rows hold {(self.lengths - t.base).tolist()}")
+        Lk, S = t.top + hi, hi - lo
         if Lk > self.max_len:
             raise ValueError(f"KV cache overflow: a row would reach length {Lk} > max_len={self.max_len}")
-        slots = self.positions(S)  # (B, S) where the nodes are written
-        rows = torch.arange(self.batch, device=slots.device)[:, None].expand(-1, S)
-        rel = torch.arange(Lk, device=slots.device)[None] - base[:, None]  # (B, Lk) key slot relative to the tree
-        tree = visible.to(slots.device)[:, rel.clamp(0, M - 1)].permute(1, 0, 2)  # (B, S, Lk)
-        mask = (rel < 0)[:, None] | (tree & (rel < M)[:, None])  # prefix, or an ancestor inside the tree
-        self._pending = (S, slots, rows, mask)
-        return base[:, None] + depth[None]
+        slots = t.base[:, None] + t.slot[lo:hi]  # (B, S) where the nodes are written
+        self._pending = (S, slots, t.rows[:, :S], t.mask[:, lo:hi, :Lk])
+        return t.pos[:, lo:hi]
 
     def keep_path(self, base, path):
         """Keep one root-to-leaf path per row of the tree appended after `base` (B,): tree slot path[b, j] (B, m)
@@ -125,3 +135,35 @@ class KVCache:
         if bool((lengths < 0).any()) or bool((lengths > self.lengths).any()):
             raise ValueError(f"rollback lengths={lengths.tolist()} must lie in [0, current {self.lengths.tolist()}]")
         self.lengths = lengths.clone()
+
+
+class TreeLayout:
+    """A tree of S nodes appended to every row after base (B,), built once and appended by begin_nodes in one or
+    several forwards: node s is written at slot base + s, sits at RoPE position base + depth[s] (depth (S,) long), and
+    attends to the row's prefix (slots < base) and to the tree slots m with visible[s, m] (visible (S, S) bool:
+    ancestors and self). What every forward over its nodes needs is built here once: positions, slots, the mask."""
+
+    def __init__(self, depth, visible, base, max_len: int):
+        base = torch.as_tensor(base, dtype=torch.long)
+        dev = base.device
+        S = visible.shape[0]
+        if visible.shape != (S, S) or depth.shape != (S,):
+            raise ValueError(f"TreeLayout: depth {tuple(depth.shape)} / visible {tuple(visible.shape)}: expected "
+                             f"({S},) and ({S}, {S})")
+        self.base, self.top = base, int(base.max())  # one host sync per layout
+        Lk = min(self.top + S, max_len)  # past max_len begin_nodes refuses the forward
+        self.slot = torch.arange(S, device=dev)
+        self.pos = base[:, None] + depth.to(dev)[None]  # (B, S)
+        self.rows = torch.arange(base.shape[0], device=dev)[:, None].expand(-1, S)  # (B, S)
+        rel = torch.arange(Lk, device=dev)[None] - base[:, None]  # (B, Lk) key slot relative to the tree
+        tree = visible.to(dev)[:, rel.clamp(0, S - 1)].permute(1, 0, 2)  # (B, S, Lk)
+        self.mask = (rel < 0)[:, None] | (tree & (rel < S)[:, None])  # the prefix, or an ancestor inside the tree
+
+    def nodes(self, lo: int = 0, hi: int = None) -> "TreeNodes":
+        return TreeNodes(self, lo, self.slot.numel() if hi is None else hi)
+
+
+class TreeNodes(NamedTuple):  # nodes lo..hi-1 of a TreeLayout: what one forward appends (begin_nodes)
+    layout: TreeLayout
+    lo: int
+    hi: int

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from branch_mask import tree_mask
+from kv_cache import TreeLayout
 from model import at_least_f32
 from spec_rule import accept_prob
 from spec_rule import residual as _residual  # a module name of its own: tests swap it for a wrong rule
@@ -60,22 +61,30 @@ class Tree:
         self.depth = torch.tensor(depth)  # (1+N,)
         self.first_child = torch.tensor(first_child)  # (I,)
         self.visible = tree_mask(parents)  # (1+N, 1+N) ancestors and self
-        # the tail: depths m+1..k where every node has one child (b_j = 1 for j > m). Below a node at depth m the
-        # path is a chain, tried in one pass. tail[i, l] = the node at depth m+1+l under the i-th node at depth m.
-        self.m = max([j for j in range(1, self.k + 1) if b[j - 1] > 1], default=0)
-        tail = [list(range(self.level[self.m], self.level[self.m + 1]))]  # depth m
-        for _ in range(self.k - self.m):
-            tail.append([first_child[c] for c in tail[-1]])
-        self.tail = torch.tensor([[col[i] for col in tail[1:]] for i in range(width[self.m])],
-                                 dtype=torch.long).view(width[self.m], self.k - self.m)  # (n_m, k-m)
+        # the rule's segments, top down: ("level", j) a level with siblings (b_j > 1), walked child by child, or
+        # ("run", j0, table) levels j0+1..j0+L where every node has one child: below a node at depth j0 the path is a
+        # chain, tried in one pass. table[i, l] = the node at depth j0+1+l under the i-th node at depth j0 (n_j0, L).
+        self.segments, j = [], 0
+        while j < self.k:
+            if b[j] > 1:
+                self.segments.append(("level", j + 1))
+                j += 1
+                continue
+            j1 = next((i for i in range(j, self.k) if b[i] > 1), self.k)  # levels j+1..j1 have one child each
+            chains = [list(range(self.level[j], self.level[j + 1]))]  # the nodes at depth j
+            for _ in range(j1 - j):
+                chains.append([first_child[c] for c in chains[-1]])
+            table = torch.tensor(chains[1:], dtype=torch.long).T.contiguous()  # (n_j, j1 - j)
+            self.segments.append(("run", j, table))
+            j = j1
         self._on = {}
 
     def on(self, device) -> "Tree":  # the index tensors moved to `device` once
         if device not in self._on:
             t = object.__new__(Tree)
             t.__dict__.update(self.__dict__)
-            t.depth, t.first_child, t.visible, t.tail = (x.to(device) for x in (self.depth, self.first_child,
-                                                                                self.visible, self.tail))
+            t.depth, t.first_child, t.visible = (x.to(device) for x in (self.depth, self.first_child, self.visible))
+            t.segments = [s if s[0] == "level" else (s[0], s[1], s[2].to(device)) for s in self.segments]
             self._on[device] = t
         return self._on[device]
 
@@ -109,62 +118,69 @@ def tree_rule(p, q, cand, u, tree: Tree):
     node tokens (column 0, the root, unused); u (B, 1+N) uniforms, u[:, c] decides node c. Returns path (B, k+1) the
     accepted nodes (column 0 the root; 0 past n), n (B,) their number, r (B, V) the distribution of the next token,
     and a (B, 1+N) the acceptance probability of every tried node (nan where untried): node c is accepted iff
-    u[:, c] < a[:, c]. Levels 1..m (those with siblings) are walked child by child; below them every node has one
-    child, and that tail is tried in one pass (`_rule_tail`; for a chain, m = 0 and the whole rule is one pass)."""
+    u[:, c] < a[:, c]. The tree's segments are walked top down: a level with siblings child by child (`_rule_level`),
+    a run of single-child levels in one pass (`_rule_run`: the chain's rule; a chain is one run)."""
     B = p.shape[0]
-    rows = torch.arange(B, device=p.device)
-    cur = torch.zeros(B, dtype=torch.long, device=p.device)  # the node whose children are tried
-    alive = torch.ones(B, dtype=torch.bool, device=p.device)  # the whole path so far was accepted
-    path = torch.zeros(B, tree.k + 1, dtype=torch.long, device=p.device)
-    a = torch.full(cand.shape, float("nan"), dtype=p.dtype, device=p.device)
-    r = p[:, 0]
-    for j, b in enumerate(tree.branching[: tree.m], 1):  # levels with siblings: child by child
-        kids = tree.first_child[cur][:, None] + torch.arange(b, device=p.device)  # (B, b) in draw order
-        xs = cand.gather(1, kids)
-        pj, qj = p[rows, cur], q[rows, cur]  # (B, V) step 1
-        ai = []
-        for i in range(b):  # step 2. Child i is tried only after 1..i-1 were rejected, so its (p, q) are the
-            x = xs[:, i : i + 1]  # updates by those children alone: no per-row branching is needed
-            px, qx = pj.gather(-1, x)[:, 0], qj.gather(-1, x)[:, 0]
-            ai.append(accept_prob(px, qx))
-            pj = _residual(pj, qj)
-            if i < b - 1:  # the last child's rejection ends the level: no next draw to renormalise q for
-                qj = _without(qj, x[:, 0])
-        ai = torch.stack(ai, 1)  # (B, b)
-        acc = u.gather(1, kids) < ai
-        took = alive & acc.any(1)
-        first = acc.long().argmax(1)  # the first accepted child (0 if none)
-        tried = torch.arange(b, device=p.device)[None] <= torch.where(took, first, b - 1)[:, None]
-        a.scatter_(1, kids, torch.where(alive[:, None] & tried, ai, a.gather(1, kids)))  # (stopped rows: unchanged)
-        r = torch.where((alive & ~took)[:, None], pj, r)  # step 3: every child rejected -> the final residual
-        alive, cur = took, torch.where(took, kids.gather(1, first[:, None])[:, 0], cur)
-        path[:, j] = torch.where(took, cur, 0)
-    r = _rule_tail(p, q, cand, u, tree, cur, alive, path, r, a)
-    return path, (path[:, 1:] > 0).sum(1), r, a
+    st = dict(cur=torch.zeros(B, dtype=torch.long, device=p.device),  # the node whose children are tried next
+              alive=torch.ones(B, dtype=torch.bool, device=p.device),  # the whole path so far was accepted
+              path=torch.zeros(B, tree.k + 1, dtype=torch.long, device=p.device),
+              a=torch.full(cand.shape, float("nan"), dtype=p.dtype, device=p.device),
+              r=p[:, 0], rows=torch.arange(B, device=p.device))
+    for seg in tree.segments:
+        (_rule_level if seg[0] == "level" else _rule_run)(p, q, cand, u, tree, seg, st)
+    alive, path = st["alive"], st["path"]  # alive: a leaf was reached, the bonus token ~ p(. | leaf)
+    r = torch.where(alive[:, None], p[st["rows"], st["cur"]], st["r"])
+    return path, (path[:, 1:] > 0).sum(1), r, st["a"]
 
 
-def _rule_tail(p, q, cand, u, tree: Tree, cur, alive, path, r, a):
-    """Depths m+1..k of `tree_rule`, where every node has one child: below `cur` the rest is a chain, and steps 1-3
-    with b = 1 are the chain's rule, tried for all k-m nodes in one pass. Fills path and a in place; returns r."""
-    L = tree.k - tree.m
-    rows = torch.arange(p.shape[0], device=p.device)[:, None]
-    if L == 0:
-        return torch.where(alive[:, None], p[rows[:, 0], cur], r)  # a leaf reached: the bonus token ~ p(. | leaf)
-    idx = torch.where(alive, cur - tree.level[tree.m], 0)  # stopped rows (cur above depth m) read any chain: unused
-    nodes = tree.tail[idx]  # (B, L) the chain below cur
+def _rule_level(p, q, cand, u, tree: Tree, seg, st):
+    """Level j = seg[1] of `tree_rule` (b_j > 1 siblings): the children of each row's current node, in draw order,
+    each tried against the residual its elder siblings' rejections left. Updates the state st in place."""
+    j, rows, cur, alive = seg[1], st["rows"], st["cur"], st["alive"]
+    b = tree.branching[j - 1]
+    kids = tree.first_child[cur][:, None] + torch.arange(b, device=p.device)  # (B, b) in draw order
+    xs = cand.gather(1, kids)
+    pj, qj = p[rows, cur], q[rows, cur]  # (B, V) step 1
+    ai = []
+    for i in range(b):  # step 2. Child i is tried only after 1..i-1 were rejected, so its (p, q) are the
+        x = xs[:, i: i + 1]  # updates by those children alone: no per-row branching is needed
+        ai.append(accept_prob(pj.gather(-1, x)[:, 0], qj.gather(-1, x)[:, 0]))
+        pj = _residual(pj, qj)
+        if i < b - 1:  # the last child's rejection ends the level: no next draw to renormalise q for
+            qj = _without(qj, x[:, 0])
+    ai = torch.stack(ai, 1)  # (B, b)
+    acc = u.gather(1, kids) < ai
+    took = alive & acc.any(1)
+    first = acc.long().argmax(1)  # the first accepted child (0 if none)
+    tried = torch.arange(b, device=p.device)[None] <= torch.where(took, first, b - 1)[:, None]
+    a = st["a"]
+    a.scatter_(1, kids, torch.where(alive[:, None] & tried, ai, a.gather(1, kids)))  # (stopped rows: unchanged)
+    st["r"] = torch.where((alive & ~took)[:, None], pj, st["r"])  # step 3: every child rejected -> final residual
+    st["alive"], st["cur"] = took, torch.where(took, kids.gather(1, first[:, None])[:, 0], cur)
+    st["path"][:, j] = torch.where(took, st["cur"], 0)
+
+
+def _rule_run(p, q, cand, u, tree: Tree, seg, st):
+    """Levels j0+1..j0+L of `tree_rule` (seg = ("run", j0, table)), where every node has one child: below the current
+    node the rest is a chain, and steps 1-3 with b = 1 are the chain's rule, tried for all L nodes in one pass.
+    Updates the state st in place."""
+    _, j0, table = seg
+    L, rows, cur, alive = table.shape[1], st["rows"][:, None], st["cur"], st["alive"]
+    idx = torch.where(alive, cur - tree.level[j0], 0)  # stopped rows (cur above depth j0) read any chain: unused
+    nodes = table[idx]  # (B, L) the chain below cur
     par = torch.cat([cur[:, None], nodes[:, :-1]], 1)  # (B, L) each node's parent
     x = cand.gather(1, nodes)
-    px, qx = p[rows, par, x], q[rows, par, x]  # (B, L) step 1 at every parent
-    ai = accept_prob(px, qx)  # step 2
+    ai = accept_prob(p[rows, par, x], q[rows, par, x])  # (B, L) steps 1-2 at every parent
     n = (u.gather(1, nodes) < ai).long().cumprod(1).sum(1) * alive  # (B,) accepted before the first rejection
     steps = torch.arange(L, device=p.device)[None]
     tried = alive[:, None] & (steps <= n[:, None])  # up to and including the first rejection
+    a = st["a"]
     a.scatter_(1, nodes, torch.where(tried, ai, a.gather(1, nodes)))
-    path[:, tree.m + 1:] = torch.where(steps < n[:, None], nodes, 0)
+    st["path"][:, j0 + 1: j0 + 1 + L] = torch.where(steps < n[:, None], nodes, 0)
+    stopped = alive & (n < L)
     stop = par.gather(1, n.clamp(max=L - 1)[:, None])[:, 0]  # the node whose child was rejected
-    rejected = _residual(p[rows[:, 0], stop], q[rows[:, 0], stop])  # step 3
-    leaf = p[rows[:, 0], nodes[:, -1]]  # every node accepted: the bonus token ~ p(. | leaf)
-    return torch.where(alive[:, None], torch.where((n < L)[:, None], rejected, leaf), r)
+    st["r"] = torch.where(stopped[:, None], _residual(p[rows[:, 0], stop], q[rows[:, 0], stop]), st["r"])  # step 3
+    st["alive"], st["cur"] = alive & (n == L), torch.where(alive, nodes[:, -1], cur)
 
 
 def tree_rule_naive(p, q, cand, u, tree: Tree):
@@ -213,16 +229,18 @@ def propose(draft, s, tree: Tree):
     tau = 0). The draft's tree entries are rolled back afterwards."""
     t = tree.on(s.y.device)
     base = s.dcache.lengths.clone()
+    if t.k > 1:  # the draft's entries: the nodes at depths 1..k-1 (the root's entry is the trunk's last)
+        layout = TreeLayout(t.depth[1: t.level[t.k]] - 1, t.visible[1: t.level[t.k], 1: t.level[t.k]], base,
+                            s.dcache.max_len)
     h, zq = s.h[:, None], s.zq[:, None]  # (b, 1, H), (b, 1, V): the root level
     toks, qs = [s.y[:, None]], []
     for j, b in enumerate(t.branching, 1):
         x, q = sample_children(zq, b, s.temperature, s.generator)  # (b, n_{j-1}, b_j)
         toks.append(x.flatten(1))
         qs.append(q)
-        if j < t.k:
-            lo, hi = t.level[j], t.level[j + 1]
-            level = (t.depth[lo:hi] - 1, t.visible[lo:hi, 1:hi], base)  # draft entries start at depth 1
-            h, zq = draft.tree_step(s.dcache, x.flatten(1), h.repeat_interleave(b, 1), level)
+        if j < t.k:  # one draft forward over level j: layout nodes level[j]-1 .. level[j+1]-2
+            h = h if b == 1 else h.repeat_interleave(b, 1)
+            h, zq = draft.tree_step(s.dcache, x.flatten(1), h, layout.nodes(t.level[j] - 1, t.level[j + 1] - 1))
     s.dcache.rollback(base)
     return torch.cat(toks, 1), (torch.cat(qs, 1) if s.temperature > 0 else None)
 
@@ -234,7 +252,8 @@ def verify_step(target, s, tree: Tree, cand, q):
     (b, k+1) = path tokens, y', junk past n; the logits (b, k+1, V) and taps gathered along the path; n (b,)."""
     t = tree.on(cand.device)
     base = s.pcache.lengths.clone()
-    out = target.forward_cached(cand, s.pcache, tap_layers=s.tap_layers, tree=(t.depth, t.visible, base))
+    layout = TreeLayout(t.depth, t.visible, base, s.pcache.max_len)
+    out = target.forward_cached(cand, s.pcache, tap_layers=s.tap_layers, tree=layout.nodes())
     z = out.logits  # (b, 1+N, V)
     if s.temperature == 0:
         path, n, y = tree_greedy(z, cand, t)

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from draft import Eagle3Draft  # noqa: E402
 from hf_io import from_pretrained, save_pretrained  # noqa: E402
+from kv_cache import TreeLayout  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from speculative import generate  # noqa: E402
 from speculative_tree import Tree  # noqa: E402
@@ -242,9 +243,9 @@ def costs(cfg, policy, draft, B: int, reps: int = 20) -> dict:
         pcache.rollback(L)
 
     def level(n):
-        t = torch.ones(1 + n, dtype=torch.long)
-        draft.tree_step(dcache, x[:, :n], h[:, None].expand(-1, n, -1), (t[1:] - 1, torch.eye(n, dtype=torch.bool),
-                                                                        dcache.lengths.clone()))
+        nodes = TreeLayout(torch.zeros(n, dtype=torch.long), torch.eye(n, dtype=torch.bool), dcache.lengths.clone(),
+                           dcache.max_len).nodes()
+        draft.tree_step(dcache, x[:, :n], h[:, None].expand(-1, n, -1), nodes)
         dcache.rollback(dcache.lengths - n)
 
     return dict(batch=B, policy_forward_ms={S: timed(lambda: verify(S)) for S in (1, 3, 5, 7, 11, 16, 23)},

@@ -13,6 +13,7 @@ import speculative
 import speculative_tree
 from branch_mask import cu_seqlens_from_lengths
 from draft import Eagle3Draft
+from kv_cache import TreeLayout
 from model import ModelConfig, Transformer, greedy_generate
 from spec_cases import exact_first3, make_small_vocab_pair
 from speculative import generate
@@ -77,7 +78,8 @@ def test_tree_forward_equals_fresh_forwards(pair):
     cache.rollback(lens - 1)  # the last prompt token becomes the root
     nodes = torch.randint(V, (3, 1 + t.num_nodes), generator=torch.Generator().manual_seed(1))
     nodes[:, 0] = torch.stack([p[-1] for p in prompts])
-    z = policy.forward_cached(nodes, cache, tree=(t.depth, t.visible, lens - 1)).logits
+    layout = TreeLayout(t.depth, t.visible, lens - 1, cache.max_len)
+    z = policy.forward_cached(nodes, cache, tree=layout.nodes()).logits
     for b, p in enumerate(prompts):
         for c in range(1 + t.num_nodes):
             anc = [a for a in range(c + 1) if t.visible[c, a]]
@@ -92,6 +94,28 @@ def test_tree_forward_equals_fresh_forwards(pair):
     for b, p in enumerate(prompts):
         seq = torch.cat([p[:-1], nodes[b, path[b]], nxt[b]])
         assert torch.allclose(z2[b], policy(seq, cu_seqlens_from_lengths([len(seq)])).logits[-1], atol=1e-10)
+
+
+@pytest.mark.parametrize("tree", [(2, 2, 1), (1, 3, 1), (3, 1, 1, 2)])
+def test_draft_tree_levels_equal_chain_steps(pair, tree):
+    """The draft's tree forwards (one TreeLayout, one forward per level, each a slice of it) give at every internal
+    node exactly the q that the chain's draft steps give along that node's path, ragged rows; the cache is rolled
+    back afterwards."""
+    policy, draft = pair
+    t, tau = Tree(tree), 0.8
+    prompts = ragged_prompts(5, 3, policy.cfg.vocab_size, 2, 6)
+    s = speculative.prefill(policy, draft, prompts, t.k, tau, None, 16, torch.Generator().manual_seed(0),
+                            span=1 + t.num_nodes)
+    L0 = s.dcache.lengths.clone()
+    cand, q = speculative_tree.propose(draft, s, t)
+    assert torch.equal(s.dcache.lengths, L0) and q.shape == (3, t.level[t.k], policy.cfg.vocab_size)
+    for c in range(t.level[t.k]):
+        anc = [a for a in range(1, c + 1) if t.visible[c, a]]  # the node's path below the root
+        h, zq = s.h, s.zq
+        for a in anc:
+            h, zq = draft.step(s.dcache, cand[:, a], h)
+        s.dcache.rollback(L0)
+        assert torch.allclose(q[:, c], torch.softmax(zq / tau, -1), atol=1e-10, rtol=0)
 
 
 # ------------------------------------------------------------------------------------------------------ greedy
@@ -265,11 +289,12 @@ def test_exact_test_catches_wrong_rules(wrong, monkeypatch):
     assert 0.5 * (got - exact_policy(P, V, tree.k)).abs().sum() > 1e-3
 
 
-@pytest.mark.parametrize("branching", [(2, 2, 1), (3, 1), (1, 1, 1), (2, 1, 1, 1), (1, 2, 1), (1, 1, 2, 1), (3, 2)])
+@pytest.mark.parametrize("branching", [(2, 2, 1), (3, 1), (1, 1, 1), (2, 1, 1, 1), (1, 2, 1), (1, 1, 2, 1), (3, 2),
+                                       (1, 1, 2), (2, 1, 1, 2, 1)])
 def test_batched_rule_equals_naive(branching):
     """Random p, q, candidates and uniforms, 64 rows: the batched rule == the per-row recursion; node c is accepted
-    iff u[c] < a[c] (a is the threshold the rule used). Trees with and without a tail of single-child levels (the
-    rule's one-pass part) and with a single-child level above siblings."""
+    iff u[c] < a[c] (a is the threshold the rule used). Trees with runs of single-child levels (the rule's one-pass
+    part) at the top, in the middle and at the bottom, and trees ending on a level with siblings."""
     tree, B, V = Tree(branching), 64, 5
     g = torch.Generator().manual_seed(0)
     p = torch.softmax(3 * torch.randn(B, 1 + tree.num_nodes, V, generator=g, dtype=torch.float64), -1)
