@@ -69,6 +69,7 @@ class KVCache:
                              f"({S},) and (S, M >= S)")
         full = torch.zeros(M, M, dtype=torch.bool, device=visible.device)
         full[M - S:] = visible  # the earlier nodes' rows are never used
+        base = torch.as_tensor(base, dtype=torch.long, device=self.lengths.device)
         layout = TreeLayout(torch.cat([depth.new_zeros(M - S), depth]), full, base, self.max_len)
         return self.begin_nodes(layout.nodes(M - S, M))
 
