@@ -42,9 +42,12 @@ class KVCache:
     def positions(self, S: int) -> torch.Tensor:  # (B, S) absolute positions of the next S tokens of each row
         return self.lengths[:, None] + torch.arange(S, device=self.lengths.device)
 
-    def begin(self, S: int) -> torch.Tensor:
+    def begin(self, S: int, tree=None) -> torch.Tensor:
         """Start a forward that appends S entries to every row -> their positions (B, S). What every layer's write
-        shares (positions, row ids, the causal mask up to the longest row) is built here once, not per layer."""
+        shares (positions, row ids, the causal mask up to the longest row) is built here once, not per layer.
+        tree: the S entries are tree nodes instead, a TreeNodes (begin_nodes) or (depth, visible, base) (begin_tree)."""
+        if tree is not None:
+            return self.begin_nodes(tree) if isinstance(tree, TreeNodes) else self.begin_tree(*tree)
         Lk = int(self.lengths.max()) + S  # host sync: one per forward
         if Lk > self.max_len:
             raise ValueError(f"KV cache overflow: a row would reach length {Lk} > max_len={self.max_len}")

@@ -372,12 +372,12 @@ class Transformer(nn.Module):
     def forward_cached(self, x, cache: KVCache, *, tap_layers=None, tree=None):
         """Append x (B, S) tokens (or (B, S, H) hidden on later stages) to every row of `cache` and return their
         outputs. Each row's new tokens sit at positions cache.lengths[b] + 0..S-1; lengths advance by S.
-        tree: kv_cache.TreeNodes, the S tokens are tree nodes instead (KVCache.begin_nodes: positions base + depth,
-        each node sees the prefix and its ancestors)."""
+        tree: the S tokens are tree nodes instead, a kv_cache.TreeNodes or (depth, visible, base) (KVCache.begin:
+        positions base + depth, each node sees the prefix and its ancestors)."""
         self._check_input(x, 2)
         if x.shape[0] != cache.batch:
             raise ValueError(f"x: batch {x.shape[0]} != cache batch {cache.batch}")
-        pos = cache.begin(x.shape[1]) if tree is None else cache.begin_nodes(tree)  # (B, S)
+        pos = cache.begin(x.shape[1], tree)  # (B, S)
 
         def attend_for(layer, key, cos, sin):
             return lambda hn: layer.self_attn.forward_cached(hn, cos, sin, cache, key)

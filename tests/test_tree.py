@@ -63,9 +63,11 @@ def test_tree_layout():
             Tree(bad)
 
 
-def test_tree_forward_equals_fresh_forwards(pair):
-    """One cached tree forward over ragged rows: each node's logits == a fresh forward over prompt + its path; after
-    keep_path a plain cached step continues the accepted path exactly."""
+@pytest.mark.parametrize("form", ["layout", "tuple", "two forwards"])
+def test_tree_forward_equals_fresh_forwards(pair, form):
+    """A cached tree forward over ragged rows: each node's logits == a fresh forward over prompt + its path; after
+    keep_path a plain cached step continues the accepted path exactly. The tree given as a TreeLayout's nodes, as
+    (depth, visible, base), or appended in two forwards (the root and depth 1, then depth 2: visible (S, M > S))."""
     policy = pair[0]
     t, V = Tree((2, 3)), policy.cfg.vocab_size
     prompts = ragged_prompts(7, 3, V, 2, 6)
@@ -78,8 +80,15 @@ def test_tree_forward_equals_fresh_forwards(pair):
     cache.rollback(lens - 1)  # the last prompt token becomes the root
     nodes = torch.randint(V, (3, 1 + t.num_nodes), generator=torch.Generator().manual_seed(1))
     nodes[:, 0] = torch.stack([p[-1] for p in prompts])
-    layout = TreeLayout(t.depth, t.visible, lens - 1, cache.max_len)
-    z = policy.forward_cached(nodes, cache, tree=layout.nodes()).logits
+    if form == "layout":
+        tree = TreeLayout(t.depth, t.visible, lens - 1, cache.max_len).nodes()
+        z = policy.forward_cached(nodes, cache, tree=tree).logits
+    elif form == "tuple":
+        z = policy.forward_cached(nodes, cache, tree=(t.depth, t.visible, lens - 1)).logits
+    else:
+        parts = [(0, t.level[2]), (t.level[2], 1 + t.num_nodes)]
+        z = torch.cat([policy.forward_cached(nodes[:, lo:hi], cache, tree=(t.depth[lo:hi], t.visible[lo:hi, :hi],
+                                                                           lens - 1)).logits for lo, hi in parts], 1)
     for b, p in enumerate(prompts):
         for c in range(1 + t.num_nodes):
             anc = [a for a in range(c + 1) if t.visible[c, a]]
