@@ -24,6 +24,7 @@ from logger import BACKENDS, parse_backends
 from model import PRESETS as MODEL_PRESETS
 from pipeline import SCHEDULES
 from rl_loop import LOSS_NORMS
+from speculative_tree import Tree
 
 
 @dataclass
@@ -209,9 +210,10 @@ CHECKS = {
     "temperature":        above(0),
     "num_draft_tokens":   at_least(1),
     "tree":               ((lambda v, c: isinstance(v, tuple) and all(type(b) is int and b >= 1 for b in v)
-                                         and len(v) in (0, c.num_draft_tokens)),
+                                         and len(v) in (0, c.num_draft_tokens)
+                                         and sum(math.prod(v[:j]) for j in range(1, len(v) + 1)) <= Tree.MAX_NODES),
                            "() or branching factors >= 1, as many as num_draft_tokens={num_draft_tokens} (the tree's "
-                           "depth), e.g. --tree=2,2,1"),
+                           f"depth) and at most {Tree.MAX_NODES} nodes in all, e.g. --tree=2,2,1"),
     "rollout_batch":      at_least(1),
     "lr":                 at_least(0),  # 0: the no-drift control (the policy does not move)
     "grad_clip":          above(0),  # a negative bound flips the gradient: the update would ascend

@@ -40,14 +40,21 @@ class Tree:
     """The static tree (b_1..b_k) in breadth-first order: node 0 the root, then depth 1, 2, ...; the children of the
     m-th node at depth j-1 are nodes level[j] + m*b_j + 0..b_j-1, in the order they were drawn."""
 
+    MAX_NODES = 1024  # all nodes are verified in one policy forward; useful trees have 6-30
+
     def __init__(self, branching):
-        b = tuple(int(x) for x in branching)
-        if not b or any(x < 1 for x in b):
-            raise ValueError(f"tree={tuple(branching)}: expected a non-empty tuple of branching factors >= 1")
+        b = tuple(branching) if isinstance(branching, (tuple, list)) else None
+        if not b or any(isinstance(x, bool) or not hasattr(x, "__index__") or x < 1 for x in b):
+            raise ValueError(f"tree={branching!r}: expected a non-empty tuple of integer branching factors >= 1, "
+                             "e.g. (2, 2, 1)")
+        b = tuple(int(x) for x in b)
         self.branching, self.k = b, len(b)
         width = [1]
         for x in b:
             width.append(width[-1] * x)  # nodes per depth
+        if sum(width) - 1 > self.MAX_NODES:
+            raise ValueError(f"tree={b}: {sum(width) - 1} nodes, more than the {self.MAX_NODES} one verification "
+                             "forward takes (its mask is (rows, nodes, length) per step)")
         self.level = [sum(width[:j]) for j in range(self.k + 2)]  # level[j]: first node at depth j
         self.num_nodes = self.level[-1] - 1  # N, the root excluded: what one verification forward adds
         parents, depth, first_child = [-1], [0], []

@@ -58,7 +58,7 @@ def test_tree_layout():
     assert (t.k, t.num_nodes, t.level) == (3, 10, [0, 1, 3, 7, 11])
     assert t.parents == (-1, 0, 0, 1, 1, 2, 2, 3, 4, 5, 6)
     assert t.first_child.tolist() == [1, 3, 5, 7, 8, 9, 10] and t.depth.tolist() == [0, 1, 1] + [2] * 4 + [3] * 4
-    for bad in [(), (2, 0), (-1,)]:
+    for bad in [(), (2, 0), (-1,), (2.5, 1), (True, 2), "21", 3, (32, 32, 2)]:  # (32, 32, 2): 3104 nodes
         with pytest.raises(ValueError, match="tree"):
             Tree(bad)
 
@@ -384,6 +384,8 @@ def test_config_tree_flag():
         parse_args(["--preset", "test", "--tree=2,2"])
     with pytest.raises(ValueError, match="tree"):
         parse_args(["--preset", "test", "--tree=2,0,1"])
+    with pytest.raises(ValueError, match="1024 nodes"):  # 32 + 1024 + 2048: refused before any training runs
+        parse_args(["--preset", "test", "--tree=32,32,2", "--num_draft_tokens=3"])
     with pytest.raises(ValueError, match="tuple"):
         parse_args(["--preset", "test", "--tree=2,x,1"])
 
