@@ -361,7 +361,7 @@ def tv_first3(pair, tau, tree, N=6000, seed=0):
     return 0.5 * (emp.view(V, V, V) - p).abs().sum().item(), bound, r.stats
 
 
-@pytest.mark.parametrize("tau,tree", [(1.0, (2, 2)), (0.7, (2, 2)), (1.0, (4, 1)), (0.7, (1, 1, 1))])
+@pytest.mark.parametrize("tau,tree", [(1.0, (2, 2)), (0.7, (2, 2)), (1.0, (4, 1)), (0.7, (1, 1, 1)), (1.0, (1, 2))])
 def test_sampling_matches_exact_distribution(small_vocab_pair, tau, tree):
     tv, bound, st = tv_first3(small_vocab_pair, tau, tree, seed=int(10 * tau) + len(tree))
     assert tv < bound
