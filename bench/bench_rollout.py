@@ -24,8 +24,9 @@ most tokens per policy forward, at the largest batch (64 rows x 96 tokens x `rep
 `costs` times the two terms a speculative step is made of, a policy forward over S tokens and a draft level of width n,
 at each batch: they bound what any chain or tree can gain on this machine.
 
-    python bench/bench_rollout.py                    # ~5 min on 2 CPU cores (training included; cached afterwards)
-    python bench/bench_rollout.py --repeats=9 --threads=2 --batches=1,8
+    python bench/bench_rollout.py                    # ~10 min on 2 CPU cores (training included; cached afterwards)
+    python bench/bench_rollout.py --repeats=9 --batches=1,8
+    python bench/bench_rollout.py --device=cuda --out=bench/results/rollout_gpu.json  # decoders timed on a GPU
     python bench/bench_rollout.py --trees=2,2,1:3,2,1 --hot_temperature=0   # other trees (':'-separated), no hot rows
 
 Writes bench/results/rollout.json (rows: batch, k, tokens_per_s_ar, tokens_per_s_spec, speedup, acceptance_length, ...;
@@ -76,7 +77,8 @@ class BenchConfig:
     temperature: float = 1.0
     repeats: int = 5
     threads: int = 1
-    clock: str = "cpu"  # "cpu": the process's CPU time (excludes a shared host's steal; 1 thread), "wall": wall time
+    clock: str = "auto"  # "cpu": the process's CPU time (excludes a shared host's steal; 1 thread), "wall"; auto: cpu
+    device: str = "cpu"  # "cuda": train on the CPU, then time the decoders on the GPU (wall clock, synchronized)
     seed: int = 0
     out: str = "bench/results/rollout.json"
     cache: str = "bench/results/scratch/rollout"
@@ -95,8 +97,13 @@ def parse_args(argv) -> BenchConfig:
         except ValueError:
             raise SystemExit(f"--{key}={val!r}: expected {type(cur).__name__}")
         setattr(cfg, key, new)
-    if cfg.clock not in CLOCKS:
-        raise SystemExit(f"--clock={cfg.clock!r}: expected one of {sorted(CLOCKS)}")
+    if cfg.device != "cpu" and not (cfg.device.startswith("cuda") and torch.cuda.is_available()):
+        raise SystemExit(f"--device={cfg.device!r}: expected cpu, or cuda[:i] on a machine with a CUDA GPU")
+    if cfg.clock == "auto":
+        cfg.clock = "cpu" if cfg.device == "cpu" else "wall"
+    if cfg.clock not in CLOCKS or (cfg.clock == "cpu" and cfg.device != "cpu"):
+        raise SystemExit(f"--clock={cfg.clock!r}: expected one of {sorted(CLOCKS)} (wall on a GPU: the host's CPU "
+                         "time does not see the device's work)")
     return cfg
 
 
@@ -202,15 +209,22 @@ def drafts(cfg) -> list:
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 
 
+def clock_of(cfg):  # the benchmark's clock; on a GPU it waits for the device's queued work first
+    clock = CLOCKS[cfg.clock]
+    if cfg.device == "cpu":
+        return clock
+    return lambda: (torch.cuda.synchronize(cfg.device), clock())[1]
+
+
 def measure(cfg, policy, draft, prompts, B: int, tau: float) -> list:
     """Every draft at batch B and temperature tau, interleaved (AR, chains, trees, AR, ...), medians of `repeats`."""
-    clock = CLOCKS[cfg.clock]
+    clock = clock_of(cfg)
 
     def run(k, tree, r):  # -> the stats, tokens per second of `clock`
         t0 = clock()
         st = generate(policy, draft, [prompts[(r * B + i) % len(prompts)] for i in range(B)],
                       max_new_tokens=cfg.max_new_tokens, num_draft_tokens=k if tree is None else 0, temperature=tau,
-                      tree=tree, generator=torch.Generator().manual_seed(cfg.seed + r)).stats
+                      tree=tree, generator=torch.Generator(cfg.device).manual_seed(cfg.seed + r)).stats
         return st, st.new_tokens / (clock() - t0)
 
     ds = drafts(cfg)
@@ -242,7 +256,7 @@ def measure(cfg, policy, draft, prompts, B: int, tau: float) -> list:
 def costs(cfg, policy, draft, B: int, reps: int = 20) -> dict:
     """Median ms of a policy forward over S tokens per row (a chain of S-1 drafts, or a tree of S-1 nodes: same
     shapes) after a 64-token prefix, and of one draft level of width n, at batch B."""
-    clock = CLOCKS[cfg.clock]
+    clock = clock_of(cfg)
 
     def timed(fn):
         ts = []
@@ -252,11 +266,11 @@ def costs(cfg, policy, draft, B: int, reps: int = 20) -> dict:
             ts.append(clock() - t0)
         return round(1e3 * statistics.median(ts), 3)
 
-    x = torch.randint(policy.cfg.vocab_size, (B, 64))
+    x = torch.randint(policy.cfg.vocab_size, (B, 64), device=cfg.device)
     pcache = policy.new_cache(B, 128)
     out = policy.forward_cached(x, pcache, tap_layers=draft.tap_layers)
     dcache = draft.new_cache(B, 128)
-    h, _ = draft.extend(dcache, x, out.taps, torch.full((B,), 63))
+    h, _ = draft.extend(dcache, x, out.taps, torch.full((B,), 63, device=cfg.device))
     L = pcache.lengths.clone()
 
     def verify(S):
@@ -264,7 +278,8 @@ def costs(cfg, policy, draft, B: int, reps: int = 20) -> dict:
         pcache.rollback(L)
 
     def level(n):
-        nodes = TreeLayout(torch.zeros(n, dtype=torch.long), torch.eye(n, dtype=torch.bool), dcache.lengths.clone(),
+        eye = torch.eye(n, dtype=torch.bool, device=cfg.device)  # n siblings: each sees the prefix and itself
+        nodes = TreeLayout(torch.zeros(n, dtype=torch.long, device=cfg.device), eye, dcache.lengths.clone(),
                            dcache.max_len).nodes()
         draft.tree_step(dcache, x[:, :n], h[:, None].expand(-1, n, -1), nodes)
         dcache.rollback(dcache.lengths - n)
@@ -276,7 +291,11 @@ def costs(cfg, policy, draft, B: int, reps: int = 20) -> dict:
 def main(cfg: BenchConfig):
     torch.set_num_threads(cfg.threads)
     lang = PhraseLanguage(64, cfg.phrases, cfg.seed)
-    policy, draft, metrics, train_s = cached(cfg, lang)
+    policy, draft, metrics, train_s = cached(cfg, lang)  # trained (or loaded) on the CPU
+    if cfg.device != "cpu":
+        policy = policy.to(cfg.device)
+        draft = draft.to(cfg.device)
+        draft.attach(policy)  # the shared embedding: `to` copied the draft's reference (Eagle3Draft.attach)
     g = torch.Generator().manual_seed(cfg.seed + 3)
     prompts = list(lang.sample(max(cfg.batches), cfg.prompt_len, g))  # held-out: a fresh generator stream
     greedy = lambda B, k, tree: [a.tolist() for a in generate(  # noqa: E731
@@ -306,7 +325,8 @@ def main(cfg: BenchConfig):
         best_per_batch=[dict(batch=b, temperature=t, kind=kind, draft=r["draft"], speedup=r["speedup"],
                              tokens_per_forward=r["acceptance_length"]) for (b, t, kind), r in best.items()],
         equal_depth=equal_depth(rows), greedy_exact=exact, draft_train_metrics=metrics, train_seconds=round(train_s, 1),
-        machine=dict(platform=platform.platform(), cpus=os.cpu_count(), threads=cfg.threads,
+        machine=dict(platform=platform.platform(), cpus=os.cpu_count(), threads=cfg.threads, device=cfg.device,
+                     gpu=torch.cuda.get_device_name(cfg.device) if cfg.device != "cpu" else None,
                      torch=torch.__version__, load_avg_1min_at_start=load),
         policy_parameters=sum(p.numel() for p in policy.parameters()),
         draft_parameters=sum(p.numel() for p in draft.parameters()))
