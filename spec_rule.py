@@ -10,6 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from model import at_least_f32
+
+
+def probs(logits, temperature: float):  # (..., V) -> p (..., V) at temperature tau > 0, at least fp32
+    return torch.softmax(at_least_f32(logits) / temperature, dim=-1)
+
 
 def accept_prob(p_d, q_d):
     """min(1, p(d) / q(d)); 0 where q(d) = 0 (a tree draws past q's support only once q is exhausted: never accept)."""

@@ -34,7 +34,7 @@ import torch
 
 import speculative_tree
 from model import Transformer, at_least_f32
-from spec_rule import accept_prob, residual
+from spec_rule import accept_prob, probs, residual
 
 
 @dataclass
@@ -61,10 +61,6 @@ class Rollout:
 
 
 # ------------------------------------------------------------------------------------------------ the sampling rule
-def probs(logits, temperature: float):  # (..., V) -> p (..., V) at temperature tau > 0
-    return torch.softmax(at_least_f32(logits) / temperature, dim=-1)
-
-
 def verify(p_logits, d, q, temperature: float, generator=None):
     """The accept / residual / bonus rule for all rows at once.
 

@@ -31,8 +31,7 @@ import torch
 
 from branch_mask import tree_mask
 from kv_cache import TreeLayout
-from model import at_least_f32
-from spec_rule import accept_prob
+from spec_rule import accept_prob, probs
 from spec_rule import residual as _residual  # a module name of its own: tests swap it for a wrong rule
 
 
@@ -105,7 +104,7 @@ def sample_children(zq, b: int, temperature: float, generator=None):
     (None at tau = 0, where the candidates are the top-b). Gumbel-top-k = b sequential draws without replacement."""
     if temperature == 0:
         return zq.topk(b, -1).indices, None
-    q = torch.softmax(at_least_f32(zq) / temperature, -1)
+    q = probs(zq, temperature)
     u = torch.rand(q.shape, generator=generator, device=q.device, dtype=q.dtype)
     g = -torch.log(-torch.log(u.clamp_min(torch.finfo(q.dtype).tiny)))  # Gumbel(0, 1)
     return (q.log() + g).topk(b, -1).indices, q  # zero-q tokens (key -inf) come last: drawn only once q is exhausted
@@ -184,10 +183,11 @@ def _rule_run(p, q, cand, u, tree: Tree, seg, st):
     a = st["a"]
     a.scatter_(1, nodes, torch.where(tried, ai, a.gather(1, nodes)))
     st["path"][:, j0 + 1: j0 + 1 + L] = torch.where(steps < n[:, None], nodes, 0)
-    stopped = alive & (n < L)
+    through = alive & (n == L)  # every node of the run accepted: the path goes on below its last node
     stop = par.gather(1, n.clamp(max=L - 1)[:, None])[:, 0]  # the node whose child was rejected
-    st["r"] = torch.where(stopped[:, None], _residual(p[rows[:, 0], stop], q[rows[:, 0], stop]), st["r"])  # step 3
-    st["alive"], st["cur"] = alive & (n == L), torch.where(alive, nodes[:, -1], cur)
+    r = _residual(p[rows[:, 0], stop], q[rows[:, 0], stop])  # step 3
+    st["r"] = torch.where((alive & ~through)[:, None], r, st["r"])
+    st["alive"], st["cur"] = through, torch.where(through, nodes[:, -1], cur)
 
 
 def tree_rule_naive(p, q, cand, u, tree: Tree):
@@ -265,7 +265,7 @@ def verify_step(target, s, tree: Tree, cand, q):
     if s.temperature == 0:
         path, n, y = tree_greedy(z, cand, t)
     else:
-        p = torch.softmax(at_least_f32(z) / s.temperature, -1)  # (b, 1+N, V) T x V per node, as the chain's k+1
+        p = probs(z, s.temperature)  # (b, 1+N, V) T x V per node, as the chain's k+1
         u = torch.rand(cand.shape, generator=s.generator, device=cand.device, dtype=p.dtype)
         path, n, r, _ = tree_rule(p, q, cand, u, t)
         y = torch.multinomial(r, 1, generator=s.generator)[:, 0]

@@ -213,7 +213,11 @@ def clock_of(cfg):  # the benchmark's clock; on a GPU it waits for the device's 
     clock = CLOCKS[cfg.clock]
     if cfg.device == "cpu":
         return clock
-    return lambda: (torch.cuda.synchronize(cfg.device), clock())[1]
+
+    def synchronized():
+        torch.cuda.synchronize(cfg.device)
+        return clock()
+    return synchronized
 
 
 def measure(cfg, policy, draft, prompts, B: int, tau: float) -> list:
