@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ring import as_ring
+from parallel.ring import as_ring
 
 
 # ------------------------------------------------------------------------------------------------ packing and padding

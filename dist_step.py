@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 
 from branch_mask import pad_for_cp, position_ids
-from consistency import check_same_cu_seqlens
-from fused_logprob import token_logp as fused_token_logp
-from grid import Grid
+from parallel.consistency import check_same_cu_seqlens
+from backends.fused_logprob import token_logp as fused_token_logp
+from parallel.grid import Grid
 from model import EMBED_TAP
 from pipeline import Microbatch, PipelineSchedule, build_stage, shard_for_cp, split_layers
 from rl_loop import GRPOConfig, RolloutBatch, aggregate, draft_mask, seq_ids, token_logp, token_losses

@@ -39,10 +39,11 @@ from safetensors.torch import load_file, save_file
 import branch_mask
 from branch_mask import cp_shift, pad_for_cp, shift_packed, zigzag_shard
 from draft_loss import chunk_rows, dense_pass_losses, make_teacher, pass_targets, ring_sum, streaming_pass_losses
-from draft_vocab import maps as draft_vocab_maps
-from model import (EMBED_TAP, MLP, Attention, KVCache, ModelConfig, RMSNorm, Transformer, at_least_f32,
-                   check_tap_layers, default_tap_layers, rope_cos_sin)
-from ring import as_ring
+from serving.draft_vocab import maps as draft_vocab_maps
+from model import EMBED_TAP, ModelConfig, Transformer, check_tap_layers, default_tap_layers
+from modeling.kv_cache import KVCache
+from modeling.layers import MLP, Attention, RMSNorm, rope_cos_sin
+from parallel.ring import as_ring
 
 
 @dataclass
@@ -360,7 +361,7 @@ class Eagle3Draft(nn.Module):
     def export(self, path: str, *, dtype=torch.bfloat16):
         """The serving format vLLM's and SGLang's LlamaForCausalLMEagle3 load (export.py): config.json +
         model.safetensors, floats in `dtype`, written atomically. Needs exactly 3 taps, none on the last layer."""
-        from export import export_draft  # export.py reads a draft; the draft does not need it to train
+        from serving.export import export_draft  # export.py reads a draft; the draft does not need it to train
         export_draft(self, path, dtype=dtype)
 
     @classmethod

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from branch_mask import cp_shift, seq_lengths
-from model import at_least_f32
+from modeling.layers import at_least_f32
 
 
 CHUNK_ELEMENTS = 1 << 21  # default chunk: 2M logits (8 MiB in fp32) whatever V is, i.e. 2^21 // V rows

@@ -15,7 +15,7 @@ Two orders of the same 2M actions (picotron's pipeline_parallel.py keeps both si
 
 Communication (p2p_plan): the send of each action's output and the receive of the next action's input go out together
 in one batch_isend_irecv on the pipeline group, on gloo and NCCL alike; the grid (grid.py) has created every
-communicator beforehand. `python nccl_check.py` proves every layout deadlock-free under NCCL's rules.
+communicator beforehand. `python -m commcheck.nccl_check` proves every layout deadlock-free under NCCL's rules.
 
 After F(m) the last stage calls the user's draft hook with m's taps (the hidden states after the tapped layers: from
 other stages through TapChannel, its own in place), its final hidden, logits and microbatch -- all detached -- and
@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from branch_mask import cu_seqlens_from_lengths
-from grid import Grid
+from parallel.grid import Grid
 from model import EMBED_TAP, ModelConfig, Transformer, check_tap_layers
 from tapchannel import TapChannel
 

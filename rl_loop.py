@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 
 from branch_mask import cu_seqlens_from_lengths, seq_ids
-from model import at_least_f32
+from modeling.layers import at_least_f32
 
 LOSS_NORMS = ("seq-mean", "token-mean", "global-token", "constant")
 
@@ -314,7 +314,7 @@ def reference_logp(ref, batch: RolloutBatch, *, attn_fn=None, temperature: float
     logprob_chunk > 0: no (T, V) logits, the head applied that many rows at a time."""
     b = batch.to(next(ref.parameters()).device)
     if logprob_chunk > 0:
-        from fused_logprob import next_token_logp as fused
+        from backends.fused_logprob import next_token_logp as fused
         h = ref(b.tokens, b.cu_seqlens, attn_fn=attn_fn, logits=False).hidden  # (T, H)
         return fused(h, ref.head_weight, b.tokens, b.cu_seqlens, chunk=logprob_chunk,
                      temperature=temperature).to(batch.tokens.device)

@@ -32,9 +32,10 @@ from typing import Optional
 
 import torch
 
-import speculative_tree
-from model import Transformer, at_least_f32
-from spec_rule import accept_prob, probs, residual
+from decoding import speculative_tree
+from model import Transformer
+from modeling.layers import at_least_f32
+from decoding.spec_rule import accept_prob, probs, residual
 
 
 @dataclass

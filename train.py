@@ -40,16 +40,16 @@ import time
 
 import torch
 
-from config import Config, parse_args
-from eval_arms import evaluate
-from experiment import build
-from export import write_servables
-from mesh import make_mesh
-from report import HEADER, Report
-from resume import load_run, save_run
-from resume_policy import start_run
-from rollout import rollout
-from update import check_finite, update
+from harness.config import Config, parse_args
+from harness.eval_arms import evaluate
+from harness.experiment import build
+from serving.export import write_servables
+from harness.mesh import make_mesh
+from harness.report import HEADER, Report
+from checkpoints.resume import load_run, save_run
+from checkpoints.resume_policy import start_run
+from harness.rollout import rollout
+from harness.update import check_finite, update
 
 
 def train(cfg: Config) -> dict:

@@ -43,7 +43,7 @@ import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from attention_blocks import BACKENDS, Segment, merge_  # noqa: E402
+from attention_cp import BACKENDS, Segment, merge_  # noqa: E402
 from attention_cp import ring_branch_attention  # noqa: E402
 from branch_mask import branch_attention_mask, zigzag_index, zigzag_unshard  # noqa: E402
 
@@ -132,7 +132,7 @@ def gathered_segments(cu, cp, rank):
 
 
 class SegmentAttention(torch.autograd.Function):
-    """Local queries over given (full-length) K/V along segments, plus a local branch: attention_blocks' kernel."""
+    """Local queries over given (full-length) K/V along segments, plus a local branch: attention_cp's kernel."""
 
     @staticmethod
     def forward(ctx, q, k, v, bk, bv, segments, scale):

@@ -94,17 +94,17 @@ def load_backends(cfg):
     """Import the kernel files (each registers its backend); a backend that cannot load is reported, not fatal."""
     if cfg.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before attention_triton: triton.jit decides at import
-    from attention_blocks import register_backend
+    from attention_cp import register_backend
     status = {}
     for name in cfg.backends.split(","):
         try:
             if name == "triton":
-                import attention_triton
+                from backends import attention_triton
                 if cfg.triton_tiles:
                     t = [int(x) for x in cfg.triton_tiles.split(",")]
                     register_backend("triton", attention_triton.TritonBlocks(fwd_tiles=t[:2], bwd_tiles=t[2:4]))
             elif name == "flash":
-                import attention_flash
+                from backends import attention_flash
                 attention_flash.flash_interface()  # the package and a CUDA device; dtype/D are checked per call
             status[name] = "ok"
         except (ImportError, RuntimeError) as e:
@@ -133,7 +133,7 @@ def make_inputs(L, cfg, dtype, seed=0):
 def run_ring(inputs, L, cfg, backend, backward):
     """One forward (and backward) of the whole simulated ring; returns rank 0's output (for the cross-check)."""
     from attention_cp import ring_branch_attention
-    from ring import run_ranks
+    from parallel.ring import run_ranks
     cu = torch.tensor([0, L], dtype=torch.int32)
 
     def rank(ring):

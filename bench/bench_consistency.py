@@ -25,7 +25,7 @@ from dist_util import run_distributed  # noqa: E402
 def _worker(rank, world, n_seqs, n_mb, reps):
     import torch.distributed as dist
 
-    from consistency import check_same_cu_seqlens, fingerprint
+    from parallel.consistency import check_same_cu_seqlens, fingerprint
     cus = [torch.arange(0, 8 * (n_seqs + 1), 8, dtype=torch.int32) for _ in range(n_mb)]
     check_same_cu_seqlens(cus, dist.group.WORLD)  # warm-up: the gloo connections
     dist.barrier()

@@ -47,10 +47,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from branch_mask import cu_seqlens_from_lengths, zigzag_index, zigzag_shard, zigzag_unshard  # noqa: E402
 from draft import DraftConfig, Eagle3Draft  # noqa: E402
-from fused_logprob import token_logp  # noqa: E402
+from backends.fused_logprob import token_logp  # noqa: E402
 from branch_mask import cp_shift  # noqa: E402
 from draft_loss import chunk_rows, dense_pass_losses, make_teacher, pass_targets, streaming_pass_losses  # noqa: E402
-from ring import as_ring  # noqa: E402
+from parallel.ring import as_ring  # noqa: E402
 
 H, HEADS, HEAD_DIM, INTER, P, TAPS = 128, (2, 1), 32, 256, 3, (1, 2, 3)
 DRAFT_METHODS = ("old", "stream", "fused", "gather")

@@ -26,9 +26,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import speculative  # noqa: E402
-import task  # noqa: E402
-import warmup  # noqa: E402
-from config import parse_args  # noqa: E402
+from tasks import task  # noqa: E402
+from harness import warmup  # noqa: E402
+from harness.config import parse_args  # noqa: E402
 from draft import DraftConfig, Eagle3Draft  # noqa: E402
 from model import ModelConfig  # noqa: E402
 

@@ -48,11 +48,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from draft import Eagle3Draft  # noqa: E402
-from hf_io import from_pretrained, save_pretrained  # noqa: E402
-from kv_cache import TreeLayout  # noqa: E402
+from serving.hf_io import from_pretrained, save_pretrained  # noqa: E402
+from modeling.kv_cache import TreeLayout  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from speculative import generate  # noqa: E402
-from speculative_tree import Tree  # noqa: E402
+from decoding.speculative_tree import Tree  # noqa: E402
 
 
 @dataclass

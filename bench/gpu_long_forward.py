@@ -37,9 +37,9 @@ def main():
         raise SystemExit("needs CUDA")
     import attention_cp
     if a.backend == "triton":
-        import attention_triton  # noqa: F401  (registers the backend)
+        from backends import attention_triton  # noqa: F401  (registers the backend)
     elif a.backend == "flash":
-        import attention_flash  # noqa: F401
+        from backends import attention_flash  # noqa: F401
     T, Hq, Hkv, D, P, G = a.T, a.Hq, a.Hkv, a.D, a.P, a.Hq // a.Hkv
     g = torch.Generator("cuda").manual_seed(0)
     rnd = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.bfloat16)  # noqa: E731

@@ -28,8 +28,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-import attention_triton as at  # noqa: E402
-import attention_triton_kernels as K  # noqa: E402
+from backends import attention_triton as at  # noqa: E402
+from backends import attention_triton_kernels as K  # noqa: E402
 
 FP32_ARGS = {"Out", "Lse", "Delta", "dQ", "dK", "dV", "dBK", "dBV", "dO"}  # the fp32 accumulators (and dout)
 INPUT_ARGS = {"Q", "K", "V", "BK", "BV"}

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from attention_blocks import TorchBlocks, register_backend
+from attention_cp import TorchBlocks, register_backend
 from attention_cp import reference_branch_attention, ring_branch_attention
 from branch_mask import cu_seqlens_from_lengths, pad_for_cp, zigzag_shard, zigzag_unshard
-from ring import run_ranks
+from parallel.ring import run_ranks
 
 # tiny tiles exercise the tiling (partial, skipped and masked causal tiles) on small test shapes
 for _t in (3, 5):

@@ -10,7 +10,7 @@ import torch
 from attention_cp import ring_branch_attention
 from branch_mask import cu_seqlens_from_lengths, pad_for_cp, position_ids, zigzag_shard
 from model import EMBED_TAP, ModelConfig, Transformer
-from ring import run_ranks
+from parallel.ring import run_ranks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOL = 1e-12

@@ -7,11 +7,11 @@ import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
 
-from attention_blocks import get_backend, merge_
+from attention_cp import get_backend, merge_
 from attention_cp import ring_branch_attention
 from branch_mask import cu_seqlens_from_lengths, pad_for_cp, position_ids, seq_ids, zigzag_shard, zigzag_unshard
 from model import ModelConfig, Transformer
-from ring import Ring, as_ring, run_ranks
+from parallel.ring import Ring, as_ring, run_ranks
 from attention_cases import assert_all_close, make_case, reference, run_threads
 
 cases = st.fixed_dictionaries(dict(

@@ -8,10 +8,10 @@ from collections import Counter
 import pytest
 import torch
 
-import attention_flash  # noqa: F401  (registers backend "flash")
-from attention_blocks import Segment
+from backends import attention_flash  # noqa: F401  (registers backend "flash")
+from attention_cp import Segment
 from attention_cp import ring_branch_attention
-from attention_flash import out_for_delta, varlen_plan
+from backends.attention_flash import out_for_delta, varlen_plan
 
 
 def _pairs_of_segments(segments):

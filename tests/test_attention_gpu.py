@@ -12,7 +12,7 @@ if not torch.cuda.is_available():  # before importing attention_triton: on CPU i
 
 from attention_cp import reference_branch_attention, ring_branch_attention  # noqa: E402
 from branch_mask import cu_seqlens_from_lengths, pad_for_cp, zigzag_shard, zigzag_unshard  # noqa: E402
-from ring import run_ranks  # noqa: E402
+from parallel.ring import run_ranks  # noqa: E402
 
 NAMES = ("out", "lse", "dq", "dk", "dv", "dbk", "dbv")
 
@@ -49,10 +49,10 @@ def _ring(cu, x, cp, backend):
 def _backend(name):
     if name == "triton":
         pytest.importorskip("triton")
-        import attention_triton  # noqa: F401
+        from backends import attention_triton  # noqa: F401
     else:
         pytest.importorskip("flash_attn")
-        import attention_flash
+        from backends import attention_flash
         attention_flash.flash_interface()
     return name
 

@@ -16,12 +16,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]' on Linux x86_64)")
 
-import attention_triton  # noqa: E402  (after TRITON_INTERPRET)
-from attention_blocks import Segment, TorchBlocks, register_backend  # noqa: E402
+from backends import attention_triton  # noqa: E402  (after TRITON_INTERPRET)
+from attention_cp import Segment, TorchBlocks, register_backend  # noqa: E402
 from attention_cp import ring_branch_attention  # noqa: E402
-from attention_triton import TritonBlocks, tile_table  # noqa: E402
+from backends.attention_triton import TritonBlocks, tile_table  # noqa: E402
 from branch_mask import zigzag_shard  # noqa: E402
-from ring import run_ranks  # noqa: E402
+from parallel.ring import run_ranks  # noqa: E402
 from attention_cases import assert_all_close, make_case, reference, unshard_all  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -16,13 +16,13 @@ import warnings
 import pytest
 import torch
 
-import checkpoint
-import config
-from checkpoint import capture_rng, latest_checkpoint, load_checkpoint, save_checkpoint
-from config import CHECKS, PRESETS, Config, parse_args
-from consistency import check_finite, check_same_cu_seqlens, fingerprint
+from checkpoints import checkpoint
+from harness import config
+from checkpoints.checkpoint import capture_rng, latest_checkpoint, load_checkpoint, save_checkpoint
+from harness.config import CHECKS, PRESETS, Config, parse_args
+from parallel.consistency import check_finite, check_same_cu_seqlens, fingerprint
 from dist_util import run_distributed
-from resume_policy import (RESUME_MAY_CHANGE, NoCheckpointError, check_fresh_out_dir, check_resumable,
+from checkpoints.resume_policy import (RESUME_MAY_CHANGE, NoCheckpointError, check_fresh_out_dir, check_resumable,
                            checkpoint_to_resume, prepare_fresh_out_dir)
 
 # ---------------------------------------------------------------------------------------------- every flag checked
@@ -229,7 +229,7 @@ def test_resume_allows_run_length_and_housekeeping_to_change(tmp_path):
 # ------------------------------------------------------------------------------------- errors that name the thing
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    from hf_io import save_pretrained
+    from serving.hf_io import save_pretrained
     from model import ModelConfig, Transformer
     torch.manual_seed(0)
     d = tmp_path_factory.mktemp("hf")
@@ -258,7 +258,7 @@ def _missing_key(d):
     (_missing_key, r"config.json: missing key 'num_attention_heads'"),
 ])
 def test_hf_checkpoint_errors_name_the_file_and_key(hf_dir, tmp_path, damage, message):
-    from hf_io import from_pretrained
+    from serving.hf_io import from_pretrained
     d = tmp_path / "copy"
     d.mkdir()
     for name in os.listdir(hf_dir):
@@ -317,7 +317,7 @@ def test_cu_seqlens_that_differ_across_cp_ranks_fail_on_every_rank():
 
 # --------------------------------------------------------------------------- the loop's one call: start_run
 def test_start_run_gives_every_rank_the_same_checkpoint_or_the_same_error(tmp_path):
-    from resume_policy import start_run
+    from checkpoints.resume_policy import start_run
     fresh = {**CFG, "resume": False}
     assert start_run(tmp_path, fresh, (1, 1, 1)) == (None, [])  # an empty directory: a fresh run may start
     _save(tmp_path / "ckpt", 2, config=CFG, mesh=(1, 1, 1))

@@ -8,7 +8,7 @@ from attention_cp import reference_branch_attention
 from branch_mask import (branch_attention_mask, causal_mask, check_cp_padded, cp_shift, cu_seqlens_from_lengths,
                          pad_for_cp, position_ids, seq_lengths, shift_packed, tree_mask, ttt_labels, ttt_mask,
                          ttt_row_map, zigzag_index, zigzag_shard, zigzag_unshard)
-from ring import run_ranks
+from parallel.ring import run_ranks
 
 lengths_st = st.lists(st.integers(1, 17), min_size=1, max_size=4)
 

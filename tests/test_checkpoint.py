@@ -21,8 +21,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import checkpoint
-from checkpoint import capture_rng, latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
+from checkpoints import checkpoint
+from checkpoints.checkpoint import capture_rng, latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
 
 
 ROOT = Path(__file__).resolve().parent.parent

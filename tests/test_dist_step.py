@@ -18,7 +18,7 @@ from dist_util import run_distributed
 from dist_step import DistCotrainer
 from draft import Eagle3Draft
 from model import ModelConfig, Transformer
-from grid import Grid
+from parallel.grid import Grid
 from rl_loop import DraftTrainer, GRPOConfig, RolloutBatch, cotrain_step, next_token_logp
 
 LAYOUTS = [(1, 2, 2), (2, 2, 1), (2, 1, 2), (1, 4, 1), (1, 1, 4)]  # (dp, pp, cp)

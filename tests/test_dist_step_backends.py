@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from attention_padded import padded_branch_attention, padded_causal_attention
+from backends.attention_padded import padded_branch_attention, padded_causal_attention
 from dist_step import DistCotrainer
 from dist_util import run_distributed
 from pipeline import Grid

@@ -8,7 +8,7 @@ import torch
 
 from attention_cp import reference_branch_attention
 from branch_mask import cu_seqlens_from_lengths, pad_for_cp, zigzag_shard
-from ring import run_ranks
+from parallel.ring import run_ranks
 from dist_util import run_distributed
 from draft import DraftConfig, Eagle3Draft
 from model import EMBED_TAP, ModelConfig, Transformer, default_tap_layers

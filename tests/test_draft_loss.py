@@ -9,7 +9,7 @@ import torch
 from branch_mask import pad_for_cp, position_ids, seq_ids, seq_lengths, zigzag_shard
 from dist_util import run_distributed
 from draft_loss import halo_rows, teacher_index
-from ring import as_ring, run_ranks
+from parallel.ring import as_ring, run_ranks
 from test_draft import case, grads
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -4,9 +4,9 @@ import random
 import pytest
 import torch
 
-import task
-import warmup
-from draft_vocab import count_tokens, coverage, maps, select_draft_vocab
+from tasks import task
+from harness import warmup
+from serving.draft_vocab import count_tokens, coverage, maps, select_draft_vocab
 from model import ModelConfig, Transformer
 
 
@@ -53,7 +53,7 @@ def test_warm_draft_builds_a_reduced_vocabulary_from_the_policys_responses(tmp_p
 
 
 def test_config_draft_vocab_is_checked():
-    from config import parse_args
+    from harness.config import parse_args
     assert parse_args([]).draft_vocab == 0 and parse_args(["--draft_vocab=12"]).draft_vocab == 12
     with pytest.raises(ValueError, match="draft_vocab=-1"):
         parse_args(["--draft_vocab=-1"])

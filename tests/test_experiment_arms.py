@@ -7,13 +7,13 @@ import copy
 import pytest
 import torch
 
-import task
-from config import PRESETS, Config
+from tasks import task
+from harness.config import PRESETS, Config
 from draft import Eagle3Draft
-from eval_arms import paired_bootstrap
+from harness.eval_arms import paired_bootstrap
 from model import ModelConfig, Transformer
-from offline_arm import OfflineArm
-from report import e2e_step_times
+from harness.offline_arm import OfflineArm
+from harness.report import e2e_step_times
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

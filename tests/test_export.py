@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import export
+from serving import export
 from draft import Eagle3Draft
-from hf_io import from_pretrained, save_pretrained
+from serving.hf_io import from_pretrained, save_pretrained
 from model import ModelConfig, Transformer
 
 TOL = dict(rtol=1e-9, atol=1e-9)  # fp64 end to end; the two paths differ only by summation order

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import rl_loop
-from fused_logprob import next_token_logp, token_logp, token_logp_dense
+from backends.fused_logprob import next_token_logp, token_logp, token_logp_dense
 from model import ModelConfig, Transformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

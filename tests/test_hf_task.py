@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from hf_task import HFTask, HFTokenizer, extract_answer, load_jsonl, math_answer_reward
+from tasks.hf_task import HFTask, HFTokenizer, extract_answer, load_jsonl, math_answer_reward
 from hf_util import BOS, EOS, PAD, write_jsonl, write_tiny_llama, write_tokenizer
 
 
@@ -189,7 +189,7 @@ def test_math_answer_reward(response, answer, want):
 
 def test_end_to_end_on_a_tiny_random_llama(tok_dir, tmp_path):
     """HF checkpoint -> hf_io -> prompts from HFTask -> greedy and speculative(no draft) decoding -> rewards."""
-    from hf_io import from_pretrained
+    from serving.hf_io import from_pretrained
     from model import greedy_generate
     import speculative
 
@@ -326,7 +326,7 @@ def test_rendering_equals_transformers_apply_chat_template(tmp_path):
     d = _chat_dir(tmp_path)
     tk = transformers.PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), bos_token="<s>",
                                               eos_token="</s>", pad_token="<pad>")
-    from hf_data import ChatTemplate
+    from tasks.hf_data import ChatTemplate
     for template in (TEMPLATE, "{% for m in messages %}{{ m | tojson }}{% endfor %}{{ '<gen>' if add_generation_prompt }}"):
         want = tk.apply_chat_template(CHAT, chat_template=template, tokenize=False, add_generation_prompt=True)
         got = ChatTemplate(template, "test", {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"})

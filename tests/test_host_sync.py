@@ -13,7 +13,7 @@ import torch
 from attention_cases import make_case
 from attention_cp import ring_branch_attention
 from branch_mask import cp_shift, cu_to, host_cu, zigzag_shard
-from ring import run_ranks
+from parallel.ring import run_ranks
 
 READS = ("item", "tolist", "__bool__", "__int__", "__float__", "numpy")
 
@@ -90,7 +90,7 @@ def test_no_host_reads_in_the_torch_ring(cp):
 
 def test_no_host_reads_in_the_triton_ring_after_the_first_layer():
     pytest.importorskip("triton", reason="triton is not installed")
-    import attention_triton  # noqa: F401  (the interpreter was set by conftest.py on CPU)
+    from backends import attention_triton  # noqa: F401  (the interpreter was set by conftest.py on CPU)
     if not torch.cuda.is_available() and not attention_triton.INTERPRETED:
         pytest.skip("attention_triton was imported before TRITON_INTERPRET=1 and there is no GPU")
     case = make_case([13, 5], 2, P=1, Hkv=1, G=2, D=16, dtype=torch.float32, seed=3, backend="triton")

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from logger import MetricsLogger, flatten, parse_backends
+from harness.logger import MetricsLogger, flatten, parse_backends
 
 REC = [{"kind": "train", "step": 1, "reward": 0.25, "ok": True, "note": "x", "time": {"rollout": 1.5},
         "alpha": [0.9, 0.5], "nan": float("nan")},
@@ -53,7 +53,7 @@ def test_tensorboard_gets_the_same_numbers(tmp_path):
 
 
 def test_config_log_is_checked():
-    from config import parse_args
+    from harness.config import parse_args
     assert parse_args(["--log=jsonl,tensorboard"]).log == "jsonl,tensorboard"
     with pytest.raises(ValueError, match="--log=tb: expected a comma list of jsonl, tensorboard, wandb"):
         parse_args(["--log=tb"])

@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mixed_precision import MixedPrecision
-from model import ModelConfig, Transformer, at_least_f32
-from grid import Grid
+from modeling.mixed_precision import MixedPrecision
+from model import ModelConfig, Transformer
+from modeling.layers import at_least_f32
+from parallel.grid import Grid
 from pipeline import Microbatch, PipelineSchedule
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -7,10 +7,11 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from branch_mask import cu_seqlens_from_lengths, position_ids
-from hf_io import from_pretrained, save_pretrained
+from serving.hf_io import from_pretrained, save_pretrained
 import model
-from model import (EMBED_TAP, ModelConfig, Transformer, check_tap_layers, default_tap_layers, greedy_generate,
-                   rope_cos_sin)
+from modeling import layers
+from model import EMBED_TAP, ModelConfig, Transformer, check_tap_layers, default_tap_layers, greedy_generate
+from modeling.layers import rope_cos_sin
 
 
 COMMON = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -229,20 +230,20 @@ def rope_direct(pos, D, theta, dtype):  # the textbook formula, per position, no
 def test_rope_table_equals_direct(dtype):
     """The cached table gives the direct formula's values for any positions, bit for bit, grows past its first size,
     and a table first built under inference_mode still serves forwards that autograd records."""
-    model._ROPE_TABLES.clear()
+    layers._ROPE_TABLES.clear()
     with torch.inference_mode():
         rope_cos_sin(torch.arange(3), 16, 5000.0, dtype)
     for pos in (torch.arange(7), torch.tensor([[5, 0], [1023, 1024]]), torch.tensor([70000, 3])):
         got, want = rope_cos_sin(pos, 16, 5000.0, dtype), rope_direct(pos, 16, 5000.0, dtype)
         assert got[0].shape == pos.shape + (16,)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert model._ROPE_TABLES[(16, 5000.0, dtype, torch.device("cpu"))][0].shape[0] == 1 << 17  # 70001 -> 2^17
+    assert layers._ROPE_TABLES[(16, 5000.0, dtype, torch.device("cpu"))][0].shape[0] == 1 << 17  # 70001 -> 2^17
     if dtype != torch.bfloat16:
         x = torch.randn(7, 16, dtype=dtype, requires_grad=True)
         cos, sin = rope_cos_sin(torch.arange(7), 16, 5000.0, dtype)
         (x * cos + x * sin).sum().backward()
         torch.testing.assert_close(x.grad, cos + sin, atol=0, rtol=0)
-    model._ROPE_TABLES.clear()
+    layers._ROPE_TABLES.clear()
 
 
 def test_position_ids():

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from dist_util import run_distributed
 
 from model import EMBED_TAP, ModelConfig, Transformer, default_tap_layers
-from comm_trace import CommRecorder, comparable, layout_traces
-from nccl_check import simulate
+from commcheck.comm_trace import CommRecorder, comparable, layout_traces
+from commcheck.nccl_check import simulate
 
 N_LAYERS = 8
 TAPS = default_tap_layers(N_LAYERS) + (EMBED_TAP,)
@@ -82,7 +82,7 @@ def test_every_supported_layout_is_deadlock_free():
 # -------------------------------------------------------------------------------- recorded == generated, on gloo
 def _record(rank, world, layouts):
     from branch_mask import cp_shift
-    from grid import Grid
+    from parallel.grid import Grid
     from pipeline import PipelineSchedule, build_stage, shard_for_cp, split_layers
     from test_pipeline_dist import make_batch
     out = []

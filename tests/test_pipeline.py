@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from model import EMBED_TAP, ModelConfig, Transformer
 from test_pipeline_dist import make_batch
-from grid import Grid
+from parallel.grid import Grid
 from pipeline import PipelineSchedule, build_stage, schedule_actions, split_layers, tap_depth
 
 

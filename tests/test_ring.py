@@ -2,8 +2,8 @@
 and the grid's groups and warm-up plan are one global order that every rank agrees on."""
 import torch
 
-from grid import mesh_groups, warm_up_plan
-from ring import run_ranks
+from parallel.grid import mesh_groups, warm_up_plan
+from parallel.ring import run_ranks
 
 
 def test_run_ranks_turns_autograd_multithreading_off_per_rank():

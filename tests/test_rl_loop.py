@@ -4,10 +4,11 @@ import math
 import pytest
 import torch
 
-from model import ModelConfig, Transformer, packed_causal_attention
+from model import ModelConfig, Transformer
+from modeling.layers import packed_causal_attention
 from rl_loop import (DraftTrainer, GRPOConfig, RolloutBatch, aggregate, clipped_surrogate, cotrain_step,
                      group_advantages, k3, next_token_logp, pack, policy_loss, rollout_kl)
-from attention_padded import padded_branch_attention, padded_causal_attention
+from backends.attention_padded import padded_branch_attention, padded_causal_attention
 
 
 # ---------------------------------------------------------------------------------------------------- advantages

@@ -8,9 +8,10 @@ from hypothesis import given, strategies as st
 
 import speculative
 from draft import Eagle3Draft
-from hf_io import from_pretrained
+from serving.hf_io import from_pretrained
 from branch_mask import cu_seqlens_from_lengths
-from model import KVCache, ModelConfig, Transformer, greedy_generate
+from model import ModelConfig, Transformer, greedy_generate
+from modeling.kv_cache import KVCache
 from spec_cases import exact_first3, make_small_vocab_pair
 from speculative import accept_prob, generate, residual
 

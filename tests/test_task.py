@@ -4,8 +4,8 @@ import random
 import pytest
 import torch
 
-import task
-from task import Problem, ProblemSource, Tokenizer, demo_response, reward
+from tasks import task
+from tasks.task import Problem, ProblemSource, Tokenizer, demo_response, reward
 
 
 def test_tokenizer_round_trip_and_errors():

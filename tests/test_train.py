@@ -5,10 +5,10 @@ import os
 import pytest
 import torch
 
-from experiment import build
-from mesh import make_mesh, pick_device
-from config import PRESETS, Config, parse_args
-from export import check_export
+from harness.experiment import build
+from harness.mesh import make_mesh, pick_device
+from harness.config import PRESETS, Config, parse_args
+from serving.export import check_export
 from train import train
 
 

@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-from experiment import build
-from mesh import make_mesh
-from update import check_finite
-from config import parse_args
+from harness.experiment import build
+from harness.mesh import make_mesh
+from harness.update import check_finite
+from harness.config import parse_args
 from train import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,7 +65,8 @@ def test_a_diverged_warmup_stops_and_caches_nothing(tmp_path, flag, where):
 FAIL_ENTRY = """
 import os, sys
 sys.path.insert(0, {root!r})
-import config, train
+import train
+from harness import config
 real = train.update
 calls = []
 def update(s, batch, timer):  # rank 1 raises in its second update; the others block in a collective

@@ -11,12 +11,12 @@ import sys
 import pytest
 import torch
 
-from experiment import build
-from mesh import make_mesh
-from rollout import rollout
-from hf_task import HFTask, math_answer_reward
+from harness.experiment import build
+from harness.mesh import make_mesh
+from harness.rollout import rollout
+from tasks.hf_task import HFTask, math_answer_reward
 from hf_util import write_jsonl, write_tiny_llama
-from config import parse_args
+from harness.config import parse_args
 from train import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 import speculative
-import speculative_tree
+from decoding import speculative_tree
 from branch_mask import cu_seqlens_from_lengths
 from draft import Eagle3Draft
-from kv_cache import TreeLayout
+from modeling.kv_cache import TreeLayout
 from model import ModelConfig, Transformer, greedy_generate
 from spec_cases import exact_first3, make_small_vocab_pair
 from speculative import generate
-from speculative_tree import Tree, tree_rule, tree_rule_naive
+from decoding.speculative_tree import Tree, tree_rule, tree_rule_naive
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TREES = [(1,), (2,), (2, 2, 1), (3, 2), (1, 1, 1, 1), (4, 2, 2, 1)]
@@ -376,7 +376,7 @@ def test_sampling_test_has_power(small_vocab_pair, monkeypatch):
 
 
 def test_config_tree_flag():
-    from config import parse_args
+    from harness.config import parse_args
     assert parse_args(["--preset", "test", "--tree=2,2,1", "--num_draft_tokens=3"]).tree == (2, 2, 1)
     assert parse_args(["--preset", "test", "--tree=3,1,1,1"]).tree == (3, 1, 1, 1)
     assert parse_args(["--preset", "test", "--tree="]).tree == ()

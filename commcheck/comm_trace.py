@@ -1,0 +1,290 @@
+"""The communication a training step issues, per rank, as a trace that nccl_check.py replays under NCCL's rules; from
+the schedule's own plan (fast, any layout) or recorded from the real code under gloo (the tests show both equal).
+
+A trace is a list of events per rank:
+
+    ("call", id, kind, group, ops)    kind "p2p" (a single isend/irecv/send/recv), "batch" (one batch_isend_irecv)
+                                      or "coll"; group = (name, ranks); ops = ((op, peer, bytes), ...), op "send" or
+                                      "recv" with a global peer, or a collective's name with peer None
+    ("wait", id)                      the host (and so the compute stream) waits for that call
+
+Under CP the ring attention's exchanges inside one action are written as one "batch" on the cp group: all of them are
+batched, and every CP rank of a stage issues the same ones at the same point; `comparable` folds the recorded runs
+alike.
+
+    layout_traces(2, 2, 1, "1f1b", 4, taps=(-1, 1, 2, 4))      # {rank: events} of one step on a pp2 x cp2 mesh
+    with CommRecorder() as rec: ...                            # the real code's events on this rank, under gloo
+
+Letters: pp / cp / dp mesh sizes, s stage, c CP rank, d DP replica, M microbatches, m microbatch.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from parallel.grid import warm_up_plan
+from pipeline import p2p_plan, schedule_actions, split_layers, tap_depth
+from tapchannel import tap_owners
+
+
+# ------------------------------------------------------------------------------------- traces from the schedule's plan
+class _Trace:
+    def __init__(self, rank):
+        self.rank, self.events, self.n = rank, [], 0
+
+    def call(self, kind, group, ops):
+        self.n += 1
+        self.events.append(("call", self.n, kind, group, tuple(ops)))
+        return self.n
+
+    def wait(self, cid):
+        if cid is not None:
+            self.events.append(("wait", cid))
+
+
+def layout_traces(pp, cp, dp, schedule, M, *, taps=(), n_layers=None, draft_cp=False, tied=True, warm=True,
+                  fused=True, tokens=None, hidden=8, itemsize=8) -> dict:
+    """{global rank: events} of one training step (after the mesh warm-up if warm) on every rank of the layout.
+    fused=False replays the old schedule (single blocking recv, single isend per action, pair communicators; warm-up
+    then covers its pipeline links too). tokens[m]: rows of microbatch m on a rank (the same on every CP rank);
+    bytes = rows * hidden * itemsize."""
+    n_layers = n_layers or 2 * pp
+    tokens = tokens or [4] * M
+    return {(d * pp + s) * cp + c: step_trace(pp, cp, dp, d, s, c, schedule, M, taps, n_layers, draft_cp, tied,
+                                              warm, fused, tokens, hidden * itemsize)
+            for d in range(dp) for s in range(pp) for c in range(cp)}
+
+
+def _groups(pp, cp, dp, d, s, c):
+    at = lambda d_, p_, c_: (d_ * pp + p_) * cp + c_  # noqa: E731  (grid.py's layout)
+    pipe = tuple(at(d, s_, c) for s_ in range(pp))
+    return pipe, {"world": ("world", tuple(range(pp * cp * dp))), "pp": ("pp", pipe), "tap": ("tap", pipe),
+                  "embed": ("embed", (pipe[0], pipe[-1])), "cp": ("cp", tuple(at(d, s, c_) for c_ in range(cp))),
+                  "dp": ("dp", tuple(at(d_, s, c) for d_ in range(dp)))}
+
+
+def _warm_up(t, pp, cp, dp, fused, pipe, G):
+    plan = warm_up_plan(pp, cp, dp)
+    if not fused:  # the old schedule's single P2P used a pair communicator per pipeline link
+        plan += [("link", "pp", (ranks[s], ranks[s + 1])) for kind, name, ranks in plan
+                 if kind == "coll" and name == "pp" for s in range(len(ranks) - 1)]
+    for kind, name, ranks in plan:
+        if t.rank not in ranks:
+            continue
+        if kind == "coll":
+            t.wait(t.call("coll", (name, tuple(ranks)), [("all_reduce", None, None)]))
+        else:
+            a, b = ranks
+            op = ("send", b, 4) if t.rank == a else ("recv", a, 4)
+            t.wait(t.call("p2p", (name, tuple(pipe)), [op]))
+
+
+def step_trace(pp, cp, dp, d, s, c, schedule, M, taps, n_layers, draft_cp, tied, warm, fused, tokens, row_bytes):
+    """The events of rank (d, s, c), in the order of PipelineSchedule.step, TapChannel and the reductions."""
+    pipe, G = _groups(pp, cp, dp, d, s, c)
+    t = _Trace(pipe[s])
+    if warm and pp * cp * dp > 1:
+        _warm_up(t, pp, cp, dp, fused, pipe, G)
+    g = _StepGen(t, pp, cp, s, c, schedule, M, taps, n_layers, draft_cp, pipe, G, tokens, row_bytes)
+    g.run_fused() if fused else g.run_old()
+    for cid in g.tap_sends:
+        t.wait(cid)  # TapChannel.finish
+    if pp > 1 and tied and s in (0, pp - 1):
+        t.wait(t.call("coll", G["embed"], [("all_reduce", None, None)]))
+    for _ in ("grads", "loss scalars"):  # _reduce_grads (one bucket per group), then _reduce_scalars
+        for name, n in (("cp", cp), ("dp", dp)):
+            if n > 1:
+                t.wait(t.call("coll", G[name], [("all_reduce", None, None)]))
+    if pp > 1:
+        t.wait(t.call("coll", G["pp"], [("broadcast", None, None)]))
+    return t.events
+
+
+class _StepGen:
+    """One rank's pipeline step as events: the schedule's actions, its P2P, TapChannel's ring, the CP exchanges."""
+
+    def __init__(self, t, pp, cp, s, c, schedule, M, taps, n_layers, draft_cp, pipe, G, tokens, row_bytes):
+        self.t, self.pp, self.cp, self.s, self.c, self.M, self.pipe, self.G = t, pp, cp, s, c, M, pipe, G
+        self.tokens, self.row_bytes, self.last = tokens, row_bytes, pp - 1
+        self.acts = schedule_actions(schedule, pp, s, M)
+        owners = tap_owners(split_layers(n_layers, pp), taps) if taps and pp > 1 else {}
+        self.channel = bool(taps) and pp > 1  # PipelineSchedule builds a TapChannel
+        self.layers_of = [[l for l in sorted(owners) if owners[l] == s_] for s_ in range(pp)]
+        self.sources = [s_ for s_ in range(self.last) if self.layers_of[s_]]
+        self.depth = max(1, min(tap_depth(schedule, pp, M), M))
+        self.draft_ring = draft_cp and bool(taps) and cp > 1
+        self.posted, self.tap_sends = {}, []
+        if self.channel and s == self.last:
+            for m in range(self.depth):  # TapChannel.begin
+                self.post(m)
+
+    def bytes(self, m):
+        return self.tokens[m] * self.row_bytes
+
+    def post(self, m):  # TapChannel._post: one single irecv per (source, layer) into m's slot
+        self.posted[m] = [self.t.call("p2p", self.G["tap"], [("recv", self.pipe[src], self.bytes(m))])
+                          for src in self.sources for _ in self.layers_of[src]]
+
+    def ring(self):  # one action's CP ring exchanges (ring attention, cp_shift): batched on the cp group
+        if self.cp > 1:
+            ranks = self.G["cp"][1]
+            nxt, prv = ranks[(self.c + 1) % self.cp], ranks[(self.c - 1) % self.cp]
+            self.t.wait(self.t.call("batch", self.G["cp"], [("send", nxt, None), ("recv", prv, None)]))
+
+    def compute(self, kind, m):  # the action itself: stage forward/backward; on the last stage F(m)'s taps + draft
+        self.ring()
+        if kind == "F" and self.s == self.last and self.channel:
+            for cid in self.posted.pop(m):  # TapChannel.recv(m)
+                self.t.wait(cid)
+            if self.draft_ring:
+                self.ring()
+            if m + self.depth < self.M:  # TapChannel.release(m)
+                self.post(m + self.depth)
+
+    def send_taps(self, kind, m):  # TapChannel.send after F(m) on a source
+        if kind == "F" and self.channel and self.s < self.last:
+            for _ in self.layers_of[self.s]:
+                self.tap_sends.append(self.t.call("p2p", self.G["tap"], [("send", self.pipe[self.last],
+                                                                            self.bytes(m))]))
+
+    def _batch(self, ops):
+        if not ops:
+            return None
+        return self.t.call("batch", self.G["pp"], [(op, self.pipe[peer], self.bytes(m)) for op, _, m, peer in ops])
+
+    def run_fused(self):  # PipelineSchedule.step today
+        plan = p2p_plan(self.acts, self.s, self.pp)
+        pending = self._batch(plan[0])
+        for i, (kind, m) in enumerate(self.acts):
+            self.t.wait(pending)
+            self.compute(kind, m)
+            pending = self._batch(plan[i + 1])
+            self.send_taps(kind, m)
+        self.t.wait(pending)
+
+    def run_old(self):  # before issue 17: blocking single recv before an action, single isend after it
+        sends = []
+        for kind, m in self.acts:
+            peer = self.s - 1 if kind == "F" else self.s + 1
+            if 0 <= peer <= self.last:
+                self.t.wait(self.t.call("p2p", self.G["pp"], [("recv", self.pipe[peer], self.bytes(m))]))
+            self.compute(kind, m)
+            peer = self.s + 1 if kind == "F" else self.s - 1
+            if 0 <= peer <= self.last:
+                sends.append(self.t.call("p2p", self.G["pp"], [("send", self.pipe[peer], self.bytes(m))]))
+            self.send_taps(kind, m)
+        for cid in sends:
+            self.t.wait(cid)
+
+
+# ------------------------------------------------------------------------------------- traces from the real code
+class CommRecorder:
+    """Logs this process's torch.distributed calls as trace events while active (patching both namespaces, so that
+    P2POp's identity check still holds). Group names are resolved at the end from `names` {process group: name}
+    (Grid.handles gives them; the default group is "world"). Works are wrapped so that their first wait is logged.
+
+        with CommRecorder() as rec:
+            grid = Grid.build(pp=2, cp=2); PipelineSchedule(...).step(...)
+        events = rec.events({pg: name for (name, _), pg in grid.handles.items()})"""
+    P2P = ("isend", "irecv", "send", "recv")
+    COLL = ("all_reduce", "broadcast", "all_gather", "barrier", "all_gather_object", "broadcast_object_list")
+
+    def __init__(self):
+        self.raw, self.n, self.depth, self.waited = [], 0, 0, set()
+
+    def __enter__(self):
+        self.saved = {op: getattr(c10d, op) for op in self.P2P + self.COLL + ("batch_isend_irecv",)}
+        for op, fn in self.saved.items():
+            wrapper = functools.partial(self._call, op, fn, inspect.signature(fn))
+            setattr(dist, op, wrapper)
+            setattr(c10d, op, wrapper)
+        return self
+
+    def __exit__(self, *exc):
+        for op, fn in self.saved.items():
+            setattr(dist, op, fn)
+            setattr(c10d, op, fn)
+
+    def _log_call(self, kind, group, ops):
+        self.n += 1
+        ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
+            range(dist.get_world_size()))
+        self.raw.append(("call", self.n, kind, (group, ranks), tuple(ops)))
+        return self.n
+
+    def _wait(self, cid):
+        if cid not in self.waited:
+            self.waited.add(cid)
+            self.raw.append(("wait", cid))
+
+    def _call(self, op, fn, sig, *args, **kw):
+        if self.depth:  # inside batch_isend_irecv or a collective built on others: logged by the outer call
+            return fn(*args, **kw)
+        a = sig.bind(*args, **kw).arguments
+        if op == "batch_isend_irecv":
+            kind = lambda f: f.args[0] if isinstance(f, functools.partial) else f.__name__  # noqa: E731  isend/irecv
+            ops = [("send" if kind(p.op) == "isend" else "recv", p.peer, p.tensor.numel() * p.tensor.element_size())
+                   for p in a["p2p_op_list"]]
+            cid = self._log_call("batch", a["p2p_op_list"][0].group, ops)
+        elif op in self.P2P:
+            peer = next(a[k] for k in ("dst", "src") if a.get(k) is not None)
+            t = a["tensor"]
+            cid = self._log_call("p2p", a.get("group"), [("send" if "send" in op else "recv", peer,
+                                                          t.numel() * t.element_size())])
+        else:
+            cid = self._log_call("coll", a.get("group"), [(op, None, None)])
+        self.depth += 1
+        try:
+            out = fn(*args, **kw)
+        finally:
+            self.depth -= 1
+        if op in ("send", "recv") or (op in self.COLL and not a.get("async_op", False)):
+            self._wait(cid)
+            return out
+        if op == "batch_isend_irecv":
+            return [_Work(w, self, cid) for w in out]
+        return _Work(out, self, cid)
+
+    def events(self, names: dict) -> list:
+        """The trace with every group as (name, ranks)."""
+        name = lambda g: "world" if g is None or g is dist.group.WORLD else names.get(g, "?")  # noqa: E731
+        return [ev if ev[0] == "wait" else ev[:3] + ((name(ev[3][0]), ev[3][1]), ev[4]) for ev in self.raw]
+
+
+class _Work:
+    def __init__(self, work, rec, cid):
+        self._work, self._rec, self._cid = work, rec, cid
+
+    def wait(self, *args, **kw):
+        self._rec._wait(self._cid)
+        return self._work.wait(*args, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def comparable(events) -> list:
+    """A trace reduced to what recorded and generated traces must share: each run of CP-group events (the ring's
+    exchanges and their waits inside one action) becomes one "cp" mark; the waits on TapChannel's sends are dropped
+    (the real code skips those it has seen complete, a matter of timing); collectives' bytes dropped; ids renumbered."""
+    ids, out, cp_calls = {}, [], set()
+    tap_sends = {ev[1] for ev in events if ev[0] == "call" and ev[3][0] == "tap" and ev[4][0][0] == "send"
+                 and ev[2] == "p2p"}
+    for ev in events:
+        if ev[0] == "call" and ev[3][0] == "cp" and ev[2] == "batch":
+            cp_calls.add(ev[1])
+            item = ("cp",)
+        elif ev[0] == "wait":
+            if ev[1] in tap_sends:
+                continue
+            item = ("cp",) if ev[1] in cp_calls else ("wait", ids[ev[1]])
+        else:
+            ids[ev[1]] = len(ids) + 1
+            ops = tuple((op, peer, None if ev[2] == "coll" else b) for op, peer, b in ev[4])
+            item = ("call", ids[ev[1]], ev[2], ev[3], ops)
+        if not (item == ("cp",) and out and out[-1] == ("cp",)):
+            out.append(item)
+    return out

@@ -1,0 +1,344 @@
+"""The run's one typed config: every setting of train.py, its presets, and the command line that overrides them.
+
+    Config()                      the default experiment (a dataclass: every field has its default and a comment)
+    PRESETS[name]                 named overrides: "default", "small", "smoke" (CI-sized), "test" (seconds)
+    parse_args(argv) -> Config    --preset NAME, --flag, --key=value or --key value; type-checked, unknown keys rejected
+
+    python train.py --preset smoke --steps=10 --lr 1e-4
+
+Loud on mistakes: every field has a row in CHECKS (a range or a choice), and a value outside it raises ValueError
+naming the flag, the value and what was expected (`--grad_clip=-1: expected > 0`), all bad fields in one message; a
+mistyped key gets the closest real one as a suggestion.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from harness.logger import BACKENDS, parse_backends
+from model import PRESETS as MODEL_PRESETS
+from pipeline import SCHEDULES
+from rl_loop import LOSS_NORMS
+from decoding.speculative_tree import Tree
+
+
+@dataclass
+class Config:
+    name: str = "default"
+    seed: int = 0  # the warm-ups (SFT, draft) and the held-out prompts: shared by every rl_seed
+    rl_seed: int = -1  # the RL phase (prompts, rollouts, shuffles, cold-start draft, offline arm); -1: = seed
+    threads: int = 1  # 1 is robust on a shared 2-core machine (2 threads spin-wait when cores are busy)
+    warmup_threads: int = 2  # the warm-ups run alone (under torchrun on rank 0 while the others wait): use the cores
+    device: str = "auto"  # auto: each process's own GPU when CUDA is present and every local rank gets one, else CPU
+    out: str = ""  # "" -> runs/<name>
+    cache_dir: str = "cache"
+    # task (task.py)
+    min_steps: int = 4  # chain length range of the count-up problems
+    max_steps: int = 7
+    p_explicit: float = 0.7  # SFT demos write a step explicitly with this probability (RL raises it towards 1)
+    format_weight: float = 0.5  # reward = correct * (1 + format_weight * explicit fraction)
+    # policy and SFT warm-up. HF mode: --model=DIR (an HF checkpoint directory: Llama / Qwen2 / Qwen3 + tokenizer.json)
+    # with --data=prompts.jsonl: the checkpoint as the policy (no SFT), its tokenizer, a math-answer reward (hf_task.py)
+    model: str = "mini"  # model.ModelConfig preset (vocab_size is the task's), or an HF checkpoint directory
+    data: str = ""  # HF mode: jsonl or parquet, a prompt and an answer per row (hf_data.py)
+    prompt_key: str = "prompt"  # HF mode: the row's prompt field (a string, or a chat: [{"role", "content"}, ...])
+    answer_key: str = "answer"  # HF mode: the answer field; a dotted key reaches in (reward_model.ground_truth)
+    chat_template: str = ""  # HF mode, chat prompts: "" the checkpoint's template, a file or a Jinja string, or "none"
+    eval_fraction: float = 0.1  # HF mode: share of the distinct prompts held out for eval
+    max_prompt_tokens: int = 1024  # HF mode: longer prompts are dropped at load time
+    max_new_tokens: int = 0  # response budget; 0: the task's own (built-in: its longest well-formed response; HF: 256)
+    sft_steps: int = 1000
+    sft_batch: int = 64
+    sft_lr: float = 1e-2
+    # draft and its warm-up
+    cold_start: bool = False  # the rollout draft starts untrained (fc/layer random, head copied) and learns online only
+    cold_arm: bool = True  # also co-train a cold-start draft on the same taps, evaluated only (no rollouts)
+    offline_arm: bool = True  # the control: the warm-up draft trained as much, on fresh pi_0 samples (offline_arm.py)
+    draft_warmup_steps: int = 800  # 200 x 64 at 1e-3 left it at acceptance ~2.2 (k = 3): speculation lost on CPU
+    draft_warmup_batch: int = 32
+    draft_warmup_lr: float = 3e-3  # the offline fit; draft_lr is the online co-training's
+    draft_warmup_pool: int = 1024
+    draft_lr: float = 1e-3  # online co-training during RL
+    draft_lam: float = 1.0  # total = L_policy + draft_lam * L_draft
+    draft_grad_clip: float = 1.0
+    ttt_passes: int = 3
+    draft_vocab: int = 0  # N > 0: the draft names only the N most frequent response tokens of its warm-up (0 = full)
+    # RL
+    steps: int = 30
+    prompts_per_step: int = 32  # 8 prompts x 8 samples per step left the GRPO update mostly noise
+    group_size: int = 8
+    temperature: float = 1.0
+    num_draft_tokens: int = 4  # k (rollouts and eval): the ceiling k + 1 = 5 sits above the warm-up draft's ~4
+    tree: tuple = ()  # a tree draft (b_1,...,b_k), --tree=2,2,1 (speculative_tree.py); (): the chain of num_draft_tokens
+    rollout_batch: int = 32  # rows per generate call (the rollout engine's batch), speculative and autoregressive alike
+    lr: float = 5e-4  # the drift: leaves the SFT style while held-out accuracy rises (0: the no-drift control)
+    grad_clip: float = 1.0
+    updates: int = 2  # optimisation steps per rollout batch (minibatches), old log-probs from the rollout
+    micro_batches: int = 1  # gradient accumulation inside one update
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    beta: float = 0.0  # k3 KL penalty to the frozen reference (0: drift is measured, not penalised)
+    std_norm: bool = True
+    loss_norm: str = "global-token"
+    # eval
+    eval_every: int = 10
+    eval_prompts: int = 64
+    eval_samples: int = 2  # samples per eval prompt (same seed for every arm)
+    eval_draft_tokens: int = 0  # k at eval (0: num_draft_tokens); a larger k keeps the ceiling k + 1 from binding
+    bootstrap: int = 2000  # paired bootstrap resamples over eval prompts for the acceptance-gain intervals
+    # distributed (torchrun, WORLD_SIZE > 1 only): mesh DP x PP x CP, pp * cp * dp = world size (dp=0: world/(pp*cp))
+    pp: int = 2
+    cp: int = 2
+    dp: int = 0
+    schedule: str = "1f1b"  # pipeline.SCHEDULES
+    activation_checkpointing: bool = False  # recompute each decoder layer in the update's backward (memory for time)
+    # memory and kernels at scale (issue 14): see README "Memory of the whole step"
+    attn_backend: str = "torch"  # block kernel of ring_branch_attention: torch | triton | flash (CUDA only)
+    logprob_chunk: int = 0  # > 0: log-probs and the draft's teacher from the final hidden, that many rows at a time
+    # checkpoints (checkpoint.py): every ckpt_every steps into <out>/ckpt (0: never); --resume continues the latest
+    ckpt_every: int = 0
+    log: str = "jsonl"  # comma list: metrics.jsonl always, plus "tensorboard" (<out>/tb) and/or "wandb" (offline)
+    resume: bool = False
+    overwrite: bool = False  # a fresh run into an <out> whose ckpt/ holds checkpoints deletes them (resume_policy.py)
+    dist_timeout: int = 1800  # seconds any collective may wait (a dead or stuck rank fails the job instead of hanging)
+
+    def __post_init__(self):
+        """Every field against its row of CHECKS (all failures in one error), then the checks across the mode."""
+        types = {f.name: f.type for f in dataclasses.fields(self)}
+        bad = [_problem(k, getattr(self, k), _TYPE_CHECKS[t]) for k, t in types.items() if t in _TYPE_CHECKS]
+        bad = [e for e in bad if e] or [_problem(k, getattr(self, k), CHECKS[k], self) for k in types if k in CHECKS]
+        if any(bad):
+            raise ValueError("; ".join(e for e in bad if e))
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda': CUDA is not available here (use --device=auto or --device=cpu)")
+        if self.hf_mode:
+            if not os.path.isfile(os.path.join(self.model, "config.json")):
+                raise ValueError(f"model={self.model!r}: the directory has no config.json (expected an HF checkpoint)")
+            if not self.data:
+                raise ValueError(f"model={self.model!r} is an HF checkpoint: HF mode needs --data=prompts.jsonl "
+                                 "or .parquet (a prompt and an answer per row)")
+        elif self.data:
+            raise ValueError(f"data={self.data!r}: prompts from a file need --model=<HF checkpoint directory> "
+                             "(the built-in task generates its own)")
+
+    @property
+    def run_seed(self) -> int:
+        """The RL phase's seed: rl_seed, or seed when rl_seed = -1."""
+        return self.seed if self.rl_seed < 0 else self.rl_seed
+
+    @property
+    def eval_k(self) -> int:
+        """Draft tokens per step at eval."""
+        return self.eval_draft_tokens or self.num_draft_tokens
+
+    @property
+    def hf_mode(self) -> bool:
+        """--model names a directory (an HF checkpoint) rather than a model.ModelConfig preset."""
+        return self.model not in MODEL_PRESETS and os.path.isdir(self.model)
+
+
+# ---- every field checked: one row per field, (test(value, cfg), what is expected) ----
+# The expectation is the error's text: `--grad_clip=-1: expected > 0`. `{field}` in it is filled from the config, so a
+# row may compare with another field. Every Config field needs a row (tests/test_bad_inputs.py checks); the type
+# (int, float -- finite --, str, bool) is checked before the rows, from the dataclass annotation.
+
+def at_least(lo):
+    return (lambda v, c: v >= lo), f">= {lo}"
+
+
+def above(lo):
+    return (lambda v, c: v > lo), f"> {lo}"
+
+
+def one_of(*choices):
+    return (lambda v, c: v in choices), "one of " + ", ".join(choices)
+
+
+def a_dir_path(what):  # a path a directory may be created at: not an existing file
+    return (lambda v, c: v != "" and not os.path.isfile(v)), f"{what} (non-empty, not an existing file)"
+
+
+FLAG = (lambda v, c: True, "true or false")  # the type check is the whole check
+
+CHECKS = {
+    "name":               ((lambda v, c: v != "" and "/" not in v and v not in (".", "..")), "a run name (no '/')"),
+    "seed":               at_least(0),
+    "rl_seed":            ((lambda v, c: v >= -1), ">= 0, or -1 (= seed)"),
+    "threads":            at_least(1),
+    "warmup_threads":     at_least(1),
+    "device":             one_of("auto", "cpu", "cuda"),
+    "out":                ((lambda v, c: not os.path.isfile(v)), "a directory ('' = runs/<name>), not a file"),
+    "cache_dir":          a_dir_path("a directory"),
+    "min_steps":          ((lambda v, c: 1 <= v <= c.max_steps), "in [1, max_steps={max_steps}]"),
+    "max_steps":          ((lambda v, c: c.min_steps <= v <= 18), "in [min_steps={min_steps}, 18]"),
+    "p_explicit":         ((lambda v, c: 0 <= v <= 1), "in [0, 1]"),
+    "format_weight":      at_least(0),
+    "model":              ((lambda v, c: v in MODEL_PRESETS or os.path.isdir(v)),
+                           f"a preset ({', '.join(sorted(MODEL_PRESETS))}) or an HF checkpoint directory"),
+    "data":               ((lambda v, c: v == "" or os.path.isfile(v)),
+                           "'' or a jsonl / parquet file with a prompt and an answer per row"),
+    "prompt_key":         ((lambda v, c: v != ""), "a field name (non-empty)"),
+    "answer_key":         ((lambda v, c: v != ""), "a field name (non-empty)"),
+    "chat_template":      ((lambda v, c: v == "" or v == "none" or os.path.isfile(v) or "{" in v),
+                           "'' (the checkpoint's), 'none', a template file or a Jinja string"),
+    "eval_fraction":      ((lambda v, c: 0 < v < 1), "in (0, 1)"),
+    "max_prompt_tokens":  at_least(1),
+    "max_new_tokens":     ((lambda v, c: v >= 0), ">= 0 (0 = the task's own)"),
+    "sft_steps":          at_least(1),
+    "sft_batch":          at_least(1),
+    "sft_lr":             above(0),
+    "cold_start":         FLAG,
+    "cold_arm":           FLAG,
+    "offline_arm":        FLAG,
+    "draft_warmup_steps": at_least(0),
+    "draft_vocab":        ((lambda v, c: v >= 0), ">= 0 (0 = the full vocabulary)"),
+    "draft_warmup_batch": ((lambda v, c: 1 <= v <= c.draft_warmup_pool), "in [1, draft_warmup_pool={draft_warmup_pool}]"),
+    "draft_warmup_lr":    above(0),
+    "draft_warmup_pool":  at_least(1),
+    "draft_lr":           above(0),
+    "draft_lam":          at_least(0),
+    "draft_grad_clip":    above(0),  # clip_grad_norm_ with a bound <= 0 flips or zeroes the gradient
+    "ttt_passes":         at_least(1),
+    "steps":              at_least(1),
+    "prompts_per_step":   at_least(1),
+    "group_size":         at_least(2),  # GRPO's advantage is relative to the group: one sample has none
+    "temperature":        above(0),
+    "num_draft_tokens":   at_least(1),
+    "tree":               ((lambda v, c: isinstance(v, tuple) and all(type(b) is int and b >= 1 for b in v)
+                                         and len(v) in (0, c.num_draft_tokens)
+                                         and sum(math.prod(v[:j]) for j in range(1, len(v) + 1)) <= Tree.MAX_NODES),
+                           "() or branching factors >= 1, as many as num_draft_tokens={num_draft_tokens} (the tree's "
+                           f"depth) and at most {Tree.MAX_NODES} nodes in all, e.g. --tree=2,2,1"),
+    "rollout_batch":      at_least(1),
+    "lr":                 at_least(0),  # 0: the no-drift control (the policy does not move)
+    "grad_clip":          above(0),  # a negative bound flips the gradient: the update would ascend
+    "updates":            ((lambda v, c: 1 <= v <= c.prompts_per_step * c.group_size),
+                           "in [1, prompts_per_step * group_size = {prompts_per_step} * {group_size}]"),
+    "micro_batches":      at_least(1),
+    "eps_low":            ((lambda v, c: 0 <= v < 1), "in [0, 1)"),
+    "eps_high":           at_least(0),
+    "beta":               at_least(0),
+    "std_norm":           FLAG,
+    "loss_norm":          one_of(*LOSS_NORMS),
+    "eval_every":         at_least(1),
+    "eval_prompts":       at_least(1),
+    "eval_samples":       at_least(1),
+    "eval_draft_tokens":  ((lambda v, c: v >= 0), ">= 0 (0 = num_draft_tokens)"),
+    "bootstrap":          at_least(1),
+    "pp":                 at_least(1),
+    "cp":                 at_least(1),
+    "dp":                 ((lambda v, c: v >= 0), ">= 0 (0 = world / (pp * cp))"),
+    "schedule":           one_of(*SCHEDULES),
+    "activation_checkpointing": FLAG,
+    "attn_backend":       one_of("torch", "triton", "flash"),
+    "logprob_chunk":      ((lambda v, c: v >= 0), ">= 0 (0 = unfused)"),
+    "ckpt_every":         ((lambda v, c: v >= 0), ">= 0 (0 = never)"),
+    "log":                ((lambda v, c: _backends_ok(v)), f"a comma list of {', '.join(BACKENDS)}"),
+    "resume":             FLAG,
+    "overwrite":          ((lambda v, c: not (v and c.resume)), "false with --resume (a resume keeps the run's files)"),
+    "dist_timeout":       at_least(1),
+}
+
+def _backends_ok(spec: str) -> bool:
+    try:
+        parse_backends(spec)
+        return True
+    except ValueError:
+        return False
+
+
+_TYPE_CHECKS = {
+    "int":   ((lambda v, c: isinstance(v, int) and not isinstance(v, bool)), "an integer"),
+    "float": ((lambda v, c: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)),
+              "a finite number"),
+    "str":   ((lambda v, c: isinstance(v, str)), "a string"),
+    "bool":  ((lambda v, c: isinstance(v, bool)), "true or false"),
+}
+
+
+def _show(v) -> str:
+    """A value as the user typed it: -1 for -1.0, '' for the empty string."""
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, str):
+        return v if v else "''"
+    if isinstance(v, tuple):  # --tree=2,2,1
+        return ",".join(_show(x) for x in v) if v else "''"
+    r = repr(v)
+    return r[:-2] if isinstance(v, float) and r.endswith(".0") else r
+
+
+def _problem(key: str, value, rule, cfg=None) -> str | None:
+    test, expect = rule
+    if test(value, cfg):
+        return None
+    return f"--{key}={_show(value)}: expected {expect.format(**vars(cfg)) if cfg is not None else expect}"
+
+PRESETS = {
+    # ~7 min under torchrun on 2 cores from an empty cache (warm-ups ~4.2 min). The mini model learns the additions in
+    # 1000 SFT steps when 70% of the demo steps are explicit (the operands sit side by side), which still leaves RL
+    # a format term to raise; 32 prompts per step keep the GRPO update above the noise (8 x 8 samples did not).
+    "default": {},
+    # the first session's default: the 1.1M small model, a longer drift, and speculative rollouts that pay on CPU once
+    # acceptance nears 3 (1.24x at the end); 60 steps, ~5 min of RL + ~15 min of warm-ups on 2 cores
+    "small": dict(name="small", model="small", p_explicit=0.3, sft_steps=1200, sft_lr=3e-3, steps=60,
+                  prompts_per_step=16, rollout_batch=16, lr=2e-4, eval_prompts=32, draft_warmup_steps=200,
+                  draft_warmup_batch=64, draft_warmup_lr=1e-3, num_draft_tokens=3),
+    # CI-sized: every code path and a visible learning signal, ~2.5 min on 2 cores from an empty cache
+    # (tests/test_train_torchrun.py)
+    "smoke": dict(name="smoke", model="tiny", sft_steps=800, draft_warmup_steps=60, draft_warmup_batch=64,
+                  draft_warmup_lr=1e-3, draft_warmup_pool=256, steps=20, rollout_batch=64, eval_prompts=16, max_steps=5,
+                  lr=3e-4, num_draft_tokens=3),
+    # for tests: seconds
+    "test": dict(name="test", model="tiny", sft_steps=3, sft_batch=8, draft_warmup_steps=2, draft_warmup_batch=4,
+                 draft_warmup_pool=8, steps=2, prompts_per_step=2, group_size=4, eval_every=1, eval_prompts=2,
+                 eval_samples=2, min_steps=1, max_steps=2, micro_batches=2),
+}
+
+
+def parse_args(argv: list) -> Config:
+    """--preset NAME, --flag (a bool set to true), and --key=value or --key value for any Config field (type-checked)."""
+    kv, i, preset = {}, 0, "default"
+    types = {f.name: f.type for f in dataclasses.fields(Config)}
+    while i < len(argv):
+        a = argv[i]
+        if not a.startswith("--"):
+            raise ValueError(f"argument {a!r}: expected --key=value")
+        key, eq, val = a[2:].partition("=")
+        i += 1
+        if key not in types and key != "preset":
+            near = difflib.get_close_matches(key, list(types) + ["preset"], n=1)
+            raise ValueError(f"unknown config key {key!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+        typ = types.get(key, "str")
+        if not eq and typ != "bool":  # --key value
+            if i >= len(argv) or argv[i].startswith("--"):
+                raise ValueError(f"--{key}: expected --{key}=<{typ}> or --{key} <{typ}>")
+            val, eq = argv[i], "="
+            i += 1
+        if key == "preset":
+            if val not in PRESETS:
+                raise ValueError(f"--preset={val!r}: expected one of {sorted(PRESETS)}")
+            preset = val
+            continue
+        if not eq:
+            val = "true"
+        kv[key] = _convert(key, val, types[key])
+    return Config(**{**PRESETS[preset], **kv})
+
+
+def _convert(key: str, val: str, typ: str):
+    try:
+        if typ == "bool":
+            if val.lower() not in ("true", "false", "1", "0"):
+                raise ValueError
+            return val.lower() in ("true", "1")
+        if typ == "tuple":  # --tree=2,2,1; --tree= (empty) is ()
+            return tuple(int(v) for v in val.split(",") if v.strip())
+        return {"int": int, "float": float, "str": str}[typ](val)
+    except ValueError:
+        raise ValueError(f"--{key}={val!r}: expected a value of type {typ}") from None

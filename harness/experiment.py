@@ -1,0 +1,164 @@
+"""Everything a run is made of, built once: the task, the warm policy and its frozen reference, the draft arms, and
+this rank's share of the update (its pipeline stage and optimizer).
+
+    s = build(cfg, mesh)     the task; the policy (SFT'd and cached, or an HF checkpoint as is); the frozen reference
+                             pi_0; the draft arms (co-trained, a frozen copy of the warm-up draft, a cold start); and
+                             dist_step.DistCotrainer on the mesh (one process: the 1 x 1 x 1 mesh, the same code)
+
+Every rank keeps a FULL policy and drafts for its rollouts (the stand-in for an inference engine, DESIGN.md section 3);
+the update trains the pipeline stage and `refit` copies it back. Under torchrun rank 0 builds first, so it alone trains
+and caches the warm-ups, and the others load them.
+
+Letters: G group size, T packed tokens.
+"""
+from __future__ import annotations
+
+import copy
+import random
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from tasks import task
+from harness import warmup
+from backends.attention_padded import padded_branch_attention, padded_causal_attention
+from dist_step import DistCotrainer
+from draft import Eagle3Draft
+from serving.hf_io import from_pretrained
+from model import ModelConfig, Transformer
+from harness.offline_arm import OfflineArm
+from rl_loop import DraftTrainer, GRPOConfig
+
+if TYPE_CHECKING:
+    from harness.config import Config
+    from harness.mesh import Mesh
+
+
+@dataclass
+class Setup:
+    cfg: Config
+    task: object  # task.CountUpTask or hf_task.HFTask: tok, sample, eval_set, encode_prompt, score, max_new_tokens
+    policy: torch.nn.Module  # the full policy this rank generates with (refitted after every update)
+    ref: torch.nn.Module  # frozen pi_0 (the warm policy): KL drift and the optional k3 penalty
+    drafts: dict  # arm name -> DraftTrainer ("cotrained" drives the rollouts; "cold" is evaluated only)
+    frozen: Eagle3Draft  # the warm-up draft, never updated
+    cotrainer: DistCotrainer  # this rank's pipeline stage + optimizer: the one update path at every world size
+    eval_problems: list
+    rng: random.Random  # the prompt sampler: the same stream on every rank
+    gen: torch.Generator  # the rollout sampler: one stream per DP replica
+    perm_gen: torch.Generator  # the minibatch shuffle: the same stream on every rank
+    grpo: GRPOConfig
+    warm_info: dict = field(default_factory=dict)
+    offline: OfflineArm = None  # the offline-extended control (cfg.offline_arm): trained on fresh pi_0 samples
+
+
+def build_task(cfg: Config):
+    """The built-in count-up task, or in HF mode the prompts file with the checkpoint's tokenizer (hf_task.py)."""
+    if cfg.hf_mode:
+        from tasks.hf_task import HFTask
+        return HFTask(cfg.model, cfg.data, eval_fraction=cfg.eval_fraction, seed=cfg.seed,
+                      max_prompt_tokens=cfg.max_prompt_tokens, max_new_tokens=cfg.max_new_tokens or 256,
+                      prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, chat_template=cfg.chat_template)
+    tsk = task.CountUpTask(cfg.min_steps, cfg.max_steps, cfg.format_weight)
+    tsk.max_new_tokens = cfg.max_new_tokens or tsk.max_new_tokens
+    return tsk
+
+
+def build_policy(cfg: Config, tsk, log=print, device=None) -> tuple[Transformer, str, bool]:
+    """-> (policy on `device`, cache key, loaded): the SFT'd policy of the built-in task (cached), or the HF checkpoint
+    as is."""
+    if cfg.hf_mode:
+        policy = from_pretrained(cfg.model).to(device)
+        key = warmup.cache_key("hf", warmup.fingerprint(cfg.model), warmup.fingerprint(cfg.data), cfg.prompt_key,
+                               cfg.answer_key, cfg.chat_template)  # what shapes the prompts shapes the draft's warm-up
+        n = sum(p.numel() for p in policy.parameters())
+        log(f"policy: HF checkpoint {cfg.model} ({policy.cfg.architecture}, {n:,} parameters); "
+            f"{sum(map(len, tsk.splits.values()))} prompts from {cfg.data} ({len(tsk.splits['eval'])} held out, "
+            f"{tsk.dropped} dropped as longer than {cfg.max_prompt_tokens} tokens)")
+        return policy, key, True
+    mcfg, t0 = ModelConfig.preset(cfg.model, vocab_size=tsk.tok.vocab_size), time.perf_counter()
+    policy, key, loaded = warmup.warm_policy(mcfg, tsk.tok, tsk.source, steps=cfg.sft_steps, batch=cfg.sft_batch,
+                                             lr=cfg.sft_lr, p_explicit=cfg.p_explicit, seed=cfg.seed,
+                                             cache_dir=cfg.cache_dir, log_every=max(cfg.sft_steps // 6, 1),
+                                             device=device)
+    log(f"policy SFT warm-up: {'loaded from cache' if loaded else 'trained'} ({key}, {time.perf_counter() - t0:.0f}s)")
+    return policy, key, loaded
+
+
+def build(cfg: Config, mesh: Mesh, log=print) -> Setup:
+    """build_models on every rank -- rank 0 first, so that it alone trains and caches the warm-ups and the others load
+    them -- then the samplers and this rank's share of the update."""
+    s = build_models(cfg, mesh.device, log) if mesh.main else None
+    mesh.barrier()
+    s = s or build_models(cfg, mesh.device, log=lambda *a, **k: None)
+    s.gen.manual_seed(cfg.run_seed + 1000 * mesh.grid.dp_rank)  # each DP replica samples its own rollouts
+    s.cotrainer = DistCotrainer(
+        s.policy, list(s.drafts.values()), mesh.grid,
+        lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99)),
+        grad_clip=cfg.grad_clip, schedule=cfg.schedule, attn_fn=padded_causal_attention,
+        attn_backend=cfg.attn_backend, logprob_chunk=cfg.logprob_chunk,
+        activation_checkpointing=cfg.activation_checkpointing,
+        watch=[d for _, d in watched(s)])  # frozen / offline-extended: teacher-forced acceptance, forward only
+    return s
+
+
+def watched(s: Setup) -> list:
+    """(arm name, draft) of the arms measured on the rollouts' taps but not trained on them."""
+    return [("frozen", s.frozen)] + ([("offline", s.offline.draft)] if s.offline is not None else [])
+
+
+def build_offline(cfg: Config, s: Setup, warm: Eagle3Draft) -> Setup:
+    """The offline-extended arm (offline_arm.py): a copy of the warm-up draft, reading the live embedding like the
+    frozen copy; cfg.offline_arm = False: none."""
+    if cfg.offline_arm:
+        d = copy.deepcopy(warm)
+        d.attach(s.policy)
+        s.offline = OfflineArm(cfg, s.task, s.ref, d, seed=cfg.run_seed)
+    return s
+
+
+def build_models(cfg: Config, dev: torch.device, log=print) -> Setup:
+    """Task, warm policy (SFT'd or the HF checkpoint), reference and draft arms on `dev`; no update yet."""
+    torch.manual_seed(cfg.seed)
+    tsk = build_task(cfg)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.warmup_threads)  # the warm-ups run alone (other ranks wait): they may use every core
+    try:
+        t0 = time.perf_counter()
+        policy, pkey, loaded = build_policy(cfg, tsk, log, dev)
+        t1 = time.perf_counter()
+        warm, dloaded = warmup.warm_draft(policy, tsk, steps=cfg.draft_warmup_steps, batch=cfg.draft_warmup_batch,
+                                          lr=cfg.draft_warmup_lr, pool=cfg.draft_warmup_pool,
+                                          max_new_tokens=tsk.max_new_tokens, num_passes=cfg.ttt_passes, seed=cfg.seed,
+                                          policy_key=pkey, cache_dir=cfg.cache_dir, attn_fn=padded_causal_attention,
+                                          draft_attn_fn=padded_branch_attention,
+                                          log_every=max(cfg.draft_warmup_steps // 4, 1), draft_vocab=cfg.draft_vocab)
+        t2 = time.perf_counter()
+    finally:
+        torch.set_num_threads(threads)
+    done = "none (an untrained draft)" if cfg.draft_warmup_steps == 0 else "loaded from cache" if dloaded else "trained"
+    log(f"draft warm-up: {done} ({t2 - t1:.0f}s)")
+    ref = copy.deepcopy(policy).requires_grad_(False)
+    warm_copy = copy.deepcopy(warm)  # the offline arm's start (the co-trained arm trains `warm` itself)
+    frozen = copy.deepcopy(warm).requires_grad_(False)
+    frozen.attach(policy)  # like the co-trained draft it reads the live policy's embedding; its own weights stay put
+
+    def trainer(d):
+        return DraftTrainer(d, torch.optim.AdamW(d.parameters(), lr=cfg.draft_lr, weight_decay=0.0), lam=cfg.draft_lam,
+                            grad_clip=cfg.draft_grad_clip, num_passes=cfg.ttt_passes, attn_fn=padded_branch_attention)
+
+    torch.manual_seed(cfg.run_seed + 7)
+    vocab = warm.draft_to_target if cfg.draft_vocab else None  # every arm names the same draft tokens
+    drafts = {"cotrained": trainer(Eagle3Draft.from_target(policy, draft_vocab=vocab) if cfg.cold_start else warm)}
+    if cfg.cold_arm and not cfg.cold_start:
+        drafts["cold"] = trainer(Eagle3Draft.from_target(policy, draft_vocab=vocab))
+    grpo = GRPOConfig(eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta=cfg.beta, std_norm=cfg.std_norm,
+                      loss_norm=cfg.loss_norm, max_len=tsk.max_new_tokens, temperature=cfg.temperature)
+    r = cfg.run_seed  # the RL phase's streams; the warm-ups and the held-out prompts follow cfg.seed (shared)
+    s = Setup(cfg, tsk, policy, ref, drafts, frozen, None, tsk.eval_set(cfg.eval_prompts, cfg.seed + 1234),
+              random.Random(r), torch.Generator(device=dev).manual_seed(r), torch.Generator().manual_seed(r + 31), grpo,
+              {"sft_s": t1 - t0, "draft_warmup_s": t2 - t1, "policy_cached": loaded, "draft_cached": dloaded})
+    build_offline(cfg, s, warm_copy)
+    return s

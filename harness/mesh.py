@@ -1,0 +1,93 @@
+"""Where this process sits: the DP x PP x CP mesh of a run, built once, and the device its models live on.
+
+One process is a 1 x 1 x 1 mesh -- a plain program: no process group, no torchrun, every collective of a group of size 1
+skipped (picotron's single grid). Under torchrun (WORLD_SIZE > 1) the process group is made here and nowhere else, and
+grid.Grid derives every sub-group from it (and creates every communicator up front, in one order). This is the only place where the run's mode shows:
+
+    world size 1      Mesh(grid = Grid(), rank 0)                    python train.py
+    world size N      dist.init_process_group + Grid.build(pp, cp, dp)  torchrun --nproc_per_node=N train.py
+
+Roles that follow from the grid: rank 0 evaluates, prints and writes files (`main`); one rank per DP replica (its PP
+stage 0, CP rank 0) generates that replica's rollouts (`generates`).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from parallel.grid import Grid
+
+if TYPE_CHECKING:
+    from harness.config import Config
+
+
+@dataclass
+class Mesh:
+    grid: Grid
+    device: torch.device
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:  # evaluates, prints, writes files
+        return self.rank == 0
+
+    @property
+    def generates(self) -> bool:  # the rank of its DP replica that generates the replica's rollouts
+        return self.grid.pp_rank == 0 and self.grid.cp_rank == 0
+
+    def barrier(self):
+        if self.world > 1:
+            dist.barrier()
+
+    def close(self):
+        if self.world > 1:
+            dist.destroy_process_group()
+
+    def describe(self) -> str:
+        g = self.grid
+        if self.world == 1:
+            return f"one process, models on {self.device}"
+        return (f"mesh: dp={g.dp} x pp={g.pp} x cp={g.cp} = {self.world} ranks, models on {self.device.type} "
+                f"({'NCCL' if self.device.type == 'cuda' else 'gloo'})")
+
+
+def pick_device(cfg: Config) -> torch.device:
+    """Where this process's models live. cfg.device "auto": its own GPU (LOCAL_RANK under torchrun) when CUDA is present
+    and every process on the node gets one (NCCL cannot share a GPU between ranks), else the CPU."""
+    n_local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if cfg.device == "cpu" or not torch.cuda.is_available():  # Config rejects device="cuda" without CUDA
+        return torch.device("cpu")
+    if n_local > torch.cuda.device_count():
+        if cfg.device == "cuda":
+            raise ValueError(f"device='cuda': {n_local} processes on this node but {torch.cuda.device_count()} GPU(s); "
+                             "each rank needs its own GPU (or run with --device=cpu)")
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def make_mesh(cfg: Config) -> Mesh:
+    """WORLD_SIZE 1 (or unset): the 1 x 1 x 1 mesh. Else torchrun's env contract (RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR/PORT) -> process group (gloo for CPU tensors, NCCL for CUDA ones) and the DP x PP x CP grid. Every
+    collective waits at most cfg.dist_timeout s, so a dead rank makes its peers fail instead of hang."""
+    dev = pick_device(cfg)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Mesh(Grid(), dev)
+    dp = cfg.dp or world // (cfg.pp * cfg.cp)
+    if cfg.pp * cfg.cp * dp != world:
+        raise ValueError(f"mesh: pp={cfg.pp} x cp={cfg.cp} x dp={dp} = {cfg.pp * cfg.cp * dp} != world size {world} "
+                         f"(torchrun processes); set --pp, --cp, --dp so that their product is {world}")
+    if cfg.micro_batches < dp or cfg.prompts_per_step < dp:
+        raise ValueError(f"dp={dp}: needs micro_batches >= dp and prompts_per_step >= dp (got {cfg.micro_batches}, "
+                         f"{cfg.prompts_per_step}): every DP replica takes whole micro-batches and whole prompt groups")
+    if dev.type == "cuda":  # NCCL wants the process's current device set before its first collective
+        torch.cuda.set_device(dev)
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.dist_timeout))
+    return Mesh(Grid.build(pp=cfg.pp, cp=cfg.cp, dp=dp, device=dev), dev, dist.get_rank(), world)

@@ -1,0 +1,108 @@
+"""The offline-extended control arm: the warm-up draft given the co-trained draft's extra training, without the drift.
+
+Each RL step the co-trained draft takes `updates` TTT steps, each on a minibatch of that step's fresh rollouts of
+pi_t (n prompts x G samples / updates sequences). The offline-extended draft takes the SAME number of steps with the
+same optimizer (AdamW), lr (draft_lr), gradient clipping, passes and minibatch size -- on FRESH samples of the initial
+policy pi_0 (the frozen reference), n x G new ones every step, never a reused pool, with pi_0's taps and pi_0's
+distribution at the rollout temperature as the teacher. So it sees as much new data as the co-trained draft; only the
+distribution differs:
+
+    co-trained - frozen               = more training + tracking the drift
+    co-trained - offline-extended     = tracking the drift (the staleness effect)
+    the same with policy lr 0          = 0 up to noise (the no-drift control: pi_t = pi_0)
+
+    arm = OfflineArm(cfg, tsk, ref, draft)       (experiment.build: a copy of the warm-up draft)
+    t = arm.step()                               one RL step's worth: {"offline_sample": s, "offline_train": s}
+
+Sampling is plain autoregressive sampling of pi_0 through speculative.generate (draft=None): any lossless sampler would
+do, and its cost is the control's, timed apart from the co-trained run. Under torchrun rank 0 trains it (it holds the
+whole reference) and `broadcast` copies it to every rank, whose last pipeline stage measures its teacher-forced
+acceptance on the rollouts (dist_step.DistCotrainer(watch=...)).
+
+Letters: B rows, T packed tokens.
+"""
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+import torch.distributed as dist
+
+import speculative
+from backends.attention_padded import padded_branch_attention, padded_causal_attention
+from rl_loop import DraftTrainer, RolloutBatch, draft_loss
+
+
+class OfflineArm:
+    def __init__(self, cfg, tsk, ref, draft, *, seed: int):
+        self.cfg, self.task, self.ref = cfg, tsk, ref
+        self.tr = DraftTrainer(draft, torch.optim.AdamW(draft.parameters(), lr=cfg.draft_lr, weight_decay=0.0),
+                               lam=cfg.draft_lam, grad_clip=cfg.draft_grad_clip, num_passes=cfg.ttt_passes,
+                               attn_fn=padded_branch_attention)
+        dev = next(ref.parameters()).device
+        self.rng = random.Random(seed + 555)  # its own prompt stream: fresh prompts, not the rollouts'
+        self.gen = torch.Generator(device=dev).manual_seed(seed + 556)
+        self.perm = torch.Generator().manual_seed(seed + 557)
+        self.steps_done = 0
+
+    @property
+    def draft(self):
+        return self.tr.draft
+
+    def sample(self) -> RolloutBatch:
+        """n x G fresh samples of pi_0 at the rollout temperature, packed (no advantages: the draft needs none)."""
+        c = self.cfg
+        prompts = [self.task.encode_prompt(p) for p in self.task.sample(c.prompts_per_step, self.rng)
+                   for _ in range(c.group_size)]
+        toks = []
+        for i in range(0, len(prompts), c.rollout_batch):
+            toks += [t.cpu() for t in speculative.generate(
+                self.ref, None, prompts[i: i + c.rollout_batch], max_new_tokens=self.task.max_new_tokens,
+                temperature=c.temperature, eos_id=self.task.tok.eos_id, generator=self.gen).tokens]
+        zeros = torch.zeros(len(prompts))
+        return RolloutBatch.from_rollouts(prompts, toks, [torch.zeros(t.numel()) for t in toks], zeros, zeros.bool())
+
+    def step(self) -> dict:
+        """One RL step's worth of training: `updates` TTT steps on minibatches of fresh pi_0 samples."""
+        t0 = time.perf_counter()
+        batch = self.sample()
+        t1 = time.perf_counter()
+        dev = next(self.ref.parameters()).device
+        for idx in torch.randperm(batch.num_seqs, generator=self.perm).chunk(self.cfg.updates):
+            mb = batch.select(idx.sort().values).to(dev)
+            with torch.no_grad():  # pi_0's taps and teacher: the distribution the warm-up draft was fitted to
+                out = self.ref(mb.tokens, mb.cu_seqlens, attn_fn=padded_causal_attention,
+                               tap_layers=self.draft.tap_layers)
+            loss, _ = draft_loss(self.tr, out.taps, out.logits, mb, self.cfg.temperature)
+            self.tr.opt.zero_grad(set_to_none=True)
+            (self.tr.lam * loss).backward()
+            torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.tr.grad_clip)
+            self.tr.opt.step()
+        self.steps_done += 1
+        return {"offline_sample": t1 - t0, "offline_train": time.perf_counter() - t1}
+
+    def state_dict(self) -> dict:  # for --resume (resume.py): weights, optimizer and the three sample streams
+        return {"draft": self.draft.state_dict(), "opt": self.tr.opt.state_dict(), "rng": self.rng.getstate(),
+                "gen": self.gen.get_state(), "perm": self.perm.get_state(), "steps_done": self.steps_done}
+
+    def load_state_dict(self, st: dict):
+        self.draft.load_state_dict(st["draft"])
+        self.tr.opt.load_state_dict(st["opt"])
+        self.rng.setstate(st["rng"])
+        self.gen.set_state(st["gen"])
+        self.perm.set_state(st["perm"])
+        self.steps_done = st["steps_done"]
+
+    @torch.no_grad()
+    def broadcast(self, src: int = 0):
+        """Every rank's copy <- rank src's (one flat bucket over the world group); a no-op in one process."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        ps = [p for p in self.draft.parameters() if p.requires_grad]
+        flat = torch.cat([p.reshape(-1) for p in ps])
+        dist.broadcast(flat, src=src)
+        i = 0
+        for p in ps:
+            p.copy_(flat[i: i + p.numel()].view_as(p))
+            i += p.numel()

@@ -1,0 +1,184 @@
+"""What a run shows and leaves behind: the live table, metrics.jsonl, summary.json and train.png. Rank 0 reports;
+every other rank's Report is silent (world size 1 is a plain program: its one process is rank 0).
+
+    rep = Report(cfg, out_dir, main=mesh.main)
+    rep.train(row) / rep.eval(ev)       one line on the console and one JSON record per step / evaluation
+    summary = rep.finish(warm_info, wall_s)     summary.json + train.png, returns the summary
+
+    python -m harness.report runs/default runs/seed1 runs/seed2      # the seeds table (mean +- sd over runs), markdown
+
+Records: {"kind": "train", "step", reward..., "time": {"rollout", "policy_train", "draft_train", "eval"}} and
+{"kind": "eval", "step", "kl", reward..., accept_<arm>, tok_s_<arm>, speedup_<arm>}.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import TYPE_CHECKING
+
+from harness.logger import MetricsLogger, parse_backends
+from harness.plots import plot_run
+
+if TYPE_CHECKING:
+    from harness.config import Config
+
+HEADER = (f"{'step':>4} {'reward':>6} {'acc':>5} {'expl':>5} {'len':>5} {'KL':>6} {'zero':>4} {'clip':>5} "
+          f"{'accept':>6} {'tau^c':>5} {'tau^f':>5} {'tau^o':>5} {'tok/s':>6} {'t_roll':>6} {'t_pol':>5} {'t_dft':>5}")
+
+
+class Report:
+    def __init__(self, cfg: Config, out_dir: str, *, main: bool):
+        self.cfg, self.out_dir, self.main = cfg, out_dir, main
+        self.rows, self.evals = [], []
+        if main:
+            os.makedirs(out_dir, exist_ok=True)
+        self.metrics_path = os.path.join(out_dir, "metrics.jsonl")  # + TensorBoard / wandb with --log (logger.py)
+        self.logger = MetricsLogger(out_dir, parse_backends(cfg.log), enabled=main, config=dataclasses.asdict(cfg))
+
+    def print(self, *a, **k):
+        if self.main:
+            print(*a, **k, flush=True)
+
+    def _write(self, record: dict):
+        self.logger.log(record)
+
+    def restore(self, records: list):
+        """A resumed run's records so far (from its checkpoint): nothing lost, nothing repeated."""
+        for r in records:
+            (self.rows if r["kind"] == "train" else self.evals).append(r)
+            self._write(r)
+
+    def records(self) -> list:  # in step order, a step's eval after its train row
+        return sorted(self.rows + self.evals, key=lambda r: (r["step"], r["kind"] == "eval"))
+
+    def train(self, row: dict):
+        self.rows.append(row)
+        self._write(row)
+        t = row["time"]
+        self.print(f"{row['step']:4d} {row['reward']:6.3f} {row['correct']:5.2f} {row['explicit']:5.2f} "
+                   f"{row['resp_len']:5.1f} {row['kl']:6.3f} {row['zero_var_groups']:4d} {row['clip_frac']:5.3f} "
+                   f"{row['accept_len']:6.2f} {row['tau_hat_cotrained']:5.2f} {row.get('tau_hat_frozen', 0):5.2f} "
+                   f"{row.get('tau_hat_offline', 0):5.2f} {row['rollout_tok_s']:6.0f} "
+                   f"{t['rollout']:6.2f} {t['policy_train']:5.2f} {t['draft_train']:5.2f}")
+
+    def eval(self, ev: dict | None):  # None: nothing to report (not rank 0, or no evaluation this step)
+        if ev is None:
+            return
+        self.evals.append(ev)
+        self._write(ev)
+        more = "".join(f" {a} {ev[f'accept_{a}']:.2f}" for a in ("offline", "cold") if f"accept_{a}" in ev)
+        ci = "".join(f" | c-{a[:3]} [{ev[k][0]:+.2f}, {ev[k][1]:+.2f}]" for a in ("frozen", "offline")
+                     if (k := f"accept_gain_vs_{a}_ci") in ev)
+        self.print(f"  eval @ {ev['step']}: held-out reward {ev['reward']:.3f} (acc {ev['correct']:.2f}, explicit "
+                   f"{ev['explicit']:.2f}) | acceptance (k={ev.get('eval_k', '?')}) co-trained "
+                   f"{ev['accept_cotrained']:.2f} frozen {ev['accept_frozen']:.2f}{more}{ci} | spec "
+                   f"{ev['tok_s_cotrained']:.0f} vs AR {ev['tok_s_ar']:.0f} tok/s, speedup {ev['speedup']:.2f}x "
+                   f"(frozen {ev['speedup_frozen']:.2f}x)")
+
+    def finish(self, warm: dict, wall_s: float) -> dict:
+        """summary.json and train.png (rank 0); returns the summary ({} on other ranks)."""
+        self.logger.close()
+        if not self.main:
+            return {}
+        c = self.cfg
+        summary = summarize(c, self.rows, self.evals, warm, wall_s)
+        with open(os.path.join(self.out_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        plot_run(self.rows, self.evals, os.path.join(self.out_dir, "train.png"),
+                 title=f"{c.name}: {c.steps} GRPO steps, {c.prompts_per_step}x{c.group_size} rollouts/step")
+        self.print(json.dumps(summary, indent=2))
+        self.print(f"wrote {self.metrics_path}, summary.json, train.png")
+        return summary
+
+
+def summarize(cfg: Config, rows: list, evals: list, warm: dict, wall_s: float) -> dict:
+    n = max(1, len(rows) // 10)  # first / last 10% of steps (rollout rewards are noisy step to step)
+    first, last = evals[0], evals[-1]
+    tsum = {k: sum(r["time"].get(k, 0.0) for r in rows)
+            for k in ("rollout", "policy_train", "draft_train", "eval", "watch", "offline_sample", "offline_train")}
+    out = {"steps": len(rows),
+           "reward_first": sum(r["reward"] for r in rows[:n]) / n, "reward_last": sum(r["reward"] for r in rows[-n:]) / n,
+           "eval_reward_first": first["reward"], "eval_reward_last": last["reward"],
+           "correct_first": first["correct"], "correct_last": last["correct"],
+           "explicit_first": first["explicit"], "explicit_last": last["explicit"],
+           "kl_last": rows[-1]["kl"],
+           "accept_len_cotrained": last["accept_cotrained"], "accept_len_frozen": last["accept_frozen"],
+           "accept_len_cotrained_first": first["accept_cotrained"], "accept_len_frozen_first": first["accept_frozen"],
+           "rollout_speedup": last["speedup"], "rollout_speedup_frozen": last["speedup_frozen"],
+           "spec_tok_s": last["tok_s_cotrained"], "ar_tok_s": last["tok_s_ar"],
+           "time_s": {**{k: round(v, 1) for k, v in tsum.items()}, "sft_warmup": round(warm["sft_s"], 1),
+                      "draft_warmup": round(warm["draft_warmup_s"], 1)},
+           "warmup_cached": {"policy": warm["policy_cached"], "draft": warm["draft_cached"]},
+           "cold_start": cfg.cold_start, "wall_s": round(wall_s, 1)}
+    for arm in ("cold", "offline"):
+        if f"accept_{arm}" in last:
+            out[f"accept_len_{arm}_first"], out[f"accept_len_{arm}"] = first[f"accept_{arm}"], last[f"accept_{arm}"]
+    for arm in ("frozen", "offline"):
+        if f"accept_gain_vs_{arm}_ci" in last:
+            out[f"accept_gain_vs_{arm}_ci"] = last[f"accept_gain_vs_{arm}_ci"]
+    for arm in ("cotrained", "frozen", "offline", "cold"):  # teacher-forced, on the last 10% of steps' rollouts
+        if f"tau_hat_{arm}" in rows[-1]:
+            out[f"tau_hat_{arm}_last"] = sum(r[f"tau_hat_{arm}"] for r in rows[-n:]) / n
+    out["speedup_agreement_eval0"] = first["speedup_frozen"] / first["speedup_cotrained"]  # same draft at eval 0
+    out.update(e2e_step_times(rows, evals, trained_drafts=1 + (cfg.cold_arm and not cfg.cold_start)))
+    out["temperature"], out["eval_k"], out["rl_seed"], out["lr"] = cfg.temperature, cfg.eval_k, cfg.run_seed, cfg.lr
+    return out
+
+
+def e2e_step_times(rows: list, evals: list, trained_drafts: int = 1) -> dict:
+    """End-to-end RL step time, speculative vs autoregressive rollouts (rollout + update + co-training), per step:
+
+        spec = t_rollout + t_policy_train + t_draft_train / trained_drafts    (measured: the run itself)
+        ar   = t_rollout * speedup + t_policy_train                           (the same step with AR rollouts, no draft)
+
+    speedup = the co-trained draft's measured paired rollout speedup at the latest eval before that step. The
+    controls' costs (the cold arm's share of t_draft_train: the drafts trained on the same taps are the same size, so
+    the co-trained one's share is 1 / trained_drafts; timers "watch", "offline_*") and the eval are not part of
+    either. e2e_step_speedup = sum ar / sum spec over the run."""
+    spec = ar = 0.0
+    for r in rows:
+        sp = max((e for e in evals if e["step"] < r["step"]), key=lambda e: e["step"], default=evals[0])["speedup"]
+        t = r["time"]
+        spec += t["rollout"] + t["policy_train"] + t["draft_train"] / trained_drafts
+        ar += t["rollout"] * sp + t["policy_train"]
+    n = max(len(rows), 1)
+    return {"e2e_step_s_spec": spec / n, "e2e_step_s_ar": ar / n, "e2e_step_speedup": ar / max(spec, 1e-9)}
+
+
+SEED_KEYS = (("accept_len_cotrained", "acceptance, co-trained"), ("accept_len_offline", "acceptance, offline-extended"),
+             ("accept_len_frozen", "acceptance, frozen"), ("accept_len_cold", "acceptance, cold start"),
+             ("tau_hat_cotrained_last", "tau_hat (teacher-forced), co-trained"),
+             ("tau_hat_offline_last", "tau_hat (teacher-forced), offline-extended"),
+             ("tau_hat_frozen_last", "tau_hat (teacher-forced), frozen"),
+             ("eval_reward_last", "held-out reward"), ("correct_last", "held-out accuracy"),
+             ("kl_last", "KL at the end"),
+             ("rollout_speedup", "rollout speedup, co-trained"), ("e2e_step_speedup", "e2e step speedup"))
+
+
+def seeds_table(summaries: dict) -> str:
+    """{run name: summary} -> a markdown table: one column per run, then mean +- sd (sample sd over runs), plus the
+    co-trained - offline / - frozen intervals of each run."""
+    import statistics
+    names = list(summaries)
+    lines = ["| | " + " | ".join(names) + " | mean ± sd |", "|---|" + "---:|" * (len(names) + 1)]
+    for key, label in SEED_KEYS:
+        vals = [summaries[n].get(key) for n in names]
+        if any(v is None for v in vals):
+            continue
+        sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
+        cells = " | ".join(f"{v:.2f}" for v in vals)
+        lines.append(f"| {label} | {cells} | {statistics.mean(vals):.2f} ± {sd:.2f} |")
+    for arm in ("offline", "frozen"):
+        key = f"accept_gain_vs_{arm}_ci"
+        if all(key in summaries[n] for n in names):
+            lines.append(f"| co-trained − {arm}, 95% CI | " + " | ".join(
+                f"[{summaries[n][key][0]:+.2f}, {summaries[n][key][1]:+.2f}]" for n in names) + " | |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+    runs = sys.argv[1:] or ["runs/default"]
+    print(seeds_table({os.path.basename(r.rstrip("/")): json.load(open(os.path.join(r, "summary.json")))
+                       for r in runs}))

@@ -1,0 +1,212 @@
+"""Warm-up before RL: SFT of the policy on demonstrations, then the draft on the warm policy's own samples.
+
+  1. Policy SFT: next-token cross-entropy on the response tokens of task demonstrations (task.demo_response, each chain
+     step explicit with probability p_explicit), AdamW with linear warm-up and cosine decay. Cheap to reuse, so the
+     result is cached on disk (HF format, `cache/policy-<hash of every setting that shapes it>/`) and later runs load it.
+  2. Draft warm-up (EAGLE-3's offline stage): sample responses from the warm policy (temperature 1), run the policy's
+     packed forward to get taps and logits, and fit the draft's multi-pass TTT loss with the policy as teacher. Also
+     cached (`cache/draft-<hash>/`, draft.py's save/load), keyed on the policy's hash too.
+
+    python -m harness.warmup                   # SFT (or load) the default policy; report its held-out greedy / sampled reward
+    python -m harness.warmup --preset smoke    # any train.py preset / --key=value: the same cache entries as train.py
+
+Letters: T packed tokens, S sequences, V vocab.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import time
+
+import torch
+
+import speculative
+from tasks import task
+from draft import Eagle3Draft
+from serving.hf_io import from_pretrained, save_pretrained
+from serving.draft_vocab import select_draft_vocab
+from model import ModelConfig, Transformer, default_tap_layers
+from backends.attention_padded import padded_causal_attention
+from rl_loop import DraftTrainer, RolloutBatch, check_finite_weights, draft_loss, next_token_logp, pack
+
+
+HINT = "stopping, nothing cached. Try a lower --sft_lr / --draft_warmup_lr"
+
+
+def cache_key(*parts) -> str:
+    """A short stable hash of JSON-serialisable settings (dataclasses via their __dict__)."""
+    blob = json.dumps([getattr(p, "__dict__", p) for p in parts], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
+    """Linear warm-up for `warmup` steps, then cosine decay to lr/10."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    t = (step - warmup) / max(steps - warmup, 1)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def sft_batch(tok, source, n: int, p_explicit: float, rng: random.Random):
+    """n demonstrations packed: tokens (T,), cu_seqlens (S+1,), loss mask (T,) = response tokens (incl. <eos>)."""
+    seqs, masks = [], []
+    for p in source.sample(n, rng, "train"):
+        x, n_prompt = task.encode_demo(tok, p, p_explicit, rng)
+        seqs.append(x)
+        m = torch.zeros(x.numel(), dtype=torch.bool)
+        m[n_prompt:] = True
+        masks.append(m)
+    tokens, cu = pack(seqs)
+    return tokens, cu, torch.cat(masks)
+
+
+def sft_policy(policy: Transformer, tok, source, *, steps: int, batch: int, lr: float, p_explicit: float, seed: int,
+               log_every: int = 0) -> list:
+    """Supervised warm-up in place. Returns the loss per step."""
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    losses, t0 = [], time.time()
+    dev = next(policy.parameters()).device
+    policy.train()
+    for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps, lr, warmup=max(steps // 20, 1))
+        tokens, cu, mask = (t.to(dev) for t in sft_batch(tok, source, batch, p_explicit, rng))
+        logits = policy(tokens, cu, attn_fn=padded_causal_attention).logits  # (T, V)
+        loss = -(next_token_logp(logits, tokens, cu) * mask).sum() / mask.sum()
+        if not math.isfinite(loss.item()):
+            raise FloatingPointError(f"SFT warm-up step {step}: loss = {loss.item()} (not finite); {HINT}")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if log_every and (step % log_every == 0 or step == steps - 1):
+            print(f"  sft step {step:4d}/{steps}  loss {loss:.4f}  {time.time() - t0:5.1f}s", flush=True)
+    check_finite_weights(policy, f"SFT warm-up, after {steps} steps, the policy", HINT)  # never cache a diverged one
+    return losses
+
+
+def warm_policy(model_cfg: ModelConfig, tok, source, *, steps: int, batch: int, lr: float, p_explicit: float,
+                seed: int, cache_dir: str = "cache", log_every: int = 0, device=None) -> tuple[Transformer, str, bool]:
+    """The SFT'd policy on `device` (default CPU), from `cache_dir` when an identical warm-up was run before.
+    Returns (policy, key, loaded). The cache key leaves the device out: a CPU-trained policy serves a GPU run."""
+    key = cache_key("policy", model_cfg, task.VOCAB, source.__dict__, steps, batch, lr, p_explicit, seed)
+    path = os.path.join(cache_dir, f"policy-{key}")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return from_pretrained(path).to(device), key, True
+    torch.manual_seed(seed)
+    policy = Transformer(model_cfg).to(device)  # initialised on the CPU: the same weights on every device
+    sft_policy(policy, tok, source, steps=steps, batch=batch, lr=lr, p_explicit=p_explicit, seed=seed,
+               log_every=log_every)
+    tmp = f"{path}.tmp{os.getpid()}"
+    save_pretrained(policy, tmp)
+    os.replace(tmp, path) if not os.path.exists(path) else None  # another run may have finished first: keep theirs
+    return policy, key, False
+
+
+def fingerprint(path: str) -> list:
+    """(name, size, mtime) of a file or of every file under a directory: a cheap cache key for an HF checkpoint or a
+    data file (changes when any file is rewritten), without hashing gigabytes of weights."""
+    if os.path.isfile(path):
+        st = os.stat(path)
+        return [[os.path.abspath(path), st.st_size, st.st_mtime_ns]]
+    return [[os.path.relpath(os.path.join(r, f), path), os.path.getsize(os.path.join(r, f)),
+             os.stat(os.path.join(r, f)).st_mtime_ns]
+            for r, _, files in sorted(os.walk(path)) for f in sorted(files)] + [[os.path.abspath(path)]]
+
+
+def warm_draft(policy: Transformer, tsk, *, steps: int, batch: int, lr: float, pool: int, max_new_tokens: int,
+               num_passes: int, seed: int, policy_key: str, cache_dir: str = "cache", attn_fn=None, draft_attn_fn=None,
+               log_every: int = 0, draft_vocab: int = 0) -> tuple[Eagle3Draft, bool]:
+    """A draft fitted offline to the warm policy's own samples (cached). Returns (draft, loaded).
+    tsk: the task (task.CountUpTask or hf_task.HFTask): its train prompts and EOS. steps = 0: an untrained draft.
+    draft_vocab = N > 0: the draft names only the N most frequent target tokens of the sampled responses (draft_vocab.py).
+
+    1. sample `pool` responses from the policy (plain sampling at temperature 1: the distribution RL starts from);
+    2. each step: `batch` of them -> policy forward (no grad) for taps + logits -> TTT loss -> AdamW step."""
+    if steps == 0 and draft_vocab == 0:
+        torch.manual_seed(seed)
+        return Eagle3Draft.from_target(policy), False
+    taps = default_tap_layers(policy.cfg.num_hidden_layers)  # in the key: cached drafts of an older tap rule differ
+    key = cache_key("draft", policy_key, steps, batch, lr, pool, max_new_tokens, num_passes, seed, taps, draft_vocab)
+    path = os.path.join(cache_dir, f"draft-{key}")
+    if steps and os.path.isfile(os.path.join(path, "config.json")):
+        return Eagle3Draft.load(path, policy), True
+    dev = next(policy.parameters()).device
+    rng, g = random.Random(seed + 1), torch.Generator(device=dev).manual_seed(seed + 1)
+    prompts = [tsk.encode_prompt(p) for p in tsk.sample(pool, rng, "train")]
+    responses = []
+    for i in range(0, pool, 256):
+        responses += [r.cpu() for r in speculative.generate(policy, None, prompts[i: i + 256],
+                                                            max_new_tokens=max_new_tokens, temperature=1.0,
+                                                            eos_id=tsk.tok.eos_id, generator=g).tokens]
+    torch.manual_seed(seed)
+    ids = select_draft_vocab(responses, policy.cfg.vocab_size, draft_vocab) if draft_vocab else None
+    draft = Eagle3Draft.from_target(policy, draft_vocab=ids)
+    if steps == 0:
+        return draft, False
+    tr = DraftTrainer(draft, torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0), num_passes=num_passes,
+                      attn_fn=draft_attn_fn)
+    t0 = time.time()
+    for step in range(steps):
+        for grp in tr.opt.param_groups:
+            grp["lr"] = lr_at(step, steps, lr, warmup=max(steps // 20, 1))
+        idx = rng.sample(range(pool), batch)
+        zeros = torch.zeros(batch)
+        mb = RolloutBatch.from_rollouts([prompts[i] for i in idx], [responses[i] for i in idx],
+                                        [torch.zeros(responses[i].numel()) for i in idx], zeros, zeros.bool()).to(dev)
+        with torch.no_grad():
+            out = policy(mb.tokens, mb.cu_seqlens, attn_fn=attn_fn, tap_layers=draft.tap_layers)
+        loss, m = draft_loss(tr, out.taps, out.logits, mb)
+        if not math.isfinite(loss.item()):
+            raise FloatingPointError(f"draft warm-up step {step}: loss = {loss.item()} (not finite); {HINT}")
+        tr.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), tr.grad_clip)
+        tr.opt.step()
+        if log_every and (step % log_every == 0 or step == steps - 1):
+            print(f"  draft step {step:4d}/{steps}  loss {loss.item():.4f}  tau_hat {m['tau_hat']:.2f}  "
+                  f"{time.time() - t0:5.1f}s", flush=True)
+    check_finite_weights(draft, f"draft warm-up, after {steps} steps, the draft", HINT)
+    tmp = f"{path}.tmp{os.getpid()}"
+    draft.save(tmp)
+    os.replace(tmp, path) if not os.path.exists(path) else None
+    return draft, False
+
+
+@torch.no_grad()
+def evaluate_policy(policy, tok, problems, max_new_tokens: int, *, temperature: float, format_weight: float,
+                    seed: int = 0) -> dict:
+    """Mean reward, accuracy, explicit-step fraction and response length on `problems`."""
+    g = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
+    prompts = [task.encode_prompt(tok, p) for p in problems]
+    resp = [r.cpu() for r in speculative.generate(policy, None, prompts, max_new_tokens=max_new_tokens,
+                                                  temperature=temperature, eos_id=tok.eos_id, generator=g).tokens]
+    R, parts = task.score(tok, problems, resp, format_weight)
+    return {"reward": float(R.mean()), "correct": float(parts["correct"].mean()),
+            "explicit": float(parts["explicit"].mean()), "resp_len": sum(r.numel() for r in resp) / len(resp)}
+
+
+if __name__ == "__main__":
+    import sys
+
+    from harness.config import parse_args  # the same settings (and so the same cache entries) as `python train.py ...`
+    c = parse_args(sys.argv[1:])
+    torch.set_num_threads(c.threads)
+    if c.hf_mode:
+        sys.exit("warmup.py: the SFT warm-up is for the built-in task; an HF checkpoint (--model=DIR) is used as is")
+    tok, src = task.Tokenizer(), task.ProblemSource(c.min_steps, c.max_steps)
+    mcfg = ModelConfig.preset(c.model, vocab_size=tok.vocab_size)
+    t0 = time.time()
+    policy, key, loaded = warm_policy(mcfg, tok, src, steps=c.sft_steps, batch=c.sft_batch, lr=c.sft_lr,
+                                      p_explicit=c.p_explicit, seed=c.seed, cache_dir=c.cache_dir,
+                                      log_every=max(c.sft_steps // 12, 1))
+    print(f"policy {key} ({'loaded' if loaded else 'trained'}) in {time.time() - t0:.0f}s")
+    evalset, budget = src.eval_set(256), task.max_response_tokens(c.max_steps)
+    for T in (0.0, 1.0):
+        print(f"held-out, temperature {T}:", evaluate_policy(policy, tok, evalset, budget, temperature=T,
+                                                            format_weight=c.format_weight))

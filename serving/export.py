@@ -1,0 +1,205 @@
+"""Serve what was trained: the co-trained draft in the format vLLM and SGLang load, and the policy beside it.
+
+Both engines load an EAGLE-3 draft as `LlamaForCausalLMEagle3`: a Llama config with one decoder layer and these
+weights (cospec's parameter names already are them, so the export is a config translation and a dtype cast):
+
+    fc.weight (H, 3H)            h^0 = fc([a_1; a_2; a_3])        the 3 aux states in ascending layer order
+    midlayer.*                   x = [input_layernorm(e); hidden_norm(h^0)] (2H) -> attention (RoPE), residual h^0
+                                 (norm after the residual: config norm_before_residual = false), then the MLP
+    norm.weight, lm_head.weight  q = softmax(lm_head(norm(h)))    (Vd, H): the draft-vocabulary rows only
+    d2t (Vd,) int64, t2d (V,) bool   target id = draft id + d2t[draft id]; t2d marks the target ids the draft can name
+
+No embedding: both engines share the target's. The aux ids are written twice because the engines count differently
+(checked in vLLM's `model_executor/models/{llama,llama_eagle3}.py` and SGLang's `srt/models/{llama,llama_eagle3}.py`,
+commits in the README): vLLM's top-level `eagle_aux_hidden_state_layer_ids` = tap + 1 (it captures the state
+*entering* layer i, so the last layer's output cannot be captured), SGLang's `eagle_config.
+eagle_aux_hidden_state_layer_ids` = tap (it adds the one itself). cospec's tap t is the output of layer t (0-indexed).
+
+    draft.export(path)                                    # the draft alone (Eagle3Draft.export calls export_draft)
+    write_servables(out, policy, draft, tokenizer_dir)    # <out>/policy/ (HF checkpoint) + <out>/draft/ (this export)
+    python -m serving.export runs/default/draft                   # reads an export back and checks it as the engines load it
+
+Each directory lands atomically: written under a temporary sibling name, then renamed into place (a reader sees the
+old directory or the new one, never half of one; between the two renames the path is briefly absent).
+
+Letters: H hidden, V target vocab, Vd draft vocab.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import torch
+from safetensors.torch import save_file
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"  # vLLM's registry name and SGLang's EntryClass
+NUM_AUX = 3  # both engines hard-code fc to 3 target hidden states
+WEIGHTS = ("fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+           "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+           "midlayer.self_attn.o_proj.weight", "midlayer.post_attention_layernorm.weight",
+           "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
+           "norm.weight", "lm_head.weight", "d2t", "t2d")  # exactly these: SGLang silently drops names it does not know
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "added_tokens.json")
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32", torch.float64: "float64"}
+
+
+def check_exportable(tap_layers, target_num_layers: int) -> tuple:
+    """The taps an engine can feed: exactly 3, ascending, none on the last layer (vLLM captures states entering a
+    layer). Returns them sorted."""
+    taps = tuple(sorted(int(t) for t in tap_layers))
+    if len(taps) != NUM_AUX:
+        raise ValueError(f"tap_layers={tuple(tap_layers)}: vLLM and SGLang feed the draft's fc exactly {NUM_AUX} target "
+                         f"hidden states; this draft reads {len(taps)} (a policy with >= 4 layers gets 3 by default)")
+    if taps[0] < 0:
+        raise ValueError(f"tap_layers={taps}: the embeddings (-1) cannot be exported as an aux state")
+    if taps[-1] >= target_num_layers - 1:
+        raise ValueError(f"tap_layers={taps}: layer {taps[-1]} is the last of {target_num_layers}; vLLM captures the "
+                         "state entering a layer, so the last layer's output is never available to the draft")
+    return taps
+
+
+def vllm_aux_ids(taps) -> list:  # the state entering layer t + 1 = the output of layer t
+    return [t + 1 for t in taps]
+
+
+def eagle3_config(draft, *, dtype=torch.bfloat16, max_position_embeddings: int | None = None) -> dict:
+    """The config.json both engines read (a transformers.LlamaConfig with the EAGLE-3 fields)."""
+    c = draft.cfg
+    taps = check_exportable(c.tap_layers, c.target_num_layers)
+    if tuple(c.tap_layers) != taps:
+        raise ValueError(f"tap_layers={c.tap_layers}: fc concatenates in this order; the engines use ascending order")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype}: expected one of {list(_DTYPES)}")
+    return dict(
+        architectures=[ARCHITECTURE], model_type="llama", num_hidden_layers=1, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, hidden_act="silu",
+        rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, rope_scaling=None,
+        max_position_embeddings=int(max_position_embeddings or c.max_position_embeddings),
+        vocab_size=c.vocab_size, draft_vocab_size=int(c.draft_vocab_size), target_hidden_size=c.hidden_size,
+        tie_word_embeddings=False, attention_bias=False, mlp_bias=False, norm_before_residual=False,
+        torch_dtype=_DTYPES[dtype],
+        eagle_aux_hidden_state_layer_ids=vllm_aux_ids(taps),  # vLLM: the state entering layer t + 1
+        eagle_config={"eagle_aux_hidden_state_layer_ids": list(taps), "use_aux_hidden_state": True})  # SGLang: t
+
+
+def eagle3_state_dict(draft, *, dtype=torch.bfloat16) -> dict:
+    """{name: tensor} in WEIGHTS order: floats cast to `dtype`, d2t int64, t2d bool, all on the CPU."""
+    sd = draft.state_dict()
+    if set(sd) != set(WEIGHTS):
+        raise ValueError(f"draft: parameters {sorted(set(sd) ^ set(WEIGHTS))} differ from the EAGLE-3 names")
+    cast = {"d2t": torch.int64, "t2d": torch.bool}
+    return {k: sd[k].detach().to(device="cpu", dtype=cast.get(k, dtype)).contiguous() for k in WEIGHTS}
+
+
+def export_draft(draft, path: str, *, dtype=torch.bfloat16, max_position_embeddings: int | None = None):
+    """config.json + model.safetensors that vLLM's and SGLang's LlamaForCausalLMEagle3 load, written atomically."""
+    cfg = eagle3_config(draft, dtype=dtype, max_position_embeddings=max_position_embeddings)
+    sd = eagle3_state_dict(draft, dtype=dtype)
+
+    def write(tmp):
+        save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+    atomic_dir(path, write)
+
+
+def write_servables(out_dir: str, policy, draft, tokenizer_dir: str | None = None, *, dtype=torch.bfloat16,
+                    require_draft: bool = True) -> dict:
+    """<out_dir>/policy/: the policy as an HF checkpoint (hf_io.save_pretrained, the policy's own dtype) plus, in HF
+    mode, the tokenizer files of `tokenizer_dir` (the checkpoint the run started from); <out_dir>/draft/: the export.
+    `policy` must be whole (re-assembled from the pipeline stages) and `draft` the rollout draft. Call on one rank.
+    A draft the engines cannot load (a policy under 4 layers: fewer than 3 taps) is an error, or with
+    require_draft=False is skipped (no draft/ directory). Returns {"policy": path, "draft": path or None, "skipped":
+    None or why}."""
+    from serving.hf_io import save_pretrained  # here, not at the top: the draft export needs no policy code
+    try:
+        check_exportable(draft.cfg.tap_layers, draft.cfg.target_num_layers)
+        skipped = None
+    except ValueError as e:
+        if require_draft:
+            raise
+        skipped = str(e)
+    if policy.layer_range != (0, policy.cfg.num_hidden_layers):
+        raise ValueError("policy: needs the whole model (re-assemble the pipeline stages first), got layers "
+                         f"{policy.layer_range} of {policy.cfg.num_hidden_layers}")
+    if draft.cfg.target_num_layers != policy.cfg.num_hidden_layers or draft.cfg.vocab_size != policy.cfg.vocab_size:
+        raise ValueError(f"draft: built for a {draft.cfg.target_num_layers}-layer, V={draft.cfg.vocab_size} target; "
+                         f"the policy has {policy.cfg.num_hidden_layers} layers, V={policy.cfg.vocab_size}")
+    if tokenizer_dir is not None and not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
+        raise ValueError(f"tokenizer_dir={tokenizer_dir!r}: no tokenizer.json there (expected the HF checkpoint)")
+    os.makedirs(out_dir, exist_ok=True)
+
+    def write_policy(tmp):
+        save_pretrained(policy, tmp)
+        for name in TOKENIZER_FILES if tokenizer_dir else ():
+            if os.path.isfile(os.path.join(tokenizer_dir, name)):
+                shutil.copy2(os.path.join(tokenizer_dir, name), os.path.join(tmp, name))
+    atomic_dir(os.path.join(out_dir, "policy"), write_policy)
+    if skipped:
+        return {"policy": os.path.join(out_dir, "policy"), "draft": None, "skipped": skipped}
+    export_draft(draft, os.path.join(out_dir, "draft"), dtype=dtype,
+                 max_position_embeddings=policy.cfg.max_position_embeddings)
+    return {"policy": os.path.join(out_dir, "policy"), "draft": os.path.join(out_dir, "draft"), "skipped": None}
+
+
+def atomic_dir(path: str, write):
+    """write(tmp) fills a fresh sibling directory, which then replaces `path` (rename; the old one is removed)."""
+    path = os.path.abspath(path)
+    tmp, old = f"{path}.tmp{os.getpid()}", f"{path}.old{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.exists(path):
+        os.rename(path, old)
+    os.rename(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def check_export(path: str) -> dict:
+    """Read an exported draft back and check it the way the engines will load it: the architecture, exactly the
+    WEIGHTS names with their shapes, bf16/fp floats, int64 d2t mapping into the target vocabulary, t2d its image, 3 aux
+    ids in both conventions. Returns the config."""
+    from safetensors.torch import load_file
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    if cfg.get("architectures") != [ARCHITECTURE]:
+        raise ValueError(f"{path}: architectures={cfg.get('architectures')}, expected [{ARCHITECTURE!r}]")
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    H, Vd, V, D = cfg["hidden_size"], cfg["draft_vocab_size"], cfg["vocab_size"], cfg["head_dim"]
+    shapes = {"fc.weight": (H, NUM_AUX * cfg["target_hidden_size"]), "lm_head.weight": (Vd, H), "norm.weight": (H,),
+              "midlayer.self_attn.q_proj.weight": (cfg["num_attention_heads"] * D, 2 * H),
+              "midlayer.self_attn.k_proj.weight": (cfg["num_key_value_heads"] * D, 2 * H), "d2t": (Vd,), "t2d": (V,)}
+    problems = [f"weights {sorted(set(sd) ^ set(WEIGHTS))} differ from {ARCHITECTURE}'s"] * (set(sd) != set(WEIGHTS))
+    problems += [f"{k} has shape {tuple(sd[k].shape)}, expected {s}" for k, s in shapes.items()
+                 if k in sd and tuple(sd[k].shape) != s]
+    if "d2t" in sd and "t2d" in sd and not problems:
+        ids = torch.arange(Vd) + sd["d2t"]
+        if sd["d2t"].dtype != torch.int64 or int(ids.min()) < 0 or int(ids.max()) >= V or ids.unique().numel() != Vd:
+            problems.append("d2t: expected int64 offsets to distinct target ids")
+        elif not torch.equal(sd["t2d"], torch.zeros(V, dtype=torch.bool).index_fill(0, ids, True)):
+            problems.append("t2d: expected exactly the target ids d2t maps to")
+    v_ids, s_ids = cfg.get("eagle_aux_hidden_state_layer_ids"), cfg.get("eagle_config", {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    if not (isinstance(s_ids, list) and len(s_ids) == NUM_AUX and v_ids == vllm_aux_ids(s_ids)):
+        problems.append(f"aux ids: vLLM {v_ids} must be SGLang's {s_ids} + 1, {NUM_AUX} of them")
+    if problems:
+        raise ValueError(f"{path}: not a servable EAGLE-3 draft: " + "; ".join(problems))
+    return cfg
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m serving.export DRAFT_DIR     # checks an exported draft (e.g. runs/<name>/draft)")
+    c = check_export(sys.argv[1])
+    print(f"{sys.argv[1]}: {ARCHITECTURE}, H={c['hidden_size']}, draft vocab {c['draft_vocab_size']} of "
+          f"{c['vocab_size']}, aux ids vLLM {c['eagle_aux_hidden_state_layer_ids']} / SGLang "
+          f"{c['eagle_config']['eagle_aux_hidden_state_layer_ids']}, {c['torch_dtype']}: ok")

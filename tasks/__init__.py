@@ -1,0 +1,5 @@
+"""Tasks and data: the built-in verifiable counting task (task.py), and HF mode's prompts from jsonl / parquet with a
+checkpoint's own tokenizer and a math-answer reward (hf_data.py, hf_task.py).
+
+May import: nothing of the project. Imported by the harness (warm-ups, experiment) and by serving/draft_vocab's demo.
+"""
