@@ -1,5 +1,5 @@
 """TapChannel: carry the policy's feature taps from the pipeline stages that produce them to the draft on the last
-stage, over a path of their own, without touching the pipeline schedule (DESIGN.md §1.2).
+stage, over a path of their own, without touching the pipeline schedule.
 
 EAGLE-3 reads the hidden states after a low, a middle and a high layer plus the input embeddings ("taps"). Under
 pipeline parallelism those layers live on different stages and the draft lives whole on the last one. Three ways to

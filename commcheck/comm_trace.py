@@ -165,7 +165,7 @@ class _StepGen:
             self.send_taps(kind, m)
         self.t.wait(pending)
 
-    def run_old(self):  # before issue 17: blocking single recv before an action, single isend after it
+    def run_old(self):  # the earlier schedule: blocking single recv before an action, single isend after it
         sends = []
         for kind, m in self.acts:
             peer = self.s - 1 if kind == "F" else self.s + 1

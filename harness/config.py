@@ -97,7 +97,7 @@ class Config:
     dp: int = 0
     schedule: str = "1f1b"  # pipeline.SCHEDULES
     activation_checkpointing: bool = False  # recompute each decoder layer in the update's backward (memory for time)
-    # memory and kernels at scale (issue 14): see README "Memory of the whole step"
+    # memory and kernels at scale: see README "Memory of the whole step"
     attn_backend: str = "torch"  # block kernel of ring_branch_attention: torch | triton | flash (CUDA only)
     logprob_chunk: int = 0  # > 0: log-probs and the draft's teacher from the final hidden, that many rows at a time
     # checkpoints (checkpoint.py): every ckpt_every steps into <out>/ckpt (0: never); --resume continues the latest

@@ -5,7 +5,7 @@ this rank's share of the update (its pipeline stage and optimizer).
                              pi_0; the draft arms (co-trained, a frozen copy of the warm-up draft, a cold start); and
                              dist_step.DistCotrainer on the mesh (one process: the 1 x 1 x 1 mesh, the same code)
 
-Every rank keeps a FULL policy and drafts for its rollouts (the stand-in for an inference engine, DESIGN.md section 3);
+Every rank keeps a FULL policy and drafts for its rollouts (the stand-in for an inference engine);
 the update trains the pipeline stage and `refit` copies it back. Under torchrun rank 0 builds first, so it alone trains
 and caches the warm-ups, and the others load them.
 

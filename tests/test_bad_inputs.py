@@ -1,4 +1,4 @@
-"""The careful user's battery (issue 18): bad flags, tampered or foreign checkpoints, broken HF files and wrong API
+"""The careful user's battery: bad flags, tampered or foreign checkpoints, broken HF files and wrong API
 inputs each end in one clear error that names the flag, file, key or argument -- never a silent wrong answer, a run
 that starts over, or code run from a checkpoint.
 
