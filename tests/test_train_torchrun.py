@@ -1,6 +1,6 @@
-"""End to end under torchrun: `--preset smoke` on a 4-process gloo mesh (pp = 2, cp = 2) from an empty cache, as the
-issue's CI check: its summary shows the effects -- the rollout reward rises, the co-trained draft accepts at least as
-much as the frozen one, nothing is NaN. ~2.5 min on 2 cores; one test with a hard timeout (a hang fails)."""
+"""End to end under torchrun: `--preset smoke` on a 4-process gloo mesh (pp = 2, cp = 2) from an empty cache, the
+suite's end-to-end check: its summary shows the effects -- the rollout reward rises, the co-trained draft accepts at
+least as much as the frozen one, nothing is NaN. ~2.5 min on 2 cores; one test with a hard timeout (a hang fails)."""
 import json
 import math
 import os
