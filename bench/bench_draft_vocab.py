@@ -14,6 +14,7 @@ measured here (no weights are downloaded on this machine).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -26,8 +27,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import speculative  # noqa: E402
-from tasks import task  # noqa: E402
 from harness import warmup  # noqa: E402
+from harness.cache_keys import PolicySpec  # noqa: E402
+from harness.experiment import build_task, draft_spec  # noqa: E402
 from harness.config import parse_args  # noqa: E402
 from draft import DraftConfig, Eagle3Draft  # noqa: E402
 from model import ModelConfig  # noqa: E402
@@ -54,21 +56,16 @@ def step_time(draft, B: int, repeats: int, seed: int = 0) -> float:
 
 
 def builtin(cfg, Ns, B, repeats):
-    tsk = task.CountUpTask(cfg.min_steps, cfg.max_steps, cfg.format_weight)
+    tsk = build_task(cfg)  # the task train.py builds: the same cache entries
     mcfg = ModelConfig.preset(cfg.model, vocab_size=tsk.tok.vocab_size)
-    policy, key, _ = warmup.warm_policy(mcfg, tsk.tok, tsk.source, steps=cfg.sft_steps, batch=cfg.sft_batch,
-                                        lr=cfg.sft_lr, p_explicit=cfg.p_explicit, seed=cfg.seed,
-                                        cache_dir=cfg.cache_dir)
+    policy, key, _ = warmup.warm_policy(PolicySpec.from_config(cfg, tsk), cache_dir=cfg.cache_dir)
     policy.eval()
     prompts = [tsk.encode_prompt(p) for p in tsk.eval_set(cfg.eval_prompts)]
     drafts = {}
     for n in Ns:
         t0 = time.perf_counter()
-        drafts[n], _ = warmup.warm_draft(policy, tsk, steps=cfg.draft_warmup_steps, batch=cfg.draft_warmup_batch,
-                                         lr=cfg.draft_warmup_lr, pool=cfg.draft_warmup_pool,
-                                         max_new_tokens=tsk.max_new_tokens, num_passes=cfg.ttt_passes, seed=cfg.seed,
-                                         policy_key=key, cache_dir=cfg.cache_dir,
-                                         draft_vocab=0 if n == mcfg.vocab_size else n)
+        spec = dataclasses.replace(draft_spec(cfg, tsk, key), draft_vocab=0 if n == mcfg.vocab_size else n)
+        drafts[n], _ = warmup.warm_draft(policy, spec, cache_dir=cfg.cache_dir)  # N = V: train.py's cache entry
         print(f"  draft N={n}: warm-up {time.perf_counter() - t0:.0f}s", flush=True)
     rows = {n: {"N": n, "accept": [], "step_s": []} for n in Ns}
     for seed in range(2):  # interleaved: every N sees the same prompts, seeds and machine load

@@ -23,11 +23,12 @@ import torch
 
 from tasks import task
 from harness import warmup
+from harness.cache_keys import DraftSpec, PolicySpec, hf_policy_key
 from backends.attention_padded import padded_branch_attention, padded_causal_attention
 from dist_step import DistCotrainer
 from draft import Eagle3Draft
 from serving.hf_io import from_pretrained
-from model import ModelConfig, Transformer
+from model import Transformer
 from harness.offline_arm import OfflineArm
 from rl_loop import DraftTrainer, GRPOConfig
 
@@ -70,21 +71,28 @@ def build_policy(cfg: Config, tsk, log=print, device=None) -> tuple[Transformer,
     """-> (policy on `device`, cache key, loaded): the SFT'd policy of the built-in task (cached), or the HF checkpoint
     as is."""
     if cfg.hf_mode:
-        policy = from_pretrained(cfg.model).to(device)
-        key = warmup.cache_key("hf", warmup.fingerprint(cfg.model), warmup.fingerprint(cfg.data), cfg.prompt_key,
-                               cfg.answer_key, cfg.chat_template)  # what shapes the prompts shapes the draft's warm-up
+        policy, key = from_pretrained(cfg.model).to(device), hf_policy_key(cfg.model)
         n = sum(p.numel() for p in policy.parameters())
         log(f"policy: HF checkpoint {cfg.model} ({policy.cfg.architecture}, {n:,} parameters); "
             f"{sum(map(len, tsk.splits.values()))} prompts from {cfg.data} ({len(tsk.splits['eval'])} held out, "
             f"{tsk.dropped} dropped as longer than {cfg.max_prompt_tokens} tokens)")
         return policy, key, True
-    mcfg, t0 = ModelConfig.preset(cfg.model, vocab_size=tsk.tok.vocab_size), time.perf_counter()
-    policy, key, loaded = warmup.warm_policy(mcfg, tsk.tok, tsk.source, steps=cfg.sft_steps, batch=cfg.sft_batch,
-                                             lr=cfg.sft_lr, p_explicit=cfg.p_explicit, seed=cfg.seed,
-                                             cache_dir=cfg.cache_dir, log_every=max(cfg.sft_steps // 6, 1),
-                                             device=device)
+    t0 = time.perf_counter()
+    policy, key, loaded = warmup.warm_policy(PolicySpec.from_config(cfg, tsk), cache_dir=cfg.cache_dir,
+                                             log_every=max(cfg.sft_steps // 6, 1), device=device)
     log(f"policy SFT warm-up: {'loaded from cache' if loaded else 'trained'} ({key}, {time.perf_counter() - t0:.0f}s)")
     return policy, key, loaded
+
+
+def policy_key(cfg: Config, tsk) -> str:
+    """The warm policy's cache key, without training: the SFT spec's (built-in task) or the HF checkpoint's."""
+    return hf_policy_key(cfg.model) if cfg.hf_mode else PolicySpec.from_config(cfg, tsk).key()
+
+
+def draft_spec(cfg: Config, tsk, policy_key: str) -> DraftSpec:
+    """What the draft warm-up reads: the config's draft_warmup_* settings, the task, the policy's key, the attention."""
+    return DraftSpec.from_config(cfg, tsk, policy_key, attn_fn=padded_causal_attention,
+                                 draft_attn_fn=padded_branch_attention)
 
 
 def build(cfg: Config, mesh: Mesh, log=print) -> Setup:
@@ -129,12 +137,8 @@ def build_models(cfg: Config, dev: torch.device, log=print) -> Setup:
         t0 = time.perf_counter()
         policy, pkey, loaded = build_policy(cfg, tsk, log, dev)
         t1 = time.perf_counter()
-        warm, dloaded = warmup.warm_draft(policy, tsk, steps=cfg.draft_warmup_steps, batch=cfg.draft_warmup_batch,
-                                          lr=cfg.draft_warmup_lr, pool=cfg.draft_warmup_pool,
-                                          max_new_tokens=tsk.max_new_tokens, num_passes=cfg.ttt_passes, seed=cfg.seed,
-                                          policy_key=pkey, cache_dir=cfg.cache_dir, attn_fn=padded_causal_attention,
-                                          draft_attn_fn=padded_branch_attention,
-                                          log_every=max(cfg.draft_warmup_steps // 4, 1), draft_vocab=cfg.draft_vocab)
+        warm, dloaded = warmup.warm_draft(policy, draft_spec(cfg, tsk, pkey), cache_dir=cfg.cache_dir,
+                                          log_every=max(cfg.draft_warmup_steps // 4, 1))
         t2 = time.perf_counter()
     finally:
         torch.set_num_threads(threads)

@@ -2,10 +2,13 @@
 
   1. Policy SFT: next-token cross-entropy on the response tokens of task demonstrations (task.demo_response, each chain
      step explicit with probability p_explicit), AdamW with linear warm-up and cosine decay. Cheap to reuse, so the
-     result is cached on disk (HF format, `cache/policy-<hash of every setting that shapes it>/`) and later runs load it.
+     result is cached on disk (HF format, `cache/policy-<key>/`) and later runs load it.
   2. Draft warm-up (EAGLE-3's offline stage): sample responses from the warm policy (temperature 1), run the policy's
      packed forward to get taps and logits, and fit the draft's multi-pass TTT loss with the policy as teacher. Also
-     cached (`cache/draft-<hash>/`, draft.py's save/load), keyed on the policy's hash too.
+     cached (`cache/draft-<key>/`, draft.py's save/load), keyed on the policy's key too.
+
+Each warm-up reads its settings from one spec (cache_keys.PolicySpec / DraftSpec) and nothing else that shapes it; the
+key is the hash of the whole spec and of the warm-up's source code (cache_keys.py says which).
 
     python -m harness.warmup                   # SFT (or load) the default policy; report its held-out greedy / sampled reward
     python -m harness.warmup --preset smoke    # any train.py preset / --key=value: the same cache entries as train.py
@@ -14,8 +17,6 @@ Letters: T packed tokens, S sequences, V vocab.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import os
 import random
@@ -25,21 +26,16 @@ import torch
 
 import speculative
 from tasks import task
+from harness.cache_keys import DraftSpec, PolicySpec
 from draft import Eagle3Draft
 from serving.hf_io import from_pretrained, save_pretrained
 from serving.draft_vocab import select_draft_vocab
-from model import ModelConfig, Transformer, default_tap_layers
+from model import Transformer
 from backends.attention_padded import padded_causal_attention
 from rl_loop import DraftTrainer, RolloutBatch, check_finite_weights, draft_loss, next_token_logp, pack
 
 
 HINT = "stopping, nothing cached. Try a lower --sft_lr / --draft_warmup_lr"
-
-
-def cache_key(*parts) -> str:
-    """A short stable hash of JSON-serialisable settings (dataclasses via their __dict__)."""
-    blob = json.dumps([getattr(p, "__dict__", p) for p in parts], sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
 def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
@@ -90,50 +86,42 @@ def sft_policy(policy: Transformer, tok, source, *, steps: int, batch: int, lr: 
     return losses
 
 
-def warm_policy(model_cfg: ModelConfig, tok, source, *, steps: int, batch: int, lr: float, p_explicit: float,
-                seed: int, cache_dir: str = "cache", log_every: int = 0, device=None) -> tuple[Transformer, str, bool]:
+def warm_policy(spec: PolicySpec, *, cache_dir: str = "cache", log_every: int = 0,
+                device=None) -> tuple[Transformer, str, bool]:
     """The SFT'd policy on `device` (default CPU), from `cache_dir` when an identical warm-up was run before.
-    Returns (policy, key, loaded). The cache key leaves the device out: a CPU-trained policy serves a GPU run."""
-    key = cache_key("policy", model_cfg, task.VOCAB, source.__dict__, steps, batch, lr, p_explicit, seed)
+    Returns (policy, key, loaded). Everything that shapes it comes from `spec` (its key: spec.key()); the device does
+    not: a CPU-trained policy serves a GPU run."""
+    key = spec.key()
     path = os.path.join(cache_dir, f"policy-{key}")
     if os.path.isfile(os.path.join(path, "config.json")):
         return from_pretrained(path).to(device), key, True
-    torch.manual_seed(seed)
-    policy = Transformer(model_cfg).to(device)  # initialised on the CPU: the same weights on every device
-    sft_policy(policy, tok, source, steps=steps, batch=batch, lr=lr, p_explicit=p_explicit, seed=seed,
-               log_every=log_every)
+    torch.manual_seed(spec.seed)
+    policy = Transformer(spec.model).to(device)  # initialised on the CPU: the same weights on every device
+    sft_policy(policy, spec.task.tok, spec.task.source, steps=spec.steps, batch=spec.batch, lr=spec.lr,
+               p_explicit=spec.p_explicit, seed=spec.seed, log_every=log_every)
     tmp = f"{path}.tmp{os.getpid()}"
     save_pretrained(policy, tmp)
     os.replace(tmp, path) if not os.path.exists(path) else None  # another run may have finished first: keep theirs
     return policy, key, False
 
 
-def fingerprint(path: str) -> list:
-    """(name, size, mtime) of a file or of every file under a directory: a cheap cache key for an HF checkpoint or a
-    data file (changes when any file is rewritten), without hashing gigabytes of weights."""
-    if os.path.isfile(path):
-        st = os.stat(path)
-        return [[os.path.abspath(path), st.st_size, st.st_mtime_ns]]
-    return [[os.path.relpath(os.path.join(r, f), path), os.path.getsize(os.path.join(r, f)),
-             os.stat(os.path.join(r, f)).st_mtime_ns]
-            for r, _, files in sorted(os.walk(path)) for f in sorted(files)] + [[os.path.abspath(path)]]
-
-
-def warm_draft(policy: Transformer, tsk, *, steps: int, batch: int, lr: float, pool: int, max_new_tokens: int,
-               num_passes: int, seed: int, policy_key: str, cache_dir: str = "cache", attn_fn=None, draft_attn_fn=None,
-               log_every: int = 0, draft_vocab: int = 0) -> tuple[Eagle3Draft, bool]:
+def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache",
+               log_every: int = 0) -> tuple[Eagle3Draft, bool]:
     """A draft fitted offline to the warm policy's own samples (cached). Returns (draft, loaded).
-    tsk: the task (task.CountUpTask or hf_task.HFTask): its train prompts and EOS. steps = 0: an untrained draft.
-    draft_vocab = N > 0: the draft names only the N most frequent target tokens of the sampled responses (draft_vocab.py).
+    policy: the model spec.policy_key names. Everything else that shapes the draft comes from `spec` (its key:
+    spec.key()): the task (its train prompts and EOS), steps (0: an untrained draft), draft_vocab = N > 0 (the draft
+    names only the N most frequent target tokens of the sampled responses, draft_vocab.py), ...
 
     1. sample `pool` responses from the policy (plain sampling at temperature 1: the distribution RL starts from);
     2. each step: `batch` of them -> policy forward (no grad) for taps + logits -> TTT loss -> AdamW step."""
+    tsk, steps, batch, lr, pool, seed, draft_vocab = (spec.task, spec.steps, spec.batch, spec.lr, spec.pool, spec.seed,
+                                                      spec.draft_vocab)
+    max_new_tokens, num_passes, attn_fn, draft_attn_fn = (spec.max_new_tokens, spec.num_passes, spec.attn_fn,
+                                                          spec.draft_attn_fn)
     if steps == 0 and draft_vocab == 0:
         torch.manual_seed(seed)
         return Eagle3Draft.from_target(policy), False
-    taps = default_tap_layers(policy.cfg.num_hidden_layers)  # in the key: cached drafts of an older tap rule differ
-    key = cache_key("draft", policy_key, steps, batch, lr, pool, max_new_tokens, num_passes, seed, taps, draft_vocab)
-    path = os.path.join(cache_dir, f"draft-{key}")
+    path = os.path.join(cache_dir, f"draft-{spec.key()}")
     if steps and os.path.isfile(os.path.join(path, "config.json")):
         return Eagle3Draft.load(path, policy), True
     dev = next(policy.parameters()).device
@@ -199,11 +187,11 @@ if __name__ == "__main__":
     torch.set_num_threads(c.threads)
     if c.hf_mode:
         sys.exit("warmup.py: the SFT warm-up is for the built-in task; an HF checkpoint (--model=DIR) is used as is")
-    tok, src = task.Tokenizer(), task.ProblemSource(c.min_steps, c.max_steps)
-    mcfg = ModelConfig.preset(c.model, vocab_size=tok.vocab_size)
+    tsk = task.CountUpTask(c.min_steps, c.max_steps, c.format_weight)  # as experiment.build_task: the same key
+    tsk.max_new_tokens = c.max_new_tokens or tsk.max_new_tokens
+    tok, src = tsk.tok, tsk.source
     t0 = time.time()
-    policy, key, loaded = warm_policy(mcfg, tok, src, steps=c.sft_steps, batch=c.sft_batch, lr=c.sft_lr,
-                                      p_explicit=c.p_explicit, seed=c.seed, cache_dir=c.cache_dir,
+    policy, key, loaded = warm_policy(PolicySpec.from_config(c, tsk), cache_dir=c.cache_dir,
                                       log_every=max(c.sft_steps // 12, 1))
     print(f"policy {key} ({'loaded' if loaded else 'trained'}) in {time.time() - t0:.0f}s")
     evalset, budget = src.eval_set(256), task.max_response_tokens(c.max_steps)

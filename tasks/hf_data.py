@@ -20,6 +20,7 @@ prompt has to be rendered; parquet needs pyarrow (or pandas with a parquet engin
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import sys
@@ -75,6 +76,17 @@ def _plain(v):  # numpy scalars / arrays (pandas rows) -> Python values
     if isinstance(v, dict):
         return {k: _plain(x) for k, x in v.items()}
     return v
+
+
+def file_sha256(path: str) -> str | None:
+    """sha256 of a file's bytes (None if there is no such file): a fingerprint of its contents, wherever it lies."""
+    if not os.path.isfile(path):
+        return None
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _get(row: dict, key: str, where: str, flag: str):

@@ -31,7 +31,7 @@ from fractions import Fraction
 import torch
 from tokenizers import Tokenizer as _HFTokenizer
 
-from tasks.hf_data import ChatTemplate, Example, load_examples
+from tasks.hf_data import ChatTemplate, Example, file_sha256, load_examples
 
 
 # -------------------------------------------------------------------------------------------------- the reward
@@ -165,6 +165,10 @@ class HFTokenizer:
 
 
 # ------------------------------------------------------------------------------------------------------- the task
+# the checkpoint's files HFTask reads (tokens, special ids, vocab size, context): in its fingerprint by their contents
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json")
+
+
 class HFTask:
     """Prompts from `data_path` for the checkpoint in `model_dir`, split once into train / held-out eval.
 
@@ -197,6 +201,10 @@ class HFTask:
         self.max_prompt_tokens = max_prompt_tokens
         self.template = ChatTemplate.for_checkpoint(model_dir, chat_template)  # None: no template (or disabled)
         examples = load_examples(data_path, prompt_key=prompt_key, answer_key=answer_key, template=self.template)
+        self._selection = {"data_sha256": file_sha256(data_path), "prompt_key": prompt_key, "answer_key": answer_key,
+                           "eval_fraction": eval_fraction, "seed": seed, "max_prompt_tokens": max_prompt_tokens,
+                           "checkpoint_files_sha256": {n: file_sha256(os.path.join(model_dir, n)) for n in
+                                                       TOKENIZER_FILES}}
         lens = [len(self.encode_prompt(e)) for e in examples]
         kept = [e for e, n in zip(examples, lens) if n <= max_prompt_tokens]
         self.dropped = len(examples) - len(kept)
@@ -218,6 +226,13 @@ class HFTask:
         held = set(texts[:n_eval])
         self.splits = {"train": [e for e in kept if e.prompt not in held],
                        "eval": [e for e in kept if e.prompt in held]}
+
+    def fingerprint(self) -> dict:
+        """Everything that shapes the prompts and rewards (JSON data; the warm-ups' cache keys hash it): the data
+        file's contents, the row keys, the split (eval_fraction, seed), the length filter, the chat template's text,
+        the tokenizer and special-token files' contents, the response budget."""
+        return {"task": "hf-math-answer", **self._selection, "max_new_tokens": self.max_new_tokens,
+                "chat_template": None if self.template is None else self.template.source}
 
     def sample(self, k: int, rng: random.Random, split: str = "train") -> list[Example]:
         """k examples of the split; distinct within each pass over it (a new shuffled pass when k exceeds its size)."""

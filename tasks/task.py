@@ -153,6 +153,10 @@ class ProblemSource:
             raise ValueError(f"eval_mod={eval_mod}: expected >= 2")
         self.min_steps, self.max_steps, self.eval_mod = min_steps, max_steps, eval_mod
 
+    def fingerprint(self) -> dict:
+        """Everything that shapes the problems and their train / eval split (with the sampler's seed)."""
+        return {"min_steps": self.min_steps, "max_steps": self.max_steps, "eval_mod": self.eval_mod}
+
     def is_eval(self, p: Problem) -> bool:
         h = (p.x0 * 1_000_003 + p.d * 998_244_353 + p.limit * 19_260_817) % 2_147_483_647
         return h % self.eval_mod == 0
@@ -215,6 +219,12 @@ class CountUpTask:
     def __init__(self, min_steps: int = 4, max_steps: int = 7, format_weight: float = 0.5):
         self.tok, self.source, self.format_weight = Tokenizer(), ProblemSource(min_steps, max_steps), format_weight
         self.max_new_tokens = max_response_tokens(max_steps)
+
+    def fingerprint(self) -> dict:
+        """Everything that shapes the prompts, demonstrations and rewards (JSON data; the warm-ups' cache keys hash
+        it): the vocabulary, the problem source, the reward's format weight, the response budget."""
+        return {"task": "count-up", "vocab": list(self.tok.vocab), "source": self.source.fingerprint(),
+                "format_weight": self.format_weight, "max_new_tokens": self.max_new_tokens}
 
     def sample(self, k: int, rng: random.Random, split: str = "train") -> list[Problem]:
         return self.source.sample(k, rng, split)

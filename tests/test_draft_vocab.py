@@ -1,4 +1,5 @@
 """draft_vocab.py: the top-N rule over response tokens, the d2t / t2d maps, and the warm-up building a reduced draft."""
+import dataclasses
 import random
 
 import pytest
@@ -35,9 +36,9 @@ def test_warm_draft_builds_a_reduced_vocabulary_from_the_policys_responses(tmp_p
     torch.manual_seed(0)
     tsk = task.CountUpTask(1, 2)
     policy = Transformer(ModelConfig.preset("tiny", vocab_size=tsk.tok.vocab_size)).eval()
-    kw = dict(steps=2, batch=4, lr=1e-3, pool=8, max_new_tokens=6, num_passes=2, seed=0, policy_key="p",
-              cache_dir=str(tmp_path))
-    draft, loaded = warmup.warm_draft(policy, tsk, draft_vocab=6, **kw)
+    spec = warmup.DraftSpec("p", tsk, steps=2, batch=4, lr=1e-3, pool=8, max_new_tokens=6, num_passes=2, seed=0,
+                            draft_vocab=6)
+    draft, loaded = warmup.warm_draft(policy, spec, cache_dir=str(tmp_path))
     assert not loaded and draft.cfg.draft_vocab_size == 6 and draft.lm_head.weight.shape[0] == 6
     # the same 6 ids as the rule applied to the responses the warm-up sampled (same seed, same generator)
     g = torch.Generator().manual_seed(1)
@@ -46,9 +47,9 @@ def test_warm_draft_builds_a_reduced_vocabulary_from_the_policys_responses(tmp_p
     resp = speculative.generate(policy, None, prompts, max_new_tokens=6, temperature=1.0, eos_id=tsk.tok.eos_id,
                                 generator=g).tokens
     assert torch.equal(draft.draft_to_target, select_draft_vocab(resp, policy.cfg.vocab_size, 6))
-    again, loaded = warmup.warm_draft(policy, tsk, draft_vocab=6, **kw)
+    again, loaded = warmup.warm_draft(policy, spec, cache_dir=str(tmp_path))
     assert loaded and torch.equal(again.d2t, draft.d2t)  # cached under a key that includes draft_vocab
-    full, loaded = warmup.warm_draft(policy, tsk, **kw)
+    full, loaded = warmup.warm_draft(policy, dataclasses.replace(spec, draft_vocab=0), cache_dir=str(tmp_path))
     assert not loaded and full.cfg.draft_vocab_size == policy.cfg.vocab_size
 
 
