@@ -102,7 +102,8 @@ def check_each_change(cfg, changes: dict, policy_fields=None):
     """policy_fields: those the policy's key depends on (default: every field read up to it, the task's too)."""
     policy_reads, all_reads = reads(cfg)
     policy_reads = policy_reads if policy_fields is None else policy_fields
-    assert all_reads <= set(changes), f"fields read into a warm-up key with no change to test: {all_reads - set(changes)}"
+    missing = all_reads - set(changes)
+    assert not missing, f"fields read into a warm-up key with no change to test: {missing}"
     base = keys(cfg)
     for field, value in changes.items():
         new = keys(dataclasses.replace(cfg, **{field: value}))
@@ -211,8 +212,8 @@ def test_the_keys_are_the_same_in_a_fresh_process(hf, tmp_path):
     builtin = parse_args(["--preset=test"])
     code = ("import json, sys\nfrom harness.config import parse_args\nfrom harness.experiment import build_task, "
             "policy_key, draft_spec\nout = []\nfor argv in json.loads(sys.argv[1]):\n    cfg = parse_args(argv)\n"
-            "    tsk = build_task(cfg)\n    pk = policy_key(cfg, tsk)\n    out.append([pk, draft_spec(cfg, tsk, pk).key()])\n"
-            "print(json.dumps(out))")
+            "    tsk = build_task(cfg)\n    pk = policy_key(cfg, tsk)\n"
+            "    out.append([pk, draft_spec(cfg, tsk, pk).key()])\nprint(json.dumps(out))")
     cfg = hf[0]
     argvs = [["--preset=test"], ["--preset=test", f"--model={cfg.model}", f"--data={cfg.data}",
                                  f"--chat_template={cfg.chat_template}", "--max_new_tokens=10", "--eval_fraction=0.3"]]
