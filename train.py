@@ -50,6 +50,7 @@ from checkpoints.resume import load_run, save_run
 from checkpoints.resume_policy import start_run
 from harness.rollout import rollout
 from harness.update import check_finite, update
+from parallel.cli import describe
 
 
 def train(cfg: Config) -> dict:
@@ -117,7 +118,7 @@ def serve(s, mesh, out_dir: str, rep: Report):
 
 if __name__ == "__main__":
     try:
-        config = parse_args(sys.argv[1:])
+        config = parse_args(sys.argv[1:], usage=describe(__doc__, __file__))  # -h / --help: the flags, then exit 0
     except ValueError as e:
         sys.exit(f"train.py: {e}")
     try:

@@ -3,6 +3,8 @@
     Config()                      the default experiment (a dataclass: every field has its default and a comment)
     PRESETS[name]                 named overrides: "default", "small", "smoke" (CI-sized), "test" (seconds)
     parse_args(argv) -> Config    --preset NAME, --flag, --key=value or --key value; type-checked, unknown keys rejected
+    help_text(usage) -> str       what --help / -h prints: the presets, then every flag with its default, its CHECKS
+                                  row and its field comment (generated: the text cannot drift from the checks)
 
     python train.py --preset smoke --steps=10 --lr 1e-4
 
@@ -16,11 +18,13 @@ import dataclasses
 import difflib
 import math
 import os
+import textwrap
 from dataclasses import dataclass
 
 import torch
 
 from harness.logger import BACKENDS, parse_backends
+from parallel.cli import flags_help, print_help, wants_help
 from model import PRESETS as MODEL_PRESETS
 from pipeline import SCHEDULES
 from rl_loop import LOSS_NORMS
@@ -301,8 +305,28 @@ PRESETS = {
 }
 
 
-def parse_args(argv: list) -> Config:
-    """--preset NAME, --flag (a bool set to true), and --key=value or --key value for any Config field (type-checked)."""
+USAGE = "usage: python train.py [--preset NAME] [--key=value | --key value | --flag] ..."
+
+
+def help_text(usage: str = USAGE) -> str:
+    """usage, the presets, then every Config field: its type, default, expectation (CHECKS) and meaning (its comment)."""
+    expect = {k: rule[1].format(**vars(Config())) for k, rule in CHECKS.items()}
+    pad = " " * (max(map(len, PRESETS)) + 4)
+    presets = [textwrap.fill(" ".join(f"{k}={_show(v)}" for k, v in kv.items()) or "the defaults below", 118,
+                             initial_indent=f"  {n:<{len(pad) - 4}}  ", subsequent_indent=pad)
+               for n, kv in PRESETS.items()]
+    return "\n".join([usage, "", "--preset NAME: named overrides, applied first (flags given with it override them):",
+                      *presets, "", "flags: --key=value or --key value; a bool also as --key alone (= true). A value "
+                      "outside what is expected", "stops the run before it starts.", "",
+                      flags_help(Config, expect, _show)])
+
+
+def parse_args(argv: list, usage: str = USAGE) -> Config:
+    """--preset NAME, --flag (a bool set to true), and --key=value or --key value for any Config field (type-checked).
+    -h / --help: print help_text(usage) (rank 0 only) and exit 0."""
+    if wants_help(argv):
+        print_help(help_text(usage))
+        raise SystemExit(0)
     kv, i, preset = {}, 0, "default"
     types = {f.name: f.type for f in dataclasses.fields(Config)}
     while i < len(argv):

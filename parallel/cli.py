@@ -1,0 +1,122 @@
+"""`--help` for every entry point, generated from what the code already says: a module's docstring (what it does and
+its commands) and a config dataclass's field comments (what each flag means), so the help text cannot drift.
+
+    answer_help(__doc__, __file__)         a demo without flags: on -h / --help print usage + summary, exit 0
+    parser(__doc__, __file__)              an argparse.ArgumentParser whose --help shows the same summary and commands
+    flags_help(Config, expect, show)       one entry per dataclass field: default, what is expected, its comment
+    print_help(text)                       print on rank 0 only (under torchrun every rank parses the same argv)
+
+The docstring's commands are its indented lines that start with `python`, `torchrun` or `VAR=value python` and name
+the file itself; its summary is its first paragraph. A field's meaning is the `# ...` comment on its line; a block of
+whole-line comments between fields opens a section.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import io
+import os
+import re
+import sys
+import textwrap
+import tokenize
+
+HELP_FLAGS = ("-h", "--help")
+_COMMAND = re.compile(r"^(?:[A-Z_][A-Z0-9_]*=\S+\s+)*(?:python|torchrun)\s")
+
+
+def wants_help(argv) -> bool:
+    return any(a in HELP_FLAGS for a in argv)
+
+
+def print_help(text: str) -> None:
+    """Print `text` on rank 0 (RANK unset: a plain process is rank 0)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(text)
+
+
+def commands(doc: str, file: str) -> list:
+    """The docstring's command lines that run `file` (all of them when none names it), as written: comments and their
+    continuation lines (a line holding only a comment right below) too."""
+    stem = os.path.splitext(os.path.basename(file))[0]
+    own, every, last = [], [], None
+    for ln in (doc or "").splitlines():
+        text = ln.strip()
+        if ln[:1].isspace() and _COMMAND.match(text):
+            indent = len(ln) - len(ln.lstrip())
+            last = [ln[indent:].rstrip()]
+            every.append(last)
+            if re.search(rf"(?<!\w){re.escape(stem)}(?:\.py)?\b", text.split("#")[0]):
+                own.append(last)
+        elif last is not None and text.startswith("#") and ln[:indent].isspace():
+            last.append(ln[indent:].rstrip())
+        else:
+            last = None
+    return [line for cmd in (own or every) for line in cmd]
+
+
+def summary(doc: str) -> str:
+    """The docstring's first paragraph, its line breaks kept."""
+    return (doc or "").strip().split("\n\n")[0].strip()
+
+
+def describe(doc: str, file: str) -> str:
+    """usage (the docstring's commands for this file) and what it does (its first paragraph)."""
+    cmds = commands(doc, file) or [f"python {os.path.relpath(file)}"]
+    return "usage:\n" + "\n".join("  " + c for c in cmds) + "\n\n" + summary(doc)
+
+
+def answer_help(doc: str, file: str, argv=None) -> None:
+    """-h / --help among the arguments: print describe(doc, file) and exit 0; otherwise return."""
+    if wants_help(sys.argv[1:] if argv is None else argv):
+        print_help(describe(doc, file))
+        raise SystemExit(0)
+
+
+def parser(doc: str, file: str, **kw) -> argparse.ArgumentParser:
+    """An ArgumentParser whose --help shows the docstring's summary above the flags and its commands below."""
+    cmds = commands(doc, file)
+    return argparse.ArgumentParser(description=summary(doc), formatter_class=argparse.RawDescriptionHelpFormatter,
+                                   epilog="examples:\n" + "\n".join("  " + c for c in cmds) if cmds else None, **kw)
+
+
+def field_docs(cls) -> list:
+    """[(section, [(field, comment), ...]), ...] from the dataclass's source: the comment on each field's line is its
+    meaning ("" when none); whole-line comments just above a field open a new section titled by them."""
+    src = textwrap.dedent(inspect.getsource(cls))
+    comments, whole = {}, set()  # line -> comment text; lines that hold only a comment
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+            if not tok.line[:tok.start[1]].strip():
+                whole.add(tok.start[0])
+    body = ast.parse(src).body[0].body
+    sections, prev_end = [("", [])], 0
+    for node in body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        head = [comments[n] for n in range(prev_end + 1, node.lineno) if n in whole]
+        if head:
+            sections.append((" ".join(head), []))
+        sections[-1][1].append((node.target.id, comments.get(node.end_lineno, "")
+                                if node.end_lineno not in whole else ""))
+        prev_end = node.end_lineno
+    return [s for s in sections if s[1]]
+
+
+def flags_help(cls, expect: dict | None = None, show=repr, default_title: str = "general") -> str:
+    """Every field of the dataclass `cls` as `--name TYPE  default: D; expected: E` with its comment beneath, grouped
+    by section. expect: field -> what a value must be (the caller's checks); show: how a default is written."""
+    expect, obj = expect or {}, cls()
+    types = {f.name: f.type if isinstance(f.type, str) else f.type.__name__ for f in dataclasses.fields(cls)}
+    out = []
+    for title, fields in field_docs(cls):
+        out += [""] + textwrap.wrap(f"{title or default_title}:", 116, subsequent_indent="  ")
+        for name, comment in fields:
+            head = f"  --{name} {types[name].upper()}"
+            facts = f"default: {show(getattr(obj, name))}" + (f"; expected: {expect[name]}" if name in expect else "")
+            out += [f"{head:<30} {facts}"] if len(head) < 30 else [head, f"{'':<30} {facts}"]
+            out += [f"{'':<6}{comment}"] if comment else []
+    return "\n".join(out[1:])
