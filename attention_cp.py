@@ -400,6 +400,8 @@ def _demo_case(rank, cp, group):
 
 
 if __name__ == "__main__":
+    from parallel.cli import answer_help
+    answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: one real process per rank
         import torch.distributed as dist
         dist.init_process_group("gloo")

@@ -321,6 +321,8 @@ def _text(m: torch.Tensor) -> str:
 
 
 if __name__ == "__main__":
+    from parallel.cli import answer_help
+    answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
     import os
 
     cu = cu_seqlens_from_lengths([5, 3])

@@ -423,6 +423,8 @@ def _local_positions(cu_seqlens, ring):  # (T_local,) RoPE position of this rank
 
 
 if __name__ == "__main__":
+    from parallel.cli import answer_help
+    answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
     torch.manual_seed(0)
     target = Transformer(ModelConfig.preset("tiny")).eval()
     draft = Eagle3Draft.from_target(target)

@@ -300,6 +300,8 @@ def greedy_generate(model: Transformer, prompts: list, max_new_tokens: int) -> l
 
 
 if __name__ == "__main__":
+    from parallel.cli import answer_help
+    answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
     torch.manual_seed(0)
     cfg = ModelConfig.preset("tiny")
     m = Transformer(cfg)

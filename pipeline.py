@@ -385,15 +385,16 @@ class PipelineSchedule:
 
 # ------------------------------------------------------------------------------------------------------------- demo
 def _demo():
-    import argparse
     import os
 
     from model import default_tap_layers
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--cp", type=int, default=1)
-    ap.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
-    ap.add_argument("--microbatches", type=int, default=4)
+    from parallel.cli import parser
+    ap = parser(__doc__, __file__)
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages (default: %(default)s)")
+    ap.add_argument("--cp", type=int, default=1, help="CP ranks per stage; dp = world / (pp * cp) "
+                                                          "(default: %(default)s)")
+    ap.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="(default: %(default)s)")
+    ap.add_argument("--microbatches", type=int, default=4, help="M per step (default: %(default)s)")
     args = ap.parse_args()
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("gloo")

@@ -261,6 +261,8 @@ register_backend("triton", TritonBlocks())
 
 # ------------------------------------------------------------------------------------------------------------- demo
 if __name__ == "__main__":
+    from parallel.cli import answer_help
+    answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
     from attention_cp import reference_branch_attention, ring_branch_attention
     from branch_mask import cu_seqlens_from_lengths, pad_for_cp, zigzag_shard, zigzag_unshard
     from parallel.ring import run_ranks

@@ -92,6 +92,8 @@ def next_token_logp(hidden, weight, tokens, cu_seqlens, *, chunk: int, temperatu
 
 
 if __name__ == "__main__":
+    from parallel.cli import answer_help
+    answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
     torch.manual_seed(0)
     x = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
     W = torch.randn(101, 16, dtype=torch.float64, requires_grad=True)

@@ -45,6 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from attention_cp import BACKENDS, Segment, merge_  # noqa: E402
 from attention_cp import ring_branch_attention  # noqa: E402
+from parallel.cli import describe, flags_help, wants_help  # noqa: E402
 from branch_mask import branch_attention_mask, zigzag_index, zigzag_unshard  # noqa: E402
 
 METHODS = ("ours", "gathered", "trunk_gathered", "dense")
@@ -341,7 +342,11 @@ def plot(rows, path):
 
 
 def parse(argv) -> Config:
-    """--key=value overrides of Config, type-checked; unknown keys are an error."""
+    """--key=value overrides of Config, type-checked; unknown keys are an error. -h / --help: the flags, exit 0."""
+    if wants_help(argv):
+        print(describe(__doc__, __file__) + "\n\n" +
+              flags_help(Config, default_title="flags (--key=value; a bool also as --key alone)"))
+        raise SystemExit(0)
     cfg, fields = Config(), {f.name: f for f in dataclasses.fields(Config)}
     for arg in argv:
         key, _, val = arg.removeprefix("--").partition("=")

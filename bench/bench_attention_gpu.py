@@ -32,6 +32,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from parallel.cli import describe, flags_help, wants_help  # noqa: E402
 
 # dense bf16 tensor-core peak in TFLOP/s (vendor datasheets), matched as a substring of the device name
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0, "B200": 2250.0,
@@ -61,7 +62,12 @@ class Config:
 
 def parse(argv) -> Config:
     """--key=value overrides of Config, type-checked; unknown keys are an error. --quick first swaps in the smoke
-    preset (tiny sizes; fp32 and cp = 2 on CPU), which explicit overrides then change."""
+    preset (tiny sizes; fp32 and cp = 2 on CPU), which explicit overrides then change. -h / --help: the flags, then
+    exit 0."""
+    if wants_help(argv):
+        print(describe(__doc__, __file__) + "\n\n" +
+              flags_help(Config, default_title="flags (--key=value; a bool also as --key alone)"))
+        raise SystemExit(0)
     cfg, fields = Config(), {f.name: f for f in dataclasses.fields(Config)}
     pairs = []
     for arg in argv:

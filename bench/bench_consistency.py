@@ -8,7 +8,6 @@ machine the collective's time is mostly scheduling noise: read it as an upper bo
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -20,6 +19,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import torch  # noqa: E402
 
 from dist_util import run_distributed  # noqa: E402
+from parallel.cli import parser  # noqa: E402
 
 
 def _worker(rank, world, n_seqs, n_mb, reps):
@@ -41,8 +41,8 @@ def _worker(rank, world, n_seqs, n_mb, reps):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--reps", type=int, default=300)
+    ap = parser(__doc__, __file__)
+    ap.add_argument("--reps", type=int, default=300, help="timed calls per measurement (default: %(default)s)")
     args = ap.parse_args()
     rows = []
     print(f"{'cp':>3} {'S':>5} {'mb':>3} {'hash us':>8} {'check us':>9}")

@@ -50,6 +50,7 @@ from draft import DraftConfig, Eagle3Draft  # noqa: E402
 from backends.fused_logprob import token_logp  # noqa: E402
 from branch_mask import cp_shift  # noqa: E402
 from draft_loss import chunk_rows, dense_pass_losses, make_teacher, pass_targets, streaming_pass_losses  # noqa: E402
+from parallel.cli import parser  # noqa: E402
 from parallel.ring import as_ring  # noqa: E402
 
 H, HEADS, HEAD_DIM, INTER, P, TAPS = 128, (2, 1), 32, 256, 3, (1, 2, 3)
@@ -321,7 +322,12 @@ def plot(rows, path):
 
 
 def main(argv):
-    quick, replot, long_vocab = "--quick" in argv, "--replot" in argv, "--long_vocab" in argv
+    ap = parser(__doc__, __file__)
+    ap.add_argument("--quick", action="store_true", help="the small grid (~1 min): draft_step_quick.{json,md,png}")
+    ap.add_argument("--replot", action="store_true", help="only the table and plot again, from the JSON")
+    ap.add_argument("--long_vocab", action="store_true", help="add the T = 64K, V = 32K rows to the full run's JSON")
+    a = ap.parse_args(argv)
+    quick, replot, long_vocab = a.quick, a.replot, a.long_vocab
     name = "draft_step_quick" if quick else "draft_step"
     out = os.path.join(ROOT, "bench", "results")
     os.makedirs(out, exist_ok=True)

@@ -33,6 +33,7 @@ from harness.experiment import build_task, draft_spec  # noqa: E402
 from harness.config import parse_args  # noqa: E402
 from draft import DraftConfig, Eagle3Draft  # noqa: E402
 from model import ModelConfig  # noqa: E402
+from parallel.cli import parser  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -108,8 +109,10 @@ def hf_head(Ns, B, repeats):
     return out
 
 
-def main():
-    quick = "--quick" in sys.argv
+def main(argv=None):
+    ap = parser(__doc__, __file__)
+    ap.add_argument("--quick", action="store_true", help="test-sized, seconds; written under bench/results/scratch/")
+    quick = ap.parse_args(argv).quick
     torch.set_num_threads(1)  # 2 threads spin-wait on a busy shared machine
     if quick:
         cfg = parse_args(["--preset", "test", "--cache_dir", os.path.join(OUT, "scratch", "cache")])

@@ -53,6 +53,7 @@ from modeling.kv_cache import TreeLayout  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from speculative import generate  # noqa: E402
 from decoding.speculative_tree import Tree  # noqa: E402
+from parallel.cli import describe, flags_help, wants_help  # noqa: E402
 
 
 @dataclass
@@ -85,7 +86,12 @@ class BenchConfig:
 
 
 def parse_args(argv) -> BenchConfig:
-    """--key=value overrides, type-checked; unknown keys are an error (nanoGPT's configurator, made strict)."""
+    """--key=value overrides, type-checked; unknown keys are an error (nanoGPT's configurator, made strict).
+    -h / --help: the flags, exit 0."""
+    if wants_help(argv):
+        print(describe(__doc__, __file__) + "\n\n" +
+              flags_help(BenchConfig, default_title="flags (--key=value; tuples comma-separated)"))
+        raise SystemExit(0)
     cfg, types = BenchConfig(), {f.name: f.type for f in fields(BenchConfig)}
     for arg in argv:
         key, _, val = arg.removeprefix("--").partition("=")

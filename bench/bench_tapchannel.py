@@ -42,6 +42,7 @@ sys.path.insert(0, ROOT)
 from model import EMBED_TAP, ModelConfig, Transformer, default_tap_layers  # noqa: E402
 from parallel.grid import Grid  # noqa: E402
 from pipeline import Microbatch, PipelineSchedule, build_stage, split_layers  # noqa: E402
+from parallel.cli import parser  # noqa: E402
 
 PP, M = 4, 8
 SEQS, SEQ_LEN = 2, 128  # per microbatch: T = 256 tokens
@@ -219,10 +220,10 @@ def plot(times, path):
 
 
 if __name__ == "__main__":
-    import argparse
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__, __file__)
     ap.add_argument("--repeats", type=int, default=15, help="measured steps per transport (after one warm-up)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "tapchannel.json"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "tapchannel.json"),
+                    help="the JSON written (the markdown table beside it)")
     args = ap.parse_args()
     if "WORLD_SIZE" in os.environ:  # torchrun
         dist.init_process_group("gloo")

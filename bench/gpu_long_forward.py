@@ -11,7 +11,6 @@ Letters: T tokens, Hq / Hkv heads, G = Hq / Hkv, D head dim, P branch entries.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -20,10 +19,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from parallel.cli import parser  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__, __file__)
     ap.add_argument("--T", type=int, default=262144)
     ap.add_argument("--Hq", type=int, default=64)
     ap.add_argument("--Hkv", type=int, default=8)

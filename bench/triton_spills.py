@@ -11,7 +11,6 @@ Letters: D head dim, BD its power-of-2 bucket, BM / BN / BR tile rows.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -30,6 +29,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from backends import attention_triton as at  # noqa: E402
 from backends import attention_triton_kernels as K  # noqa: E402
+from parallel.cli import parser  # noqa: E402
 
 FP32_ARGS = {"Out", "Lse", "Delta", "dQ", "dK", "dV", "dBK", "dBV", "dO"}  # the fp32 accumulators (and dout)
 INPUT_ARGS = {"Q", "K", "V", "BK", "BV"}
@@ -125,7 +125,7 @@ def search(D: int, dtype: torch.dtype, name: str):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__, __file__)
     ap.add_argument("--dims", default="64,128,256")
     ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     ap.add_argument("--search", default="", help="kernel names (fwd, 'bwd dq', 'bwd dkdv', 'branch fwd', ...), "

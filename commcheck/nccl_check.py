@@ -189,6 +189,8 @@ def sweep(pps=(2, 3, 4), Ms=range(1, 9), cps=(1, 2), dps=(1, 2), **old) -> dict:
 
 
 if __name__ == "__main__":
+    from parallel.cli import answer_help
+    answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
     for title, flags in (("today (warm-up, batched 1F1B)", {}), ("old 1F1B, warmed up", dict(fused=False)),
                          ("old, no warm-up", dict(fused=False, warm=False))):
         res = sweep(**flags)

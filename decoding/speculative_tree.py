@@ -281,6 +281,8 @@ def verify_step(target, s, tree: Tree, cand, q):
 
 
 if __name__ == "__main__":
+    from parallel.cli import answer_help
+    answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
     # the rule on a 5-token vocabulary, a depth-1 tree of 3 candidates: the next token's distribution over 200k rows,
     # candidates drawn without replacement (lossless) vs the draft's top-3 (not)
     torch.manual_seed(0)

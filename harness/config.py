@@ -25,6 +25,7 @@ import torch
 
 from harness.logger import BACKENDS, parse_backends
 from parallel.cli import flags_help, print_help, wants_help
+from parallel.cli import show_value as _show
 from model import PRESETS as MODEL_PRESETS
 from pipeline import SCHEDULES
 from rl_loop import LOSS_NORMS
@@ -265,18 +266,6 @@ _TYPE_CHECKS = {
 }
 
 
-def _show(v) -> str:
-    """A value as the user typed it: -1 for -1.0, '' for the empty string."""
-    if isinstance(v, bool):
-        return str(v).lower()
-    if isinstance(v, str):
-        return v if v else "''"
-    if isinstance(v, tuple):  # --tree=2,2,1
-        return ",".join(_show(x) for x in v) if v else "''"
-    r = repr(v)
-    return r[:-2] if isinstance(v, float) and r.endswith(".0") else r
-
-
 def _problem(key: str, value, rule, cfg=None) -> str | None:
     test, expect = rule
     if test(value, cfg):
@@ -318,7 +307,7 @@ def help_text(usage: str = USAGE) -> str:
     return "\n".join([usage, "", "--preset NAME: named overrides, applied first (flags given with it override them):",
                       *presets, "", "flags: --key=value or --key value; a bool also as --key alone (= true). A value "
                       "outside what is expected", "stops the run before it starts.", "",
-                      flags_help(Config, expect, _show)])
+                      flags_help(Config, expect)])
 
 
 def parse_args(argv: list, usage: str = USAGE) -> Config:

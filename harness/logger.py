@@ -102,6 +102,8 @@ def _wandb(out_dir, config):
 
 
 if __name__ == "__main__":
+    from parallel.cli import answer_help
+    answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
     if len(sys.argv) < 2:
         sys.exit("usage: python -m harness.logger OUT_DIR [tensorboard] [wandb]")
     lg = MetricsLogger(sys.argv[1], ("jsonl", *sys.argv[2:]))

@@ -91,6 +91,8 @@ def _smooth(xs: list, w: int = 5) -> list:
 
 
 if __name__ == "__main__":
+    from parallel.cli import answer_help
+    answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
     run = sys.argv[1] if len(sys.argv) > 1 else "runs/default"
     tr, ev = read_metrics(os.path.join(run, "metrics.jsonl"))
     print(plot_run(tr, ev, os.path.join(run, "train.png"), title=run))

@@ -178,6 +178,8 @@ def seeds_table(summaries: dict) -> str:
 
 
 if __name__ == "__main__":
+    from parallel.cli import answer_help
+    answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
     import sys
     runs = sys.argv[1:] or ["runs/default"]
     print(seeds_table({os.path.basename(r.rstrip("/")): json.load(open(os.path.join(r, "summary.json")))

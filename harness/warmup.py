@@ -183,7 +183,8 @@ if __name__ == "__main__":
     import sys
 
     from harness.config import parse_args  # the same settings (and so the same cache entries) as `python train.py ...`
-    c = parse_args(sys.argv[1:])
+    from parallel.cli import describe
+    c = parse_args(sys.argv[1:], usage=describe(__doc__, __file__))  # -h / --help: train.py's flags, exit 0
     torch.set_num_threads(c.threads)
     if c.hf_mode:
         sys.exit("warmup.py: the SFT warm-up is for the built-in task; an HF checkpoint (--model=DIR) is used as is")

@@ -3,7 +3,8 @@ its commands) and a config dataclass's field comments (what each flag means), so
 
     answer_help(__doc__, __file__)         a demo without flags: on -h / --help print usage + summary, exit 0
     parser(__doc__, __file__)              an argparse.ArgumentParser whose --help shows the same summary and commands
-    flags_help(Config, expect, show)       one entry per dataclass field: default, what is expected, its comment
+    flags_help(Config, expect)             one entry per dataclass field: default, what is expected, its comment
+    show_value(v)                          a value as it is typed on the command line: true, '', 2,2,1
     print_help(text)                       print on rank 0 only (under torchrun every rank parses the same argv)
 
 The docstring's commands are its indented lines that start with `python`, `torchrun` or `VAR=value python` and name
@@ -57,6 +58,16 @@ def commands(doc: str, file: str) -> list:
     return [line for cmd in (own or every) for line in cmd]
 
 
+def program(file: str) -> str:
+    """How `file` is run: `python -m pkg.mod` inside a package (a folder with __init__.py), else `python PATH`."""
+    path = os.path.abspath(file)
+    parts, top = [os.path.splitext(os.path.basename(path))[0]], os.path.dirname(path)
+    while os.path.isfile(os.path.join(top, "__init__.py")):
+        parts.insert(0, os.path.basename(top))
+        top = os.path.dirname(top)
+    return f"python -m {'.'.join(parts)}" if len(parts) > 1 else f"python {os.path.relpath(path)}"
+
+
 def summary(doc: str) -> str:
     """The docstring's first paragraph, its line breaks kept."""
     return (doc or "").strip().split("\n\n")[0].strip()
@@ -64,7 +75,7 @@ def summary(doc: str) -> str:
 
 def describe(doc: str, file: str) -> str:
     """usage (the docstring's commands for this file) and what it does (its first paragraph)."""
-    cmds = commands(doc, file) or [f"python {os.path.relpath(file)}"]
+    cmds = commands(doc, file) or [program(file)]
     return "usage:\n" + "\n".join("  " + c for c in cmds) + "\n\n" + summary(doc)
 
 
@@ -78,7 +89,8 @@ def answer_help(doc: str, file: str, argv=None) -> None:
 def parser(doc: str, file: str, **kw) -> argparse.ArgumentParser:
     """An ArgumentParser whose --help shows the docstring's summary above the flags and its commands below."""
     cmds = commands(doc, file)
-    return argparse.ArgumentParser(description=summary(doc), formatter_class=argparse.RawDescriptionHelpFormatter,
+    return argparse.ArgumentParser(prog=program(file), description=summary(doc),
+                                   formatter_class=argparse.RawDescriptionHelpFormatter,
                                    epilog="examples:\n" + "\n".join("  " + c for c in cmds) if cmds else None, **kw)
 
 
@@ -106,9 +118,21 @@ def field_docs(cls) -> list:
     return [s for s in sections if s[1]]
 
 
-def flags_help(cls, expect: dict | None = None, show=repr, default_title: str = "general") -> str:
+def show_value(v) -> str:
+    """A value as the user types it: -1 for -1.0, '' for the empty string, true / false, 2,2,1 for a tuple."""
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, str):
+        return v if v else "''"
+    if isinstance(v, tuple):  # --tree=2,2,1
+        return ",".join(show_value(x) for x in v) if v else "''"
+    r = repr(v)
+    return r[:-2] if isinstance(v, float) and r.endswith(".0") else r
+
+
+def flags_help(cls, expect: dict | None = None, default_title: str = "general") -> str:
     """Every field of the dataclass `cls` as `--name TYPE  default: D; expected: E` with its comment beneath, grouped
-    by section. expect: field -> what a value must be (the caller's checks); show: how a default is written."""
+    by section (fields before any section comment under default_title). expect: field -> what a value must be."""
     expect, obj = expect or {}, cls()
     types = {f.name: f.type if isinstance(f.type, str) else f.type.__name__ for f in dataclasses.fields(cls)}
     out = []
@@ -116,7 +140,8 @@ def flags_help(cls, expect: dict | None = None, show=repr, default_title: str = 
         out += [""] + textwrap.wrap(f"{title or default_title}:", 116, subsequent_indent="  ")
         for name, comment in fields:
             head = f"  --{name} {types[name].upper()}"
-            facts = f"default: {show(getattr(obj, name))}" + (f"; expected: {expect[name]}" if name in expect else "")
+            facts = f"default: {show_value(getattr(obj, name))}"
+            facts += f"; expected: {expect[name]}" if name in expect else ""
             out += [f"{head:<30} {facts}"] if len(head) < 30 else [head, f"{'':<30} {facts}"]
             out += [f"{'':<6}{comment}"] if comment else []
     return "\n".join(out[1:])

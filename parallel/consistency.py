@@ -84,6 +84,8 @@ def check_finite(where: str = "attention input", **tensors) -> None:
 
 
 if __name__ == "__main__":
+    from parallel.cli import answer_help
+    answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
     a = torch.tensor([0, 8, 12], dtype=torch.int32)
     print("fingerprints:", [hex(int(fingerprint(c)) % 2 ** 64) for c in ([a], [a.long()], [a, a], [a + 0 * a + (a > 8) * 4])])
     q = torch.randn(6, 2, 4)

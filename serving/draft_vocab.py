@@ -58,6 +58,8 @@ def coverage(ids: torch.Tensor, responses) -> float:
 
 
 if __name__ == "__main__":
+    from parallel.cli import answer_help
+    answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
     import random
 
     from tasks import task

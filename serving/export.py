@@ -197,6 +197,8 @@ def check_export(path: str) -> dict:
 
 
 if __name__ == "__main__":
+    from parallel.cli import answer_help
+    answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
     if len(sys.argv) != 2:
         sys.exit("usage: python -m serving.export DRAFT_DIR     # checks an exported draft (e.g. runs/<name>/draft)")
     c = check_export(sys.argv[1])

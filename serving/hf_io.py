@@ -164,6 +164,8 @@ def _atomic(folder, name, write):
 
 
 if __name__ == "__main__":
+    from parallel.cli import answer_help
+    answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
     if len(sys.argv) != 2:
         sys.exit("usage: python -m serving.hf_io PATH")
     m = from_pretrained(sys.argv[1])

@@ -206,11 +206,17 @@ def _json(path: str) -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 3:
-        sys.exit("usage: python -m tasks.hf_data MODEL_DIR DATA [--prompt_key=K] [--answer_key=K] [--chat_template=S]")
-    kw = dict(a[2:].split("=", 1) for a in sys.argv[3:])
-    tpl = ChatTemplate.for_checkpoint(sys.argv[1], kw.pop("chat_template", ""))
-    ex = load_examples(sys.argv[2], template=tpl, **kw)
+    from parallel.cli import parser
+    ap = parser(__doc__, __file__)
+    ap.add_argument("model_dir", help="an HF checkpoint directory (its chat template renders chat prompts)")
+    ap.add_argument("data", help="a jsonl or parquet file, a prompt and an answer per row")
+    ap.add_argument("--prompt_key", default="prompt", help="the row's prompt field (default: %(default)s)")
+    ap.add_argument("--answer_key", default="answer", help="the row's answer field, dotted to reach in "
+                                                           "(default: %(default)s)")
+    ap.add_argument("--chat_template", default="", help="'' the checkpoint's, 'none', a file or a Jinja string")
+    a = ap.parse_args()
+    tpl = ChatTemplate.for_checkpoint(a.model_dir, a.chat_template)
+    ex = load_examples(a.data, template=tpl, prompt_key=a.prompt_key, answer_key=a.answer_key)
     print(f"{len(ex)} examples; template: {tpl.origin if tpl else None}")
     for e in ex[:3]:
         print(f"--- line {e.line} (chat={e.chat}), answer {e.answer!r}\n{e.prompt}")

@@ -271,6 +271,8 @@ class HFTask:
 
 
 if __name__ == "__main__":
+    from parallel.cli import answer_help
+    answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
     if len(sys.argv) != 3:
         sys.exit("usage: python -m tasks.hf_task MODEL_DIR prompts.jsonl")
     t = HFTask(sys.argv[1], sys.argv[2])

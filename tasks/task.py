@@ -240,6 +240,8 @@ class CountUpTask:
 
 
 if __name__ == "__main__":
+    from parallel.cli import answer_help
+    answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
     tok, src, rng = Tokenizer(), ProblemSource(), random.Random(0)
     print(f"vocab ({tok.vocab_size}): {' '.join(tok.vocab)}")
     for p in src.sample(3, rng) + src.eval_set(2):
