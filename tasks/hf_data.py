@@ -23,7 +23,6 @@ import datetime
 import hashlib
 import json
 import os
-import sys
 from dataclasses import dataclass
 
 

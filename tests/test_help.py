@@ -1,0 +1,136 @@
+"""Every entry point answers -h / --help and exits 0 without running: train.py lists every Config field with its
+default, its check and its comment; each benchmark (bench/*.py) and each module with a `__main__` block prints a
+usage line and what it does. The entry points run in ONE fresh interpreter (each file executed as `__main__` with
+`--help`, so the imports are paid once and nothing leaks into this process): ~7 s in all on 2 shared cores.
+"""
+import ast
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+from harness.config import CHECKS, PRESETS, Config, help_text, parse_args
+from parallel.cli import commands, field_docs, show_value, summary
+from test_layout import ROOT, project_modules
+
+MAIN = 'if __name__ == "__main__":'
+
+
+def entry_points() -> list:
+    """Paths (relative to the root) of every benchmark and every project file with a `__main__` block."""
+    bench = [os.path.join("bench", f) for f in sorted(os.listdir(os.path.join(ROOT, "bench"))) if f.endswith(".py")]
+    mods = [os.path.relpath(p, ROOT) for p in sorted(project_modules().values()) if MAIN in open(p).read()]
+    return ["train.py"] + [p for p in bench + mods if p != "train.py"]
+
+
+ENTRY_POINTS = entry_points()
+
+
+def test_train_help_lists_every_field_with_its_default_check_and_comment(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--steps=3", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out == help_text() + "\n"
+    lines = out.splitlines()
+    defaults = dataclasses.asdict(Config())
+    for name, default in defaults.items():
+        i = next((i for i, ln in enumerate(lines) if ln.split()[:1] == [f"--{name}"]), None)
+        assert i is not None, f"--{name} missing from --help"
+        entry = " ".join(lines[i:i + 2])  # a long flag name puts its facts on the next line
+        assert f"default: {show_value(default)}" in entry, (name, entry)
+        assert f"expected: {CHECKS[name][1].format(**defaults)}" in entry, (name, entry)
+    for name, comment in (f for _, fields in field_docs(Config) for f in fields):
+        assert not comment or comment in out, name
+    assert "one of auto, cpu, cuda" in out and "expected: >= 0 (0 = never)" in out  # a choice, a range
+    assert all(f"  {p} " in out for p in PRESETS)
+
+
+def test_dash_h_too_and_only_rank_0_prints(capsys, monkeypatch):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["-h"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("usage")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--help"])
+    assert e.value.code == 0 and capsys.readouterr().out == ""
+
+
+@dataclass
+class _Toy:
+    a: int = 1  # the first
+    b: str = "x # y"
+    # section one,
+    # on two lines
+    c: float = 2.0  # the third: '#' in a comment
+
+    def m(self):  # a method is not a field
+        return self.a
+
+
+def test_field_comments_come_from_the_source():
+    assert field_docs(_Toy) == [("", [("a", "the first"), ("b", "")]),
+                                ("section one, on two lines", [("c", "the third: '#' in a comment")])]
+
+
+def test_commands_and_summary_come_from_the_docstring():
+    doc = """What it does,
+    on two lines.
+
+    More.
+
+        python -m pkg.demo ARG     # runs it
+                                   # (slowly)
+        python other.py            # not this file
+        TRITON_INTERPRET=1 python -m pkg.demo
+    """
+    assert summary(doc) == "What it does,\n    on two lines."
+    assert commands(doc, "/x/pkg/demo.py") == ["python -m pkg.demo ARG     # runs it",
+                                               "                           # (slowly)",
+                                               "TRITON_INTERPRET=1 python -m pkg.demo"]
+    assert commands(doc, "/x/none.py") == ["python -m pkg.demo ARG     # runs it", "                           # (slowly)",
+                                           "python other.py            # not this file",
+                                           "TRITON_INTERPRET=1 python -m pkg.demo"]
+
+
+_DRIVER = """
+import contextlib, io, json, os, runpy, sys
+sys.path.insert(0, os.getcwd())
+res = {}
+for path in sys.argv[1:]:
+    out, code = io.StringIO(), "returned"
+    sys.argv = [path, "--help"]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+        code = e.code
+    except BaseException as e:
+        code = f"{type(e).__name__}: {e}"
+    res[path] = [code, out.getvalue()]
+print(json.dumps(res))
+"""
+
+
+@pytest.fixture(scope="module")
+def helped():
+    """path -> (exit code, output) of `python PATH --help` for every entry point, in one interpreter."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    r = subprocess.run([sys.executable, "-c", _DRIVER, *ENTRY_POINTS], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("path", ENTRY_POINTS)
+def test_every_entry_point_answers_help_without_running(helped, path):
+    code, out = helped[path]
+    assert code in (0, None), f"{path} --help: exit {code!r}\n{out[-2000:]}"
+    assert out.startswith("usage"), f"{path} --help printed something before its usage:\n{out[:2000]}"
+    doc = open(os.path.join(ROOT, path)).read()
+    first = summary(ast.get_docstring(ast.parse(doc))).splitlines()[0]
+    assert first.strip() in out, f"{path} --help: no summary"
