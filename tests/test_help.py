@@ -17,13 +17,16 @@ from harness.config import CHECKS, PRESETS, Config, help_text, parse_args
 from parallel.cli import commands, field_docs, show_value, summary
 from test_layout import ROOT, project_modules
 
-MAIN = 'if __name__ == "__main__":'
+def has_main(path: str) -> bool:
+    """A top-level `if __name__ == "__main__":` statement (not the phrase in a docstring)."""
+    return any(isinstance(n, ast.If) and ast.unparse(n.test) in ("__name__ == '__main__'", "'__main__' == __name__")
+               for n in ast.parse(open(path, encoding="utf-8").read()).body)
 
 
 def entry_points() -> list:
     """Paths (relative to the root) of every benchmark and every project file with a `__main__` block."""
     bench = [os.path.join("bench", f) for f in sorted(os.listdir(os.path.join(ROOT, "bench"))) if f.endswith(".py")]
-    mods = [os.path.relpath(p, ROOT) for p in sorted(project_modules().values()) if MAIN in open(p).read()]
+    mods = [os.path.relpath(p, ROOT) for p in sorted(project_modules().values()) if has_main(p)]
     return ["train.py"] + [p for p in bench + mods if p != "train.py"]
 
 
