@@ -65,7 +65,7 @@ step "bf16 forward T=262144 Hq=64 D=128 (int64 offsets) vs SDPA" 120 python benc
 step "short bench_attention_gpu.py" 150 python bench/bench_attention_gpu.py --lengths=4096,16384,65536 --repeats=1 \
   --budget_s=100 --out=bench/results/attention_gpu_smoke.json
 step "single-process CUDA training test" 150 python -m pytest -q tests/test_train.py -k cuda
-if grep -q "attn_backend" config.py 2>/dev/null; then
+if grep -q "attn_backend" harness/config.py 2>/dev/null; then
   step "training loop, --attn_backend triton" 150 python train.py --preset=test --device=cuda --attn_backend=triton \
     --out=/tmp/cospec_smoke_triton
 fi

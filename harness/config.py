@@ -34,17 +34,17 @@ from decoding.speculative_tree import Tree
 
 @dataclass
 class Config:
-    name: str = "default"
+    name: str = "default"  # the run's name: its output goes to runs/<name> unless --out says otherwise
     seed: int = 0  # the warm-ups (SFT, draft) and the held-out prompts: shared by every rl_seed
     rl_seed: int = -1  # the RL phase (prompts, rollouts, shuffles, cold-start draft, offline arm); -1: = seed
     threads: int = 1  # 1 is robust on a shared 2-core machine (2 threads spin-wait when cores are busy)
     warmup_threads: int = 2  # the warm-ups run alone (under torchrun on rank 0 while the others wait): use the cores
     device: str = "auto"  # auto: each process's own GPU when CUDA is present and every local rank gets one, else CPU
     out: str = ""  # "" -> runs/<name>
-    cache_dir: str = "cache"
+    cache_dir: str = "cache"  # where the warm-ups are cached, keyed by every input and the code that computes them
     # task (task.py)
     min_steps: int = 4  # chain length range of the count-up problems
-    max_steps: int = 7
+    max_steps: int = 7  # (upper end of the chain length range)
     p_explicit: float = 0.7  # SFT demos write a step explicitly with this probability (RL raises it towards 1)
     format_weight: float = 0.5  # reward = correct * (1 + format_weight * explicit fraction)
     # policy and SFT warm-up. HF mode: --model=DIR (an HF checkpoint directory: Llama / Qwen2 / Qwen3 + tokenizer.json)
@@ -57,58 +57,58 @@ class Config:
     eval_fraction: float = 0.1  # HF mode: share of the distinct prompts held out for eval
     max_prompt_tokens: int = 1024  # HF mode: longer prompts are dropped at load time
     max_new_tokens: int = 0  # response budget; 0: the task's own (built-in: its longest well-formed response; HF: 256)
-    sft_steps: int = 1000
-    sft_batch: int = 64
-    sft_lr: float = 1e-2
+    sft_steps: int = 1000  # optimisation steps of the policy's SFT warm-up on the task's demonstrations
+    sft_batch: int = 64  # demonstrations per SFT step
+    sft_lr: float = 1e-2  # AdamW learning rate of the SFT warm-up
     # draft and its warm-up
     cold_start: bool = False  # the rollout draft starts untrained (fc/layer random, head copied) and learns online only
     cold_arm: bool = True  # also co-train a cold-start draft on the same taps, evaluated only (no rollouts)
     offline_arm: bool = True  # the control: the warm-up draft trained as much, on fresh pi_0 samples (offline_arm.py)
-    draft_warmup_steps: int = 800  # 200 x 64 at 1e-3 left it at acceptance ~2.2 (k = 3): speculation lost on CPU
-    draft_warmup_batch: int = 32
+    draft_warmup_steps: int = 800  # optimisation steps of the draft warm-up on the warm policy's own samples
+    draft_warmup_batch: int = 32  # sequences per draft warm-up step
     draft_warmup_lr: float = 3e-3  # the offline fit; draft_lr is the online co-training's
-    draft_warmup_pool: int = 1024
+    draft_warmup_pool: int = 1024  # the warm policy's sampled responses the draft warm-up draws its batches from
     draft_lr: float = 1e-3  # online co-training during RL
     draft_lam: float = 1.0  # total = L_policy + draft_lam * L_draft
-    draft_grad_clip: float = 1.0
-    ttt_passes: int = 3
+    draft_grad_clip: float = 1.0  # gradient-norm clip of every draft's update
+    ttt_passes: int = 3  # TTT passes: the draft is unrolled this many steps ahead in training
     draft_vocab: int = 0  # N > 0: the draft names only the N most frequent response tokens of its warm-up (0 = full)
     # RL
-    steps: int = 30
-    prompts_per_step: int = 32  # 8 prompts x 8 samples per step left the GRPO update mostly noise
-    group_size: int = 8
-    temperature: float = 1.0
-    num_draft_tokens: int = 4  # k (rollouts and eval): the ceiling k + 1 = 5 sits above the warm-up draft's ~4
-    tree: tuple = ()  # a tree draft (b_1,...,b_k), --tree=2,2,1 (speculative_tree.py); (): the chain of num_draft_tokens
+    steps: int = 30  # RL steps (each: rollouts, then `updates` optimisation steps)
+    prompts_per_step: int = 32  # prompts per RL step, each sampled group_size times
+    group_size: int = 8  # G: samples per prompt, the group of GRPO's advantage
+    temperature: float = 1.0  # tau of rollouts and eval (0: greedy); every log-prob of the update is at tau
+    num_draft_tokens: int = 4  # k, draft tokens per verification forward (rollouts and eval); 0: autoregressive
+    tree: tuple = ()  # a tree draft (b_1,...,b_k), --tree=2,2,1 (decoding/speculative_tree.py); (): a chain
     rollout_batch: int = 32  # rows per generate call (the rollout engine's batch), speculative and autoregressive alike
     lr: float = 5e-4  # the drift: leaves the SFT style while held-out accuracy rises (0: the no-drift control)
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # gradient-norm clip of the policy's update
     updates: int = 2  # optimisation steps per rollout batch (minibatches), old log-probs from the rollout
     micro_batches: int = 1  # gradient accumulation inside one update
-    eps_low: float = 0.2
-    eps_high: float = 0.28
+    eps_low: float = 0.2  # PPO clip below: the ratio is clipped to [1 - eps_low, 1 + eps_high]
+    eps_high: float = 0.28  # PPO clip above (asymmetric, "clip-higher")
     beta: float = 0.0  # k3 KL penalty to the frozen reference (0: drift is measured, not penalised)
-    std_norm: bool = True
-    loss_norm: str = "global-token"
+    std_norm: bool = True  # divide the group advantage by the group's reward std
+    loss_norm: str = "global-token"  # how token losses are averaged (rl_loop.aggregate)
     # eval
-    eval_every: int = 10
-    eval_prompts: int = 64
+    eval_every: int = 10  # steps between held-out evaluations of the draft arms (also at step 0 and the end)
+    eval_prompts: int = 64  # held-out prompts per evaluation
     eval_samples: int = 2  # samples per eval prompt (same seed for every arm)
     eval_draft_tokens: int = 0  # k at eval (0: num_draft_tokens); a larger k keeps the ceiling k + 1 from binding
     bootstrap: int = 2000  # paired bootstrap resamples over eval prompts for the acceptance-gain intervals
     # distributed (torchrun, WORLD_SIZE > 1 only): mesh DP x PP x CP, pp * cp * dp = world size (dp=0: world/(pp*cp))
-    pp: int = 2
-    cp: int = 2
-    dp: int = 0
+    pp: int = 2  # pipeline stages
+    cp: int = 2  # context-parallel ranks inside each stage (zigzag ring)
+    dp: int = 0  # data-parallel replicas (0: world size / (pp * cp))
     schedule: str = "1f1b"  # pipeline.SCHEDULES
     activation_checkpointing: bool = False  # recompute each decoder layer in the update's backward (memory for time)
     # memory and kernels at scale: see README "Memory of the whole step"
     attn_backend: str = "torch"  # block kernel of ring_branch_attention: torch | triton | flash (CUDA only)
     logprob_chunk: int = 0  # > 0: log-probs and the draft's teacher from the final hidden, that many rows at a time
     # checkpoints (checkpoint.py): every ckpt_every steps into <out>/ckpt (0: never); --resume continues the latest
-    ckpt_every: int = 0
+    ckpt_every: int = 0  # steps between checkpoints into <out>/ckpt (0: never)
     log: str = "jsonl"  # comma list: metrics.jsonl always, plus "tensorboard" (<out>/tb) and/or "wandb" (offline)
-    resume: bool = False
+    resume: bool = False  # continue the latest checkpoint in <out>/ckpt (the same run only)
     overwrite: bool = False  # a fresh run into an <out> whose ckpt/ holds checkpoints deletes them (resume_policy.py)
     dist_timeout: int = 1800  # seconds any collective may wait (a dead or stuck rank fails the job instead of hanging)
 
@@ -202,7 +202,8 @@ CHECKS = {
     "offline_arm":        FLAG,
     "draft_warmup_steps": at_least(0),
     "draft_vocab":        ((lambda v, c: v >= 0), ">= 0 (0 = the full vocabulary)"),
-    "draft_warmup_batch": ((lambda v, c: 1 <= v <= c.draft_warmup_pool), "in [1, draft_warmup_pool={draft_warmup_pool}]"),
+    "draft_warmup_batch": ((lambda v, c: 1 <= v <= c.draft_warmup_pool),
+                           "in [1, draft_warmup_pool={draft_warmup_pool}]"),
     "draft_warmup_lr":    above(0),
     "draft_warmup_pool":  at_least(1),
     "draft_lr":           above(0),
@@ -298,7 +299,7 @@ USAGE = "usage: python train.py [--preset NAME] [--key=value | --key value | --f
 
 
 def help_text(usage: str = USAGE) -> str:
-    """usage, the presets, then every Config field: its type, default, expectation (CHECKS) and meaning (its comment)."""
+    """usage, the presets, then every Config field: type, default, expectation (CHECKS) and meaning (its comment)."""
     expect = {k: rule[1].format(**vars(Config())) for k, rule in CHECKS.items()}
     pad = " " * (max(map(len, PRESETS)) + 4)
     presets = [textwrap.fill(" ".join(f"{k}={_show(v)}" for k, v in kv.items()) or "the defaults below", 118,
