@@ -157,7 +157,7 @@ class Eagle3Draft(nn.Module):
         draft = cls(cfg, embed).to(device=p.device, dtype=p.dtype)
         draft.attach(embed)  # .to() may have copied the shared buffer; share it again
         with torch.no_grad():
-            w = target.head(torch.eye(c.hidden_size, dtype=p.dtype, device=p.device)).T  # (V, H) the head's weight
+            w = target.head_weight  # (V, H)
             draft.norm.weight.copy_(target.model.norm.weight)
             if ids is None:
                 draft.lm_head.weight.copy_(w)
