@@ -31,7 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from branch_mask import pad_for_cp, position_ids
+from branch_mask import pad_ring_of_one, position_ids
 from parallel.consistency import check_same_cu_seqlens
 from backends.fused_logprob import token_logp as fused_token_logp
 from parallel.grid import Grid
@@ -66,7 +66,7 @@ def _to_positions(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
 
 def microbatches(batch: RolloutBatch, w: torch.Tensor, micro_batches: int, grid: Grid, *, pad_even: bool = False) -> list:
     """This DP rank's micro-batches (whole single-process micro-batches r, r+dp, ...; step 3), CP-sharded.
-    pad_even: at cp = 1 too, pad every sequence to an even length (ring_branch_attention as a ring of one).
+    pad_even: at cp = 1 too, pad odd sequences to an even length (ring_branch_attention as a ring of one).
 
     extra: tgt / w / old / ref / resp per predicting position, adv per position, dmask (the draft's loss mask) and
     chunk (the single-process micro-batch index)."""
@@ -92,9 +92,11 @@ def microbatches(batch: RolloutBatch, w: torch.Tensor, micro_batches: int, grid:
 
 
 def _pad_even(mb: Microbatch) -> Microbatch:
-    """The zigzag layout at cp = 1: sequences padded at their ends to even lengths, as shard_for_cp pads for cp >= 2.
-    Padding rows carry no loss (their w, resp and dmask are 0) and causal attention hides them from real rows."""
-    pad = pad_for_cp(mb.cu_seqlens, 1)
+    """The zigzag layout at cp = 1 (branch_mask.pad_ring_of_one says why): odd sequences padded at their ends to even
+    lengths, as shard_for_cp pads for cp >= 2. Padding rows carry no loss (their w, resp and dmask are 0)."""
+    pad = pad_ring_of_one(mb.cu_seqlens)
+    if pad is None:
+        return mb
     T = mb.tokens.shape[0]
     extra = {k: pad.pad(v) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == T else v
              for k, v in mb.extra.items()}

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import branch_mask
-from branch_mask import cp_shift, pad_for_cp, shift_packed, zigzag_shard
+from branch_mask import cp_shift, pad_ring_of_one, shift_packed, zigzag_shard
 from draft_loss import chunk_rows, dense_pass_losses, make_teacher, pass_targets, ring_sum, streaming_pass_losses
 from serving.draft_vocab import maps as draft_vocab_maps
 from model import EMBED_TAP, ModelConfig, Transformer, check_tap_layers, default_tap_layers
@@ -252,8 +252,8 @@ class Eagle3Draft(nn.Module):
             raise ValueError(f"num_passes={num_passes}: expected >= 1")
         ring = as_ring(group)
         taps = self._tap_inputs(taps, tokens.shape[0])
-        pad = _pad_if_needed(cu_seqlens, ring)
-        if pad is not None:  # the zigzag layout wants even lengths even at cp = 1: pad, run, drop the padding
+        pad = pad_ring_of_one(cu_seqlens) if ring.size == 1 else None  # under CP the caller has padded
+        if pad is not None:  # cp = 1, odd lengths (branch_mask.pad_ring_of_one says why): pad, run, drop the padding
             hs = self.ttt_forward({l: pad.pad(t) for l, t in taps.items()}, pad.pad(tokens), pad.cu_seqlens,
                                   num_passes, position_ids=None if position_ids is None else pad.pad(position_ids),
                                   group=ring, attn_fn=attn_fn, backend=backend)
@@ -322,7 +322,7 @@ class Eagle3Draft(nn.Module):
             loss_mask = shift_packed(tokens, cu_seqlens, 1)[1]  # (T,) a next token exists in the sequence
         elif loss_mask.shape != (T,):
             raise ValueError(f"loss_mask: expected shape ({T},), got {tuple(loss_mask.shape)}")
-        pad = _pad_if_needed(cu_seqlens, ring)
+        pad = pad_ring_of_one(cu_seqlens) if ring.size == 1 else None
         if pad is not None:  # cp = 1, odd lengths: pad the (T, H) inputs; the teacher is read through a row map
             taps = {l: pad.pad(t) for l, t in self._tap_inputs(taps, T).items()}
             tokens, loss_mask, cu_seqlens = pad.pad(tokens), pad.pad(loss_mask.bool(), False), pad.cu_seqlens
@@ -408,13 +408,6 @@ def _metrics(stats, count) -> dict:
     return {"loss_per_pass": (stats[:, 0] / n).tolist(), "acc": (stats[:, 1] / n).tolist(),
             "acc_cond": (stats[:, 2] / stats[:, 3].clamp_min(1)).tolist(), "alpha": alpha, "tau_hat": tau,
             "count": [int(c) for c in count.tolist()]}
-
-
-def _pad_if_needed(cu_seqlens, ring):
-    """Without CP, odd lengths are padded here (the zigzag layout wants multiples of 2); under CP the caller pads."""
-    if ring.size > 1 or not bool(((cu_seqlens[1:] - cu_seqlens[:-1]) % 2).any()):
-        return None
-    return pad_for_cp(cu_seqlens, 1)
 
 
 def _local_positions(cu_seqlens, ring):  # (T_local,) RoPE position of this rank's tokens
