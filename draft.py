@@ -305,9 +305,9 @@ class Eagle3Draft(nn.Module):
 
         The teacher is the policy at each position (predicting the next token): its logits teacher_logits (T, V), or
         -- no (T, V) tensor at all -- its final normed hidden teacher_hidden (T, H) with its LM-head weight
-        teacher_head (V, H). loss_mask (T,) bool: position j's prediction of x_{j+1} counts (default: every position
+        teacher_head (V, H). loss_mask (T,) bool per prediction: row j's prediction of x_{j+1} counts (default: each row
         whose sequence has a next token; required under CP, false on the padding). Pass d at anchor i counts iff
-        loss_mask[i+d]. Under CP every per-token input is this rank's zigzag shard and the returned loss is this rank's
+        loss_mask[i+d]. Under CP every (T, ...) input is this rank's zigzag shard and the returned loss is this rank's
         share: the sum over ranks is the global loss, so the draft's grads are summed over the CP group (as data
         parallelism does). Metrics are global floats. chunk: rows per chunk of the streamed loss
         (draft_loss.StreamingSoftCE, O(chunk * V) memory; None: 2^21 // V rows); 0 runs the dense reference

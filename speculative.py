@@ -57,7 +57,7 @@ class SpecStats:
 @dataclass
 class Rollout:
     tokens: list  # per prompt: (n_b,) generated ids, prompt excluded, ending with eos_id if it was produced
-    logprobs: list  # per prompt: (n_b,) the policy's log-probs of those tokens
+    logprobs: list  # per prompt: (n_b,) per token (rl_loop.py: indexing), [b][j] the policy's log-prob of tokens[b][j]
     stats: SpecStats
 
 
