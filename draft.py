@@ -428,6 +428,11 @@ if __name__ == "__main__":
     print(f"draft taps {draft.tap_layers}, {sum(p.numel() for p in draft.parameters()):,} parameters")
     print(f"TTT loss {loss.item():.4f}; per pass acc {[round(a, 3) for a in m['acc']]}, "
           f"alpha {[round(a, 3) for a in m['alpha']]}, tau_hat {m['tau_hat']:.2f}")
+    top = float(out.logits.softmax(-1).max(-1).values.mean())  # the policy's mean top-token probability
+    print(f"  acc and tau_hat measure different things: acc is top-1 agreement (what greedy decoding, tau = 0, "
+          f"accepts),\n  alpha = sum min(p, q) and tau_hat the acceptance when sampling at tau = 1; this random policy "
+          f"is nearly flat\n  (mean top-token p {top:.3f}, uniform {1 / target.cfg.vocab_size:.3f}), so the untrained "
+          f"draft's flat q overlaps it while its top-1 matches by chance")
     cache = draft.new_cache(1, 32)
     with torch.no_grad():
         h, z = draft.extend(cache, tokens[None, 1:9], {l: t[None, :8] for l, t in out.taps.items()},
