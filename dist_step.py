@@ -16,7 +16,7 @@ Why the split of the work does not change the step (rl_loop's module docstring h
      sum over replicas = the single-process gradient. Gradient clipping uses the global norm (sum of squares over the
      PP stages, the tied embedding counted once); then each stage steps its own optimizer, the last stage the drafts.
 
-After the update `refit` re-assembles the full policy and drafts on every rank for the next rollouts (DESIGN.md §3).
+After the update `refit` re-assembles the full policy and drafts on every rank for the next rollouts.
 
     python -m pytest -q tests/test_dist_step.py      # 5 layouts (dp, pp, cp) vs the single-process step, 4 gloo ranks
     torchrun --standalone --nproc_per_node=4 train.py --preset smoke        # the loop that calls it (pp=2, cp=2)

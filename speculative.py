@@ -11,7 +11,7 @@ p the policy's and q the draft's next-token distributions, both at temperature t
 and `finish` truncates each row at EOS / max_new_tokens.
 Every emitted token is distributed exactly as policy sampling [Leviathan et al. 2023; Chen et al. 2023]; tau = 0 is
 greedy (accept iff d_j = argmax p_j) and reproduces plain greedy decoding token for token. The acceptance length,
-bonus included (1.0 = no speedup), is the one definition of DESIGN.md section 3:
+bonus included (1.0 = no speedup), is defined here, once:
     acceptance length = sum_forwards (tokens the row keeps from that forward) / sum_forwards (rows active in it)
 the prefill forward and its token excluded; the forward in which a row stops counts only the tokens kept up to EOS or
 max_new_tokens (kept_tokens). So returned tokens = rows with a prefill token + the numerator, exactly.
@@ -281,7 +281,7 @@ def verify_step(target, s: _Decode, d, q):
 def kept_tokens(block, n, n_gen, active, eos_id, max_new_tokens):
     """(b,) tokens each row KEEPS from this verification forward: n + 1 (the accepted drafts and the token after them),
     cut after the first EOS among them and at the row's remaining budget max_new_tokens - n_gen; 0 for rows already
-    finished. This is the numerator of the acceptance length (DESIGN.md section 3): a forward in which a row stops
+    finished. This is the numerator of the acceptance length (module docstring): a forward in which a row stops
     counts only what that row keeps."""
     cols = torch.arange(block.shape[1], device=block.device)
     kept = n + 1
