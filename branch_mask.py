@@ -9,10 +9,10 @@ early and one late chunk. The two neighbour facts everything below rests on:
     chunk r+1 lives on rank r+1 (or, for r = cp−1, is this rank's own second chunk);
     chunk 2·cp−r (after my second chunk) lives on rank r−1 (for r = 0 it is past the end).
 
-This file is the single source of truth for the layout (`pad_for_cp`, `zigzag_index`, `zigzag_shard`/`unshard`), for
-the CP-aware shift `cp_shift` (the draft reads x_{i+d} at anchor
-i), and for the dense reference masks the tests use as oracles: packed causal, the TTT branch mask in its two
-conventions, and tree masks.
+This file is the single source of truth for the layout (`pad_for_cp`, `pad_ring_of_one` for cp = 1, `zigzag_index`,
+`zigzag_shard`/`unshard`), for the CP-aware shift `cp_shift` (the draft reads x_{i+d} at anchor i), and for the
+dense reference masks the tests use as oracles: packed causal, the TTT branch mask in its two conventions, and tree
+masks.
 
     python branch_mask.py       # prints the layout and the masks, writes docs/branch_masks.png
 
@@ -79,6 +79,19 @@ def pad_for_cp(cu_seqlens: torch.Tensor, cp: int) -> Padded:
     cu_pad = cu_seqlens_from_lengths(padded)
     index = torch.repeat_interleave(cu_pad[:-1].long(), lengths) + position_ids(cu_seqlens)
     return Padded(cu_pad, index, lengths)
+
+
+def pad_ring_of_one(cu_seqlens: torch.Tensor) -> Padded | None:
+    """Without CP: pad_for_cp(cu_seqlens, 1) when some length is odd, None when every length is already even.
+
+    Why pad at all at cp = 1: cp = 1 is the degenerate zigzag ring (one rank holding both chunks of every sequence,
+    one ring step), not a separate code path. attention_cp.ring_branch_attention and cp_shift cut each sequence into
+    2·cp equal chunks and check it (check_cp_padded), so the draft's TTT and, with an attention backend, the policy
+    run the same code on the same padded shapes at every cp; at cp = 1 that needs even lengths. The padding rows
+    follow the real ones (causal masking hides them from real queries) and carry no loss."""
+    if not bool((seq_lengths(cu_seqlens) % 2).any()):
+        return None
+    return pad_for_cp(cu_seqlens, 1)
 
 
 def host_cu(cu_seqlens: torch.Tensor) -> tuple:

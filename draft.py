@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import branch_mask
-from branch_mask import cp_shift, pad_for_cp, shift_packed, zigzag_shard
+from branch_mask import cp_shift, pad_ring_of_one, shift_packed, zigzag_shard
 from draft_loss import chunk_rows, dense_pass_losses, make_teacher, pass_targets, ring_sum, streaming_pass_losses
 from serving.draft_vocab import maps as draft_vocab_maps
 from model import EMBED_TAP, ModelConfig, Transformer, check_tap_layers, default_tap_layers
@@ -157,7 +157,7 @@ class Eagle3Draft(nn.Module):
         draft = cls(cfg, embed).to(device=p.device, dtype=p.dtype)
         draft.attach(embed)  # .to() may have copied the shared buffer; share it again
         with torch.no_grad():
-            w = target.head(torch.eye(c.hidden_size, dtype=p.dtype, device=p.device)).T  # (V, H) the head's weight
+            w = target.head_weight  # (V, H)
             draft.norm.weight.copy_(target.model.norm.weight)
             if ids is None:
                 draft.lm_head.weight.copy_(w)
@@ -252,8 +252,8 @@ class Eagle3Draft(nn.Module):
             raise ValueError(f"num_passes={num_passes}: expected >= 1")
         ring = as_ring(group)
         taps = self._tap_inputs(taps, tokens.shape[0])
-        pad = _pad_if_needed(cu_seqlens, ring)
-        if pad is not None:  # the zigzag layout wants even lengths even at cp = 1: pad, run, drop the padding
+        pad = pad_ring_of_one(cu_seqlens) if ring.size == 1 else None  # under CP the caller has padded
+        if pad is not None:  # cp = 1, odd lengths (branch_mask.pad_ring_of_one says why): pad, run, drop the padding
             hs = self.ttt_forward({l: pad.pad(t) for l, t in taps.items()}, pad.pad(tokens), pad.cu_seqlens,
                                   num_passes, position_ids=None if position_ids is None else pad.pad(position_ids),
                                   group=ring, attn_fn=attn_fn, backend=backend)
@@ -305,9 +305,9 @@ class Eagle3Draft(nn.Module):
 
         The teacher is the policy at each position (predicting the next token): its logits teacher_logits (T, V), or
         -- no (T, V) tensor at all -- its final normed hidden teacher_hidden (T, H) with its LM-head weight
-        teacher_head (V, H). loss_mask (T,) bool: position j's prediction of x_{j+1} counts (default: every position
+        teacher_head (V, H). loss_mask (T,) bool per prediction: row j's prediction of x_{j+1} counts (default: each row
         whose sequence has a next token; required under CP, false on the padding). Pass d at anchor i counts iff
-        loss_mask[i+d]. Under CP every per-token input is this rank's zigzag shard and the returned loss is this rank's
+        loss_mask[i+d]. Under CP every (T, ...) input is this rank's zigzag shard and the returned loss is this rank's
         share: the sum over ranks is the global loss, so the draft's grads are summed over the CP group (as data
         parallelism does). Metrics are global floats. chunk: rows per chunk of the streamed loss
         (draft_loss.StreamingSoftCE, O(chunk * V) memory; None: 2^21 // V rows); 0 runs the dense reference
@@ -322,7 +322,7 @@ class Eagle3Draft(nn.Module):
             loss_mask = shift_packed(tokens, cu_seqlens, 1)[1]  # (T,) a next token exists in the sequence
         elif loss_mask.shape != (T,):
             raise ValueError(f"loss_mask: expected shape ({T},), got {tuple(loss_mask.shape)}")
-        pad = _pad_if_needed(cu_seqlens, ring)
+        pad = pad_ring_of_one(cu_seqlens) if ring.size == 1 else None
         if pad is not None:  # cp = 1, odd lengths: pad the (T, H) inputs; the teacher is read through a row map
             taps = {l: pad.pad(t) for l, t in self._tap_inputs(taps, T).items()}
             tokens, loss_mask, cu_seqlens = pad.pad(tokens), pad.pad(loss_mask.bool(), False), pad.cu_seqlens
@@ -410,13 +410,6 @@ def _metrics(stats, count) -> dict:
             "count": [int(c) for c in count.tolist()]}
 
 
-def _pad_if_needed(cu_seqlens, ring):
-    """Without CP, odd lengths are padded here (the zigzag layout wants multiples of 2); under CP the caller pads."""
-    if ring.size > 1 or not bool(((cu_seqlens[1:] - cu_seqlens[:-1]) % 2).any()):
-        return None
-    return pad_for_cp(cu_seqlens, 1)
-
-
 def _local_positions(cu_seqlens, ring):  # (T_local,) RoPE position of this rank's tokens
     pos = branch_mask.position_ids(cu_seqlens)  # O(T_global) integers, no activations
     return pos if ring.size == 1 else zigzag_shard(pos, cu_seqlens, ring.size, ring.rank)
@@ -437,6 +430,11 @@ if __name__ == "__main__":
     print(f"draft taps {draft.tap_layers}, {sum(p.numel() for p in draft.parameters()):,} parameters")
     print(f"TTT loss {loss.item():.4f}; per pass acc {[round(a, 3) for a in m['acc']]}, "
           f"alpha {[round(a, 3) for a in m['alpha']]}, tau_hat {m['tau_hat']:.2f}")
+    top = float(out.logits.softmax(-1).max(-1).values.mean())  # the policy's mean top-token probability
+    print(f"  acc and tau_hat measure different things: acc is top-1 agreement (what greedy decoding, tau = 0, "
+          f"accepts),\n  alpha = sum min(p, q) and tau_hat the acceptance when sampling at tau = 1; this random policy "
+          f"is nearly flat\n  (mean top-token p {top:.3f}, uniform {1 / target.cfg.vocab_size:.3f}), so the untrained "
+          f"draft's flat q overlaps it while its top-1 matches by chance")
     cache = draft.new_cache(1, 32)
     with torch.no_grad():
         h, z = draft.extend(cache, tokens[None, 1:9], {l: t[None, :8] for l, t in out.taps.items()},

@@ -148,7 +148,7 @@ class Microbatch:
 
 def shard_for_cp(mb: Microbatch, cp: int, rank: int, fill=None) -> Microbatch:
     """CP rank `rank`'s zigzag shard of a whole microbatch (branch_mask.py's layout): every sequence padded to a
-    multiple of 2*cp, then tokens, global positions and every per-token tensor in `extra` sharded alike.
+    multiple of 2*cp, then tokens, global positions and every (T, ...) tensor in `extra` sharded alike.
     fill = {extra key: pad value} (default 0; e.g. {"labels": -100})."""
     if cp == 1:
         return mb

@@ -24,11 +24,20 @@ For each prompt, G responses o_1..o_G are sampled (speculatively, exactly from p
      The two graphs share no tensor, so the policy gets no gradient from L_draft and the draft none from L_policy;
      each has its own optimizer, learning rate and gradient clipping.
 
-Everything works on a `RolloutBatch`: S prompt+response sequences packed into T tokens with per-token arrays (token t's
-entry is about predicting tokens[t] from its prefix), so a micro-batch is just a subset of sequences (`select`).
-The loop that uses these pieces is train.py (`python train.py`); the tests are tests/test_rl_loop.py.
+Everything works on a `RolloutBatch`: S prompt+response sequences packed into T tokens, so a micro-batch is just a
+subset of sequences (`select`). The loop that uses these pieces is train.py (`python train.py`); the tests are
+tests/test_rl_loop.py.
 
-Letters: T packed tokens, S sequences, G group size, V vocab, H hidden.
+Indexing, one rule for every packed (T,) array: entry t is about tokens[t], the token itself. resp_mask[t] says
+it is a response token; old_logp[t], ref_logp[t] and next_token_logp(...)[t] are log p(tokens[t] | the tokens before
+it in its sequence), 0 at a sequence's first token, which nothing predicts; speculative.Rollout.logprobs[b][j] is the
+log-prob of generated token j. The model's outputs (logits, hidden states, taps) sit at the row that computes them,
+so their row t predicts tokens[t+1]; an array read next to those rows -- the draft's loss mask (`draft_mask`,
+Eagle3Draft.ttt_loss's loss_mask, draft_loss.pass_targets) and the labels and weights dist_step moves under CP -- is
+a per-token array moved one row up by `per_prediction` (out[t] = x[t+1], zero at a sequence's last row) and is
+called "per prediction" where it is defined.
+
+Letters: T packed tokens, t a row of the packed batch, S sequences, G group size, V vocab, H hidden.
 """
 from __future__ import annotations
 
@@ -98,19 +107,27 @@ class RolloutBatch:
         return RolloutBatch(cu_seqlens=new_cu, adv=self.adv[idx], valid=self.valid[idx], ref_logp=ref, **per_tok)
 
 
+def per_prediction(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Per token (T,) -> per prediction (T,): out[t] = x[t+1], the entry of the token that row t predicts; 0 (False)
+    at each sequence's last row, which predicts nothing (module docstring: indexing)."""
+    out = torch.roll(x, -1).clone()
+    out[cu_seqlens[1:].long() - 1] = 0
+    return out
+
+
 def token_logp(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """logits (T, V), targets (T,) -> (T,) log softmax(logits / tau)[t, targets[t]], in fp32 at least (bf16 logits;
-    fp64 kept). tau: the rollout's temperature -- the distribution the samples came from, so that every log-prob of
-    the update (old, new, reference) is of the same pi. Gathered logit minus logsumexp: never materialises the (T, V)
-    log-softmax."""
+    """logits (T, V), targets (T,) -> (T,) log softmax(logits / tau)[t, targets[t]] (row-aligned: per prediction when
+    targets = per_prediction(tokens)), in fp32 at least (bf16 logits; fp64 kept). tau: the rollout's temperature --
+    the distribution the samples came from, so that every log-prob of the update (old, new, reference) is of the same
+    pi. Gathered logit minus logsumexp: never materialises the (T, V) log-softmax."""
     z = at_least_f32(logits) if temperature == 1.0 else at_least_f32(logits) / temperature
     return z.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(z, -1)
 
 
 def next_token_logp(logits: torch.Tensor, tokens: torch.Tensor, cu_seqlens: torch.Tensor,
                     temperature: float = 1.0) -> torch.Tensor:
-    """logits (T, V) of a packed forward -> (T,) log p_tau(tokens[t] | tokens of its sequence before t); 0 at starts
-    (position t-1 predicts token t). p_tau = softmax(logits / tau), the rollout's temperature."""
+    """logits (T, V) of a packed forward -> per token (T,) log p_tau(tokens[t] | tokens of its sequence before t); 0 at
+    starts (row t-1 predicts token t). p_tau = softmax(logits / tau), the rollout's temperature."""
     lp = token_logp(logits[:-1], tokens[1:], temperature)
     out = torch.zeros(tokens.shape[0], dtype=lp.dtype, device=logits.device)
     starts = torch.zeros_like(tokens, dtype=torch.bool)
@@ -226,12 +243,9 @@ class DraftTrainer:
 
 
 def draft_mask(mb: RolloutBatch) -> torch.Tensor:
-    """(T,) positions whose next-token prediction the draft learns: those predicting a response token (the draft only
-    ever proposes response tokens; a prompt is task input, not policy output). Entry j = prediction made AT j (of tokens[j+1])."""
-    m = torch.zeros_like(mb.resp_mask)
-    m[:-1] = mb.resp_mask[1:]
-    m[mb.cu_seqlens[1:].long() - 1] = False  # a sequence's last position predicts nothing
-    return m
+    """(T,) bool per prediction: the rows whose next-token prediction the draft learns, those predicting a response
+    token (the draft only ever proposes response tokens; a prompt is task input, not policy output)."""
+    return per_prediction(mb.resp_mask, mb.cu_seqlens)
 
 
 def draft_loss(tr: DraftTrainer, taps: dict, logits, mb: RolloutBatch, temperature: float = 1.0):

@@ -1,33 +1,37 @@
-"""GRPO on speculative rollouts with an online co-trained EAGLE-3 draft -- the experiment, in one process.
+"""GRPO on speculative rollouts with an online co-trained EAGLE-3 draft -- the experiment, in one process or many.
 
 Each RL step: sample G responses for each of n prompts with speculative decoding (policy + co-trained draft; lossless,
-so they are exact policy samples), score them (task.py), compute group advantages, then `updates` optimisation steps,
-each ONE policy forward whose logits feed GRPO and whose taps feed the draft's TTT loss (rl_loop.cotrain_step).
-Every `eval_every` steps, on the same held-out prompts, measure the acceptance length of (a) the co-trained draft,
-(b) a frozen copy of the warm-up draft and (c) a draft co-trained from a cold start, and the rollout tokens/s with and
-without speculation. Before RL: SFT warm-up of the policy and offline warm-up of the draft (warmup.py, cached).
+so they are exact policy samples), score them (tasks/), compute group advantages, then `updates` optimisation steps,
+each a dist_step.DistCotrainer.step (harness/update.py): ONE policy forward per micro-batch whose log-probs feed
+GRPO and whose taps feed every draft's TTT loss -- on the 1 x 1 x 1 mesh in one process, the same code as on a larger
+mesh (rl_loop.cotrain_step is the single-process reference it equals, tests/test_dist_step.py). Every `eval_every`
+steps, on the same held-out prompts, measure the acceptance length of (a) the co-trained draft, (b) a frozen copy of
+the warm-up draft, (c) the warm-up draft trained as much offline on fresh pi_0 samples (--offline_arm) and (d) a
+draft co-trained from a cold start (--cold_arm), and the rollout tokens/s with and without speculation
+(harness/eval_arms.py). Before RL: SFT warm-up of the policy and offline warm-up of the draft (harness/warmup.py,
+cached in cache/ for reruns).
 
-    python train.py                # the default experiment: 30 steps, ~7 min on 2 CPU cores from an empty cache
-                                   # (the SFT + draft warm-ups take ~4 min of it and are cached in cache/ for reruns)
-    python train.py --preset smoke           # every code path at a small size, ~2.5 min from scratch
+    python train.py                # the default experiment: 30 steps
+    python train.py --preset smoke           # every code path at a small size
     python train.py --cold_start             # the rollout draft starts untrained and is only co-trained online
     python train.py --steps=40 --lr=2e-4 --out runs/mine      # any Config field as --key=value or --key value
     python train.py --model PATH --data prompts.jsonl         # HF mode: an HF checkpoint (Llama / Qwen2 / Qwen3 with its
                                                               # tokenizer.json), {"prompt", "answer"} lines, math reward
 
 Writes to --out (default runs/<name>): metrics.jsonl (one line per step, "kind": "train" | "eval"), summary.json,
-train.png (plots.py); with --ckpt_every=N also <out>/ckpt/step_* (checkpoint.py), and --resume continues the latest.
+train.png (harness/plots.py); with --ckpt_every=N also <out>/ckpt/step_* (checkpoints/checkpoint.py), and --resume
+continues the latest.
 
 One loop for every world size. One process is a 1 x 1 x 1 mesh; under torchrun (WORLD_SIZE > 1) the same loop runs on a
-DP x PP x CP mesh (--pp, --cp, --dp; default pp=2, cp=2), and the mode shows only where the mesh is made (mesh.py).
-Each step: rollout (every DP replica generates its share with a full policy + draft copy; rollout.py) -> gather (every
-rank gets the whole batch) -> update (GRPO + co-training through the pipeline with CP inside each stage and the
-draft's TTT loss on the last stage; update.py, dist_step.py) -> refit (the full copies) -> eval / log (rank 0;
-eval_arms.py, report.py) -> checkpoint (resume.py). Models live on each rank's own GPU when CUDA is present
-(--device=auto; mesh.pick_device), else on the CPU.
+DP x PP x CP mesh (--pp, --cp, --dp; default pp=2, cp=2), and the mode shows only where the mesh is made
+(harness/mesh.py). Each step: rollout (every DP replica generates its share with a full policy + draft copy;
+harness/rollout.py) -> gather (every rank gets the whole batch) -> update (GRPO + co-training through the pipeline with
+CP inside each stage and the draft's TTT loss on the last stage; harness/update.py, dist_step.py) -> refit (the full
+copies) -> eval / log (rank 0; harness/eval_arms.py, harness/report.py) -> checkpoint (checkpoints/resume.py). Models
+live on each rank's own GPU when CUDA is present (--device=auto; mesh.pick_device), else on the CPU.
 
-    torchrun --standalone --nproc_per_node=4 train.py                         # the default run on pp=2 x cp=2, ~7 min
-    torchrun --standalone --nproc_per_node=4 train.py --preset smoke          # pp=2 x cp=2, ~2.5 min on 2 CPU cores
+    torchrun --standalone --nproc_per_node=4 train.py                         # the default run on pp=2 x cp=2
+    torchrun --standalone --nproc_per_node=4 train.py --preset smoke          # every code path, pp=2 x cp=2
     torchrun --standalone --nproc_per_node=4 train.py --pp=1 --cp=2 --dp=2 --micro_batches=2
 """
 from __future__ import annotations
