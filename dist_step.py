@@ -7,8 +7,8 @@ Why the split of the work does not change the step (rl_loop's module docstring h
      with w_t fixed by the single-process micro-batching (token-mean's per-micro-batch means included). Any partition of
      the tokens over DP replicas, micro-batches and CP shards sums to the same L -- and to the same gradient.
   2. Next-token log-probs under CP. log p(x_t | x_<t) reads the logits at t-1, which may sit on another CP rank. So
-     the labels move instead: position p carries target x_{p+1} and token p+1's w, old/ref log-probs (0 past a
-     sequence's end); each rank then needs only its own logits rows.
+     the labels move instead: they are taken per prediction (rl_loop.py: indexing), row p carrying target x_{p+1}
+     and token p+1's w, old/ref log-probs (0 past a sequence's end); each rank then needs only its own logits rows.
   3. Draft. The draft's TTT loss is a mean per micro-batch (per-pass counts), averaged over the M micro-batches as in
      cotrain_step. DP rank r therefore takes WHOLE single-process micro-batches r, r+dp, ...; under CP ttt_loss(group=)
      returns this rank's share and PipelineSchedule sums draft grads over CP.
@@ -32,13 +32,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from branch_mask import pad_for_cp, position_ids
+from branch_mask import pad_ring_of_one, position_ids
 from parallel.consistency import check_same_cu_seqlens
 from backends.fused_logprob import token_logp as fused_token_logp
 from parallel.grid import Grid
 from model import EMBED_TAP
 from pipeline import Microbatch, PipelineSchedule, build_stage, shard_for_cp, split_layers
-from rl_loop import GRPOConfig, RolloutBatch, aggregate, draft_mask, seq_ids, token_logp, token_losses
+from rl_loop import GRPOConfig, RolloutBatch, aggregate, draft_mask, per_prediction, seq_ids, token_logp, token_losses
 
 
 # ------------------------------------------------------------------------------------------------ the batch, sharded
@@ -58,19 +58,12 @@ def grpo_weights(batch: RolloutBatch, cfg: GRPOConfig, micro_batches: int) -> to
     return w
 
 
-def _to_positions(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Per-token (T,) -> per predicting position: out[p] = x[p+1], 0 at each sequence's last position (step 2)."""
-    out = torch.roll(x, -1).clone()
-    out[cu_seqlens[1:].long() - 1] = 0
-    return out
-
-
 def microbatches(batch: RolloutBatch, w: torch.Tensor, micro_batches: int, grid: Grid, *, pad_even: bool = False) -> list:
     """This DP rank's micro-batches (whole single-process micro-batches r, r+dp, ...; step 3), CP-sharded.
-    pad_even: at cp = 1 too, pad every sequence to an even length (ring_branch_attention as a ring of one).
+    pad_even: at cp = 1 too, pad odd sequences to an even length (ring_branch_attention as a ring of one).
 
-    extra: tgt / w / old / ref / resp per predicting position, adv per position, dmask (the draft's loss mask) and
-    chunk (the single-process micro-batch index)."""
+    extra: tgt / w / old / ref / resp per prediction (step 2), adv per row, dmask (the draft's loss mask, per
+    prediction) and chunk (the single-process micro-batch index)."""
     cu = batch.cu_seqlens.long()
     chunks = list(torch.arange(batch.num_seqs).chunk(micro_batches))
     mine = list(range(len(chunks)))[grid.dp_rank::grid.dp]
@@ -83,9 +76,9 @@ def microbatches(batch: RolloutBatch, w: torch.Tensor, micro_batches: int, grid:
         idx = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in chunks[j].tolist()])
         c = mb.cu_seqlens
         ref = mb.ref_logp if mb.ref_logp is not None else torch.zeros_like(mb.old_logp)
-        extra = {"tgt": _to_positions(mb.tokens, c), "w": _to_positions(w[idx], c),
-                 "old": _to_positions(mb.old_logp, c), "ref": _to_positions(ref, c),
-                 "resp": _to_positions(mb.trained_mask(), c), "adv": mb.adv[seq_ids(c)],
+        extra = {"tgt": per_prediction(mb.tokens, c), "w": per_prediction(w[idx], c),
+                 "old": per_prediction(mb.old_logp, c), "ref": per_prediction(ref, c),
+                 "resp": per_prediction(mb.trained_mask(), c), "adv": mb.adv[seq_ids(c)],
                  "dmask": draft_mask(mb), "chunk": j}
         mb = shard_for_cp(Microbatch(mb.tokens, c, None, extra), grid.cp, grid.cp_rank)
         out.append(_pad_even(mb) if pad_even and grid.cp == 1 else mb)
@@ -93,9 +86,11 @@ def microbatches(batch: RolloutBatch, w: torch.Tensor, micro_batches: int, grid:
 
 
 def _pad_even(mb: Microbatch) -> Microbatch:
-    """The zigzag layout at cp = 1: sequences padded at their ends to even lengths, as shard_for_cp pads for cp >= 2.
-    Padding rows carry no loss (their w, resp and dmask are 0) and causal attention hides them from real rows."""
-    pad = pad_for_cp(mb.cu_seqlens, 1)
+    """The zigzag layout at cp = 1 (branch_mask.pad_ring_of_one says why): odd sequences padded at their ends to even
+    lengths, as shard_for_cp pads for cp >= 2. Padding rows carry no loss (their w, resp and dmask are 0)."""
+    pad = pad_ring_of_one(mb.cu_seqlens)
+    if pad is None:
+        return mb
     T = mb.tokens.shape[0]
     extra = {k: pad.pad(v) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == T else v
              for k, v in mb.extra.items()}
@@ -164,7 +159,7 @@ class DistCotrainer:
 
         def loss_fn(z, mb):  # logits (T, V), or the final hidden (T, H) when fused -> dp * this rank's share of L
             e = mb.extra
-            logp = self._token_logp(z, e["tgt"], cfg.temperature)  # (T,) log p_tau(x_{p+1} | x_<=p) at the position
+            logp = self._token_logp(z, e["tgt"], cfg.temperature)  # (T,) per prediction: log p_tau(x_{p+1} | x_<=p)
             l, clipped, kl = token_losses(logp, e["old"], e["adv"], e["ref"], cfg)
             with torch.no_grad():
                 m = e["resp"].double()

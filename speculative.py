@@ -11,7 +11,7 @@ p the policy's and q the draft's next-token distributions, both at temperature t
 and `finish` truncates each row at EOS / max_new_tokens.
 Every emitted token is distributed exactly as policy sampling [Leviathan et al. 2023; Chen et al. 2023]; tau = 0 is
 greedy (accept iff d_j = argmax p_j) and reproduces plain greedy decoding token for token. The acceptance length,
-bonus included (1.0 = no speedup), is defined once, here:
+bonus included (1.0 = no speedup), is defined here, once:
     acceptance length = sum_forwards (tokens the row keeps from that forward) / sum_forwards (rows active in it)
 the prefill forward and its token excluded; the forward in which a row stops counts only the tokens kept up to EOS or
 max_new_tokens (kept_tokens). So returned tokens = rows with a prefill token + the numerator, exactly.
@@ -57,7 +57,7 @@ class SpecStats:
 @dataclass
 class Rollout:
     tokens: list  # per prompt: (n_b,) generated ids, prompt excluded, ending with eos_id if it was produced
-    logprobs: list  # per prompt: (n_b,) the policy's log-probs of those tokens
+    logprobs: list  # per prompt: (n_b,) per token (rl_loop.py: indexing), [b][j] the policy's log-prob of tokens[b][j]
     stats: SpecStats
 
 
@@ -348,8 +348,6 @@ def finish(s: _Decode, seconds: float) -> Rollout:
 
 
 if __name__ == "__main__":
-    from parallel.cli import answer_help
-    answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
     from branch_mask import cu_seqlens_from_lengths
     from draft import Eagle3Draft
     from model import ModelConfig, greedy_generate
