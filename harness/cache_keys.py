@@ -146,19 +146,18 @@ def spec_key(kind: str, spec) -> str:
 # ----------------------------------------------------------------------------------------------------- the specs
 @dataclass(frozen=True)
 class PolicySpec:
-    """Everything the SFT warm-up of the built-in task reads (warmup.warm_policy)."""
+    """Everything the SFT warm-up reads (warmup.warm_policy)."""
     model: ModelConfig  # the policy's architecture (its vocab is the task's)
-    task: object  # task.CountUpTask: its tokenizer and problem source make the demonstrations
+    task: object  # tasks/protocol.py: its demonstrations (encode_demo; the built-in task's p_explicit with them)
     steps: int
     batch: int
     lr: float
-    p_explicit: float  # a demonstration writes each step explicitly with this probability
     seed: int  # the initial weights and the demonstrations' sampler
 
     @classmethod
     def from_config(cls, cfg, tsk) -> PolicySpec:
         return cls(ModelConfig.preset(cfg.model, vocab_size=tsk.tok.vocab_size), tsk, cfg.sft_steps, cfg.sft_batch,
-                   cfg.sft_lr, cfg.p_explicit, cfg.seed)
+                   cfg.sft_lr, cfg.seed)
 
     def key(self) -> str:
         return spec_key("policy", self)

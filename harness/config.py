@@ -30,6 +30,7 @@ from model import PRESETS as MODEL_PRESETS
 from pipeline import SCHEDULES
 from rl_loop import LOSS_NORMS
 from decoding.speculative_tree import Tree
+from tasks.protocol import TASKS, factory
 
 
 @dataclass
@@ -42,7 +43,8 @@ class Config:
     device: str = "auto"  # auto: each process's own GPU when CUDA is present and every local rank gets one, else CPU
     out: str = ""  # "" -> runs/<name>
     cache_dir: str = "cache"  # where the warm-ups are cached, keyed by every input and the code that computes them
-    # task (task.py)
+    # task (tasks/protocol.py; the built-in one: tasks/task.py)
+    task: str = "countup"  # a name in tasks/protocol.TASKS, or module:factory (factory(cfg) -> task); not in HF mode
     min_steps: int = 4  # chain length range of the count-up problems
     max_steps: int = 7  # (upper end of the chain length range)
     p_explicit: float = 0.7  # SFT demos write a step explicitly with this probability (RL raises it towards 1)
@@ -127,6 +129,9 @@ class Config:
             if not self.data:
                 raise ValueError(f"model={self.model!r} is an HF checkpoint: HF mode needs --data=prompts.jsonl "
                                  "or .parquet (a prompt and an answer per row)")
+            if self.task != "countup":
+                raise ValueError(f"--task={self.task}: HF mode (--model={self.model}) takes its task from --data; "
+                                 "expected the default --task=countup")
         elif self.data:
             raise ValueError(f"data={self.data!r}: prompts from a file need --model=<HF checkpoint directory> "
                              "(the built-in task generates its own)")
@@ -179,6 +184,8 @@ CHECKS = {
     "device":             one_of("auto", "cpu", "cuda"),
     "out":                ((lambda v, c: not os.path.isfile(v)), "a directory ('' = runs/<name>), not a file"),
     "cache_dir":          a_dir_path("a directory"),
+    "task":               ((lambda v, c: _task_ok(v)),
+                           f"one of {', '.join(TASKS)}, or an importable module:factory (factory(cfg) -> task)"),
     "min_steps":          ((lambda v, c: 1 <= v <= c.max_steps), "in [1, max_steps={max_steps}]"),
     "max_steps":          ((lambda v, c: c.min_steps <= v <= 18), "in [min_steps={min_steps}, 18]"),
     "p_explicit":         ((lambda v, c: 0 <= v <= 1), "in [0, 1]"),
@@ -249,6 +256,14 @@ CHECKS = {
     "overwrite":          ((lambda v, c: not (v and c.resume)), "false with --resume (a resume keeps the run's files)"),
     "dist_timeout":       at_least(1),
 }
+
+def _task_ok(name: str) -> bool:
+    try:
+        factory(name)
+        return True
+    except ValueError:
+        return False
+
 
 def _backends_ok(spec: str) -> bool:
     try:

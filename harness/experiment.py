@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tasks import task
+from tasks.protocol import Demonstrations, make_task
 from harness import warmup
 from harness.cache_keys import DraftSpec, PolicySpec, hf_policy_key
 from backends.attention_padded import padded_branch_attention, padded_causal_attention
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 @dataclass
 class Setup:
     cfg: Config
-    task: object  # task.CountUpTask or hf_task.HFTask: tok, sample, eval_set, encode_prompt, score, max_new_tokens
+    task: object  # tasks/protocol.Task (--task's, or hf_task.HFTask): tok, sample, eval_set, encode_prompt, score, ...
     policy: torch.nn.Module  # the full policy this rank generates with (refitted after every update)
     ref: torch.nn.Module  # frozen pi_0 (the warm policy): KL drift and the optional k3 penalty
     drafts: dict  # arm name -> DraftTrainer ("cotrained" drives the rollouts; "cold" is evaluated only)
@@ -56,20 +56,21 @@ class Setup:
 
 
 def build_task(cfg: Config):
-    """The built-in count-up task, or in HF mode the prompts file with the checkpoint's tokenizer (hf_task.py)."""
+    """The task --task names (tasks/protocol.py; default the built-in count-up task), or in HF mode the prompts file
+    with the checkpoint's tokenizer (hf_task.py)."""
     if cfg.hf_mode:
         from tasks.hf_task import HFTask
         return HFTask(cfg.model, cfg.data, eval_fraction=cfg.eval_fraction, seed=cfg.seed,
                       max_prompt_tokens=cfg.max_prompt_tokens, max_new_tokens=cfg.max_new_tokens or 256,
                       prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, chat_template=cfg.chat_template)
-    tsk = task.CountUpTask(cfg.min_steps, cfg.max_steps, cfg.format_weight)
+    tsk = make_task(cfg.task, cfg)
     tsk.max_new_tokens = cfg.max_new_tokens or tsk.max_new_tokens
     return tsk
 
 
 def build_policy(cfg: Config, tsk, log=print, device=None) -> tuple[Transformer, str, bool]:
-    """-> (policy on `device`, cache key, loaded): the SFT'd policy of the built-in task (cached), or the HF checkpoint
-    as is."""
+    """-> (policy on `device`, cache key, loaded): the policy SFT'd on the task's demonstrations (cached; a task
+    without any: the seeded random initialisation), or the HF checkpoint as is."""
     if cfg.hf_mode:
         policy, key = from_pretrained(cfg.model).to(device), hf_policy_key(cfg.model)
         n = sum(p.numel() for p in policy.parameters())
@@ -80,12 +81,14 @@ def build_policy(cfg: Config, tsk, log=print, device=None) -> tuple[Transformer,
     t0 = time.perf_counter()
     policy, key, loaded = warmup.warm_policy(PolicySpec.from_config(cfg, tsk), cache_dir=cfg.cache_dir,
                                              log_every=max(cfg.sft_steps // 6, 1), device=device)
-    log(f"policy SFT warm-up: {'loaded from cache' if loaded else 'trained'} ({key}, {time.perf_counter() - t0:.0f}s)")
+    done = ("loaded from cache" if loaded else "trained" if isinstance(tsk, Demonstrations)
+            else "none (the task has no demonstrations)")
+    log(f"policy SFT warm-up: {done} ({key}, {time.perf_counter() - t0:.0f}s)")
     return policy, key, loaded
 
 
 def policy_key(cfg: Config, tsk) -> str:
-    """The warm policy's cache key, without training: the SFT spec's (built-in task) or the HF checkpoint's."""
+    """The warm policy's cache key, without training: the SFT spec's (a --task task) or the HF checkpoint's."""
     return hf_policy_key(cfg.model) if cfg.hf_mode else PolicySpec.from_config(cfg, tsk).key()
 
 

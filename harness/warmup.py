@@ -1,8 +1,10 @@
 """Warm-up before RL: SFT of the policy on demonstrations, then the draft on the warm policy's own samples.
 
-  1. Policy SFT: next-token cross-entropy on the response tokens of task demonstrations (task.demo_response, each chain
-     step explicit with probability p_explicit), AdamW with linear warm-up and cosine decay. Cheap to reuse, so the
-     result is cached on disk (HF format, `cache/policy-<key>/`) and later runs load it.
+  1. Policy SFT: next-token cross-entropy on the response tokens of the task's demonstrations (tsk.encode_demo,
+     tasks/protocol.py; the built-in task writes each chain step explicitly with probability p_explicit), AdamW with
+     linear warm-up and cosine decay. Cheap to reuse, so the result is cached on disk (HF format,
+     `cache/policy-<key>/`) and later runs load it. A task without demonstrations gets no SFT: the policy is its
+     seeded random initialisation.
   2. Draft warm-up (EAGLE-3's offline stage): sample responses from the warm policy (temperature 1), run the policy's
      packed forward to get taps and logits, and fit the draft's multi-pass TTT loss with the policy as teacher. Also
      cached (`cache/draft-<key>/`, draft.py's save/load), keyed on the policy's key too.
@@ -25,7 +27,7 @@ import time
 import torch
 
 import speculative
-from tasks import task
+from tasks.protocol import Demonstrations, make_task
 from harness.cache_keys import DraftSpec, PolicySpec
 from draft import Eagle3Draft
 from serving.hf_io import from_pretrained, save_pretrained
@@ -46,11 +48,12 @@ def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def sft_batch(tok, source, n: int, p_explicit: float, rng: random.Random):
-    """n demonstrations packed: tokens (T,), cu_seqlens (S+1,), loss mask (T,) = response tokens (incl. <eos>)."""
+def sft_batch(tsk: Demonstrations, n: int, rng: random.Random):
+    """n demonstrations of the train split packed: tokens (T,), cu_seqlens (S+1,), loss mask (T,) = response tokens
+    (incl. <eos>)."""
     seqs, masks = [], []
-    for p in source.sample(n, rng, "train"):
-        x, n_prompt = task.encode_demo(tok, p, p_explicit, rng)
+    for p in tsk.sample(n, rng, "train"):
+        x, n_prompt = tsk.encode_demo(p, rng)
         seqs.append(x)
         m = torch.zeros(x.numel(), dtype=torch.bool)
         m[n_prompt:] = True
@@ -59,7 +62,7 @@ def sft_batch(tok, source, n: int, p_explicit: float, rng: random.Random):
     return tokens, cu, torch.cat(masks)
 
 
-def sft_policy(policy: Transformer, tok, source, *, steps: int, batch: int, lr: float, p_explicit: float, seed: int,
+def sft_policy(policy: Transformer, tsk: Demonstrations, *, steps: int, batch: int, lr: float, seed: int,
                log_every: int = 0) -> list:
     """Supervised warm-up in place. Returns the loss per step."""
     rng = random.Random(seed)
@@ -70,7 +73,7 @@ def sft_policy(policy: Transformer, tok, source, *, steps: int, batch: int, lr: 
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup=max(steps // 20, 1))
-        tokens, cu, mask = (t.to(dev) for t in sft_batch(tok, source, batch, p_explicit, rng))
+        tokens, cu, mask = (t.to(dev) for t in sft_batch(tsk, batch, rng))
         logits = policy(tokens, cu, attn_fn=padded_causal_attention).logits  # (T, V)
         loss = -(next_token_logp(logits, tokens, cu) * mask).sum() / mask.sum()
         if not math.isfinite(loss.item()):
@@ -88,17 +91,21 @@ def sft_policy(policy: Transformer, tok, source, *, steps: int, batch: int, lr: 
 
 def warm_policy(spec: PolicySpec, *, cache_dir: str = "cache", log_every: int = 0,
                 device=None) -> tuple[Transformer, str, bool]:
-    """The SFT'd policy on `device` (default CPU), from `cache_dir` when an identical warm-up was run before.
+    """The SFT'd policy on `device` (default CPU), from `cache_dir` when an identical warm-up was run before; a task
+    without demonstrations (no encode_demo): the seeded random initialisation, nothing cached.
     Returns (policy, key, loaded). Everything that shapes it comes from `spec` (its key: spec.key()); the device does
     not: a CPU-trained policy serves a GPU run."""
     key = spec.key()
+    if not isinstance(spec.task, Demonstrations):
+        torch.manual_seed(spec.seed)
+        return Transformer(spec.model).to(device), key, False
     path = os.path.join(cache_dir, f"policy-{key}")
     if os.path.isfile(os.path.join(path, "config.json")):
         return from_pretrained(path).to(device), key, True
     torch.manual_seed(spec.seed)
     policy = Transformer(spec.model).to(device)  # initialised on the CPU: the same weights on every device
-    sft_policy(policy, spec.task.tok, spec.task.source, steps=spec.steps, batch=spec.batch, lr=spec.lr,
-               p_explicit=spec.p_explicit, seed=spec.seed, log_every=log_every)
+    sft_policy(policy, spec.task, steps=spec.steps, batch=spec.batch, lr=spec.lr, seed=spec.seed,
+               log_every=log_every)
     tmp = f"{path}.tmp{os.getpid()}"
     save_pretrained(policy, tmp)
     os.replace(tmp, path) if not os.path.exists(path) else None  # another run may have finished first: keep theirs
@@ -167,16 +174,16 @@ def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache"
 
 
 @torch.no_grad()
-def evaluate_policy(policy, tok, problems, max_new_tokens: int, *, temperature: float, format_weight: float,
-                    seed: int = 0) -> dict:
-    """Mean reward, accuracy, explicit-step fraction and response length on `problems`."""
+def evaluate_policy(policy, tsk, problems, max_new_tokens: int, *, temperature: float, seed: int = 0) -> dict:
+    """Mean reward, accuracy, explicit-step fraction (0 for a task without one) and response length on `problems`."""
     g = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
-    prompts = [task.encode_prompt(tok, p) for p in problems]
+    prompts = [tsk.encode_prompt(p) for p in problems]
     resp = [r.cpu() for r in speculative.generate(policy, None, prompts, max_new_tokens=max_new_tokens,
-                                                  temperature=temperature, eos_id=tok.eos_id, generator=g).tokens]
-    R, parts = task.score(tok, problems, resp, format_weight)
+                                                  temperature=temperature, eos_id=tsk.tok.eos_id, generator=g).tokens]
+    R, parts = tsk.score(problems, resp)
     return {"reward": float(R.mean()), "correct": float(parts["correct"].mean()),
-            "explicit": float(parts["explicit"].mean()), "resp_len": sum(r.numel() for r in resp) / len(resp)}
+            "explicit": float(parts["explicit"].mean()) if "explicit" in parts else 0.0,
+            "resp_len": sum(r.numel() for r in resp) / len(resp)}
 
 
 if __name__ == "__main__":
@@ -187,15 +194,13 @@ if __name__ == "__main__":
     c = parse_args(sys.argv[1:], usage=describe(__doc__, __file__))  # -h / --help: train.py's flags, exit 0
     torch.set_num_threads(c.threads)
     if c.hf_mode:
-        sys.exit("warmup.py: the SFT warm-up is for the built-in task; an HF checkpoint (--model=DIR) is used as is")
-    tsk = task.CountUpTask(c.min_steps, c.max_steps, c.format_weight)  # as experiment.build_task: the same key
+        sys.exit("warmup.py: the SFT warm-up is for --task tasks; an HF checkpoint (--model=DIR) is used as is")
+    tsk = make_task(c.task, c)  # as experiment.build_task: the same key
     tsk.max_new_tokens = c.max_new_tokens or tsk.max_new_tokens
-    tok, src = tsk.tok, tsk.source
     t0 = time.time()
     policy, key, loaded = warm_policy(PolicySpec.from_config(c, tsk), cache_dir=c.cache_dir,
                                       log_every=max(c.sft_steps // 12, 1))
     print(f"policy {key} ({'loaded' if loaded else 'trained'}) in {time.time() - t0:.0f}s")
-    evalset, budget = src.eval_set(256), task.max_response_tokens(c.max_steps)
     for T in (0.0, 1.0):
-        print(f"held-out, temperature {T}:", evaluate_policy(policy, tok, evalset, budget, temperature=T,
-                                                            format_weight=c.format_weight))
+        print(f"held-out, temperature {T}:", evaluate_policy(policy, tsk, tsk.eval_set(256), tsk.max_new_tokens,
+                                                            temperature=T))

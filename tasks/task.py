@@ -212,19 +212,23 @@ def score(tok: Tokenizer, problems: list[Problem], responses: list[torch.Tensor]
 
 
 class CountUpTask:
-    """The built-in task behind the interface the experiment uses (hf_task.HFTask has the same one):
+    """The built-in task behind the interface the experiment uses (tasks/protocol.py; hf_task.HFTask has it too):
     tok (eos_id, encode/decode), sample(k, rng, split), eval_set(k, seed), encode_prompt(p) -> (Tp,) ids,
-    score(problems, responses) -> (R (B,), {"correct": (B,), "explicit": (B,)}), max_new_tokens."""
+    score(problems, responses) -> (R (B,), {"correct": (B,), "explicit": (B,)}), max_new_tokens, fingerprint(), and
+    the SFT demonstrations encode_demo(p, rng), each step explicit with probability p_explicit."""
 
-    def __init__(self, min_steps: int = 4, max_steps: int = 7, format_weight: float = 0.5):
+    def __init__(self, min_steps: int = 4, max_steps: int = 7, format_weight: float = 0.5, p_explicit: float = 0.7):
         self.tok, self.source, self.format_weight = Tokenizer(), ProblemSource(min_steps, max_steps), format_weight
         self.max_new_tokens = max_response_tokens(max_steps)
+        self.p_explicit = p_explicit
 
     def fingerprint(self) -> dict:
         """Everything that shapes the prompts, demonstrations and rewards (JSON data; the warm-ups' cache keys hash
-        it): the vocabulary, the problem source, the reward's format weight, the response budget."""
+        it): the vocabulary, the problem source, the reward's format weight, the response budget, the demonstrations'
+        p_explicit."""
         return {"task": "count-up", "vocab": list(self.tok.vocab), "source": self.source.fingerprint(),
-                "format_weight": self.format_weight, "max_new_tokens": self.max_new_tokens}
+                "format_weight": self.format_weight, "max_new_tokens": self.max_new_tokens,
+                "p_explicit": self.p_explicit}
 
     def sample(self, k: int, rng: random.Random, split: str = "train") -> list[Problem]:
         return self.source.sample(k, rng, split)
@@ -237,6 +241,9 @@ class CountUpTask:
 
     def score(self, problems: list[Problem], responses: list[torch.Tensor]):
         return score(self.tok, problems, responses, self.format_weight)
+
+    def encode_demo(self, p: Problem, rng: random.Random) -> tuple[torch.Tensor, int]:
+        return encode_demo(self.tok, p, self.p_explicit, rng)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ BAD_VALUE = {
     "pp": "0", "cp": "0", "dp": "-1", "schedule": "gpipe", "ckpt_every": "-1", "dist_timeout": "0",
     "prompt_key": "", "answer_key": "", "chat_template": "nope.jinja", "draft_vocab": "-1", "log": "csv", "tree": "2,0,1",
     "attn_backend": "cuda", "logprob_chunk": "-1",
-    "rl_seed": "-2", "eval_draft_tokens": "-1", "bootstrap": "0",
+    "rl_seed": "-2", "eval_draft_tokens": "-1", "bootstrap": "0", "task": "nope",
 }
 FIELDS = {f.name: f.type for f in dataclasses.fields(Config)}
 

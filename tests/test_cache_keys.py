@@ -64,7 +64,8 @@ def reads(cfg) -> tuple[set, set]:
 DRAFT_CHANGES = {"draft_warmup_steps": 3, "draft_warmup_batch": 5, "draft_warmup_lr": 2e-3, "draft_warmup_pool": 9,
                  "ttt_passes": 2, "draft_vocab": 6, "seed": 1}
 BUILTIN_CHANGES = {"model": "mini", "min_steps": 2, "max_steps": 3, "p_explicit": 0.5, "format_weight": 1.0,
-                   "max_new_tokens": 7, "sft_steps": 4, "sft_batch": 9, "sft_lr": 2e-2, **DRAFT_CHANGES}
+                   "max_new_tokens": 7, "sft_steps": 4, "sft_batch": 9, "sft_lr": 2e-2,
+                   "task": "docs.examples.parity_task:ParityTask", **DRAFT_CHANGES}
 HF_CHANGES = {"model": "<other checkpoint>", "data": "<other data>", "prompt_key": "question", "answer_key": "solution",
               "chat_template": "<other template>", "eval_fraction": 0.4, "max_prompt_tokens": 50, "max_new_tokens": 11,
               **DRAFT_CHANGES}
