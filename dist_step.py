@@ -184,7 +184,8 @@ class DistCotrainer:
                 for k, dr in enumerate(self.watch):
                     metrics[(mb.extra["chunk"], K + k)] = dr.ttt_loss(
                         d.taps, mb.tokens, mb.cu_seqlens, loss_mask=mb.extra["dmask"],
-                        num_passes=self.drafts[0].num_passes if self.drafts else 3, position_ids=mb.position_ids,
+                        num_passes=self.drafts[0].num_passes if self.drafts else 3,
+                        pass_weight=self.drafts[0].pass_weight if self.drafts else 0.8, position_ids=mb.position_ids,
                         attn_fn=self._draft_attn(self.drafts[0].attn_fn if self.drafts else None), **backend,
                         **teacher)[1]
             acc[5] += time.perf_counter() - t0

@@ -9,8 +9,9 @@ Pass d's query at anchor i attends to the *trunk* -- the pass-1 keys at position
 its *branch* -- the keys of passes 2..d at anchor i (RoPE positions i+1..i+d-1). That is exactly the key set the draft
 sees at inference after d-1 own steps from anchor i, so training matches inference; the attention is
 `attention_cp.ring_branch_attention`, which also runs it under context parallelism (zigzag ring for the trunk, the
-branch local). Loss: L = sum_d w_d * mean_i CE(p_{i+d}, q^d_i), w_d = 0.8^(d-1) (soft CE = forward KL + const),
-streamed over token chunks by draft_loss.py (no (T, V) tensor kept; the teacher may be the policy's hidden + LM head).
+branch local). Loss: L = sum_d w_d * mean_i CE(p_{i+d}, q^d_i), w_d = pass_weight^(d-1) (0.8 unless --ttt_decay)
+(soft CE = forward KL + const), streamed over token chunks by draft_loss.py (no (T, V) tensor kept; the teacher may be
+the policy's hidden + LM head).
 Metrics per pass: top-1 agreement with the teacher, that agreement given all earlier passes agreed, the expected
 acceptance alpha_d = E sum_x min(p(x), q(x)), and the predicted acceptance length
 tau_hat = 1 + sum_k prod_{j<=k} alpha_j.

@@ -178,12 +178,14 @@ class DraftSpec:
     draft_vocab: int  # N > 0: the draft names only the N most frequent tokens of the sampled responses
     attn_fn: object = None  # the policy's attention in the teacher forward (None: the model's own)
     draft_attn_fn: object = None  # the draft's attention in its TTT passes
+    tap_layers: tuple = ()  # the policy layers the draft reads; (): model.default_tap_layers (its code is in the key)
+    pass_weight: float = 0.8  # the TTT loss weighs pass d by pass_weight^(d-1)
 
     @classmethod
     def from_config(cls, cfg, tsk, policy_key: str, *, attn_fn=None, draft_attn_fn=None) -> DraftSpec:
         return cls(policy_key, tsk, cfg.draft_warmup_steps, cfg.draft_warmup_batch, cfg.draft_warmup_lr,
                    cfg.draft_warmup_pool, tsk.max_new_tokens, cfg.ttt_passes, cfg.seed, cfg.draft_vocab, attn_fn,
-                   draft_attn_fn)
+                   draft_attn_fn, tuple(cfg.tap_layers), cfg.ttt_decay)
 
     def key(self) -> str:
         return spec_key("draft", self)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import os
 import textwrap
@@ -74,6 +75,8 @@ class Config:
     draft_lam: float = 1.0  # total = L_policy + draft_lam * L_draft
     draft_grad_clip: float = 1.0  # gradient-norm clip of every draft's update
     ttt_passes: int = 3  # TTT passes: the draft is unrolled this many steps ahead in training
+    ttt_decay: float = 0.8  # the TTT loss weights pass d by ttt_decay^(d-1) (EAGLE-3's 0.8)
+    tap_layers: tuple = ()  # the policy layers the draft reads, --tap_layers=0,2,4; (): model.default_tap_layers
     draft_vocab: int = 0  # N > 0: the draft names only the N most frequent response tokens of its warm-up (0 = full)
     # RL
     steps: int = 30  # RL steps (each: rollouts, then `updates` optimisation steps)
@@ -217,6 +220,11 @@ CHECKS = {
     "draft_lam":          at_least(0),
     "draft_grad_clip":    above(0),  # clip_grad_norm_ with a bound <= 0 flips or zeroes the gradient
     "ttt_passes":         at_least(1),
+    "ttt_decay":          ((lambda v, c: 0 <= v <= 1), "in [0, 1] (pass d weighs ttt_decay^(d-1); 0: pass 1 only)"),
+    "tap_layers":         ((lambda v, c: _taps_ok(v, c)),
+                           "'' (the default rule, model.default_tap_layers) or 3 ascending layer ids in [0, the "
+                           "policy's layers - 2], e.g. --tap_layers=0,2,4: the served EAGLE-3 draft (vLLM, SGLang) "
+                           "reads exactly 3 aux hidden states, none of them the last layer's output"),
     "steps":              at_least(1),
     "prompts_per_step":   at_least(1),
     "group_size":         at_least(2),  # GRPO's advantage is relative to the group: one sample has none
@@ -263,6 +271,28 @@ def _task_ok(name: str) -> bool:
         return True
     except ValueError:
         return False
+
+
+def _policy_layers(c) -> int | None:
+    """The policy's number of layers: the --model preset's, or an HF checkpoint's config.json; None if unreadable."""
+    if c.model in MODEL_PRESETS:
+        return MODEL_PRESETS[c.model].num_hidden_layers
+    try:
+        with open(os.path.join(c.model, "config.json")) as f:
+            return int(json.load(f)["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # the model's own row reports it
+
+
+def _taps_ok(taps: tuple, c) -> bool:
+    """() or the served format's taps: exactly 3 ascending integer ids in [0, n - 2] (serving/export.py)."""
+    n = _policy_layers(c)
+    if not isinstance(taps, tuple):
+        return False
+    if taps == () or n is None:
+        return True
+    return (len(taps) == 3 and all(type(t) is int for t in taps) and list(taps) == sorted(set(taps))
+            and 0 <= taps[0] and taps[-1] <= n - 2)
 
 
 def _backends_ok(spec: str) -> bool:

@@ -154,13 +154,16 @@ def build_models(cfg: Config, dev: torch.device, log=print) -> Setup:
 
     def trainer(d):
         return DraftTrainer(d, torch.optim.AdamW(d.parameters(), lr=cfg.draft_lr, weight_decay=0.0), lam=cfg.draft_lam,
-                            grad_clip=cfg.draft_grad_clip, num_passes=cfg.ttt_passes, attn_fn=padded_branch_attention)
+                            grad_clip=cfg.draft_grad_clip, num_passes=cfg.ttt_passes, pass_weight=cfg.ttt_decay,
+                            attn_fn=padded_branch_attention)
 
     torch.manual_seed(cfg.run_seed + 7)
     vocab = warm.draft_to_target if cfg.draft_vocab else None  # every arm names the same draft tokens
-    drafts = {"cotrained": trainer(Eagle3Draft.from_target(policy, draft_vocab=vocab) if cfg.cold_start else warm)}
+    taps = warm.tap_layers  # --tap_layers, or the default rule: every arm reads the same taps
+    drafts = {"cotrained": trainer(Eagle3Draft.from_target(policy, tap_layers=taps, draft_vocab=vocab)
+                                   if cfg.cold_start else warm)}
     if cfg.cold_arm and not cfg.cold_start:
-        drafts["cold"] = trainer(Eagle3Draft.from_target(policy, draft_vocab=vocab))
+        drafts["cold"] = trainer(Eagle3Draft.from_target(policy, tap_layers=taps, draft_vocab=vocab))
     grpo = GRPOConfig(eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta=cfg.beta, std_norm=cfg.std_norm,
                       loss_norm=cfg.loss_norm, max_len=tsk.max_new_tokens, temperature=cfg.temperature)
     r = cfg.run_seed  # the RL phase's streams; the warm-ups and the held-out prompts follow cfg.seed (shared)

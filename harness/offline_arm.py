@@ -39,7 +39,7 @@ class OfflineArm:
         self.cfg, self.task, self.ref = cfg, tsk, ref
         self.tr = DraftTrainer(draft, torch.optim.AdamW(draft.parameters(), lr=cfg.draft_lr, weight_decay=0.0),
                                lam=cfg.draft_lam, grad_clip=cfg.draft_grad_clip, num_passes=cfg.ttt_passes,
-                               attn_fn=padded_branch_attention)
+                               pass_weight=cfg.ttt_decay, attn_fn=padded_branch_attention)
         dev = next(ref.parameters()).device
         self.rng = random.Random(seed + 555)  # its own prompt stream: fresh prompts, not the rollouts'
         self.gen = torch.Generator(device=dev).manual_seed(seed + 556)

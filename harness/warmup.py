@@ -117,7 +117,8 @@ def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache"
     """A draft fitted offline to the warm policy's own samples (cached). Returns (draft, loaded).
     policy: the model spec.policy_key names. Everything else that shapes the draft comes from `spec` (its key:
     spec.key()): the task (its train prompts and EOS), steps (0: an untrained draft), draft_vocab = N > 0 (the draft
-    names only the N most frequent target tokens of the sampled responses, draft_vocab.py), ...
+    names only the N most frequent target tokens of the sampled responses, draft_vocab.py), tap_layers (the policy
+    layers it reads; (): model.default_tap_layers), pass_weight (w_d = pass_weight^(d-1) in the TTT loss), ...
 
     1. sample `pool` responses from the policy (plain sampling at temperature 1: the distribution RL starts from);
     2. each step: `batch` of them -> policy forward (no grad) for taps + logits -> TTT loss -> AdamW step."""
@@ -125,9 +126,10 @@ def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache"
                                                       spec.draft_vocab)
     max_new_tokens, num_passes, attn_fn, draft_attn_fn = (spec.max_new_tokens, spec.num_passes, spec.attn_fn,
                                                           spec.draft_attn_fn)
+    taps = spec.tap_layers or None  # None: the default rule
     if steps == 0 and draft_vocab == 0:
         torch.manual_seed(seed)
-        return Eagle3Draft.from_target(policy), False
+        return Eagle3Draft.from_target(policy, tap_layers=taps), False
     path = os.path.join(cache_dir, f"draft-{spec.key()}")
     if steps and os.path.isfile(os.path.join(path, "config.json")):
         return Eagle3Draft.load(path, policy), True
@@ -141,11 +143,11 @@ def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache"
                                                             eos_id=tsk.tok.eos_id, generator=g).tokens]
     torch.manual_seed(seed)
     ids = select_draft_vocab(responses, policy.cfg.vocab_size, draft_vocab) if draft_vocab else None
-    draft = Eagle3Draft.from_target(policy, draft_vocab=ids)
+    draft = Eagle3Draft.from_target(policy, tap_layers=taps, draft_vocab=ids)
     if steps == 0:
         return draft, False
     tr = DraftTrainer(draft, torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0), num_passes=num_passes,
-                      attn_fn=draft_attn_fn)
+                      pass_weight=spec.pass_weight, attn_fn=draft_attn_fn)
     t0 = time.time()
     for step in range(steps):
         for grp in tr.opt.param_groups:

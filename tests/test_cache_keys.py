@@ -62,7 +62,7 @@ def reads(cfg) -> tuple[set, set]:
 
 
 DRAFT_CHANGES = {"draft_warmup_steps": 3, "draft_warmup_batch": 5, "draft_warmup_lr": 2e-3, "draft_warmup_pool": 9,
-                 "ttt_passes": 2, "draft_vocab": 6, "seed": 1}
+                 "ttt_passes": 2, "draft_vocab": 6, "seed": 1, "tap_layers": (0, 1, 2), "ttt_decay": 0.5}
 BUILTIN_CHANGES = {"model": "mini", "min_steps": 2, "max_steps": 3, "p_explicit": 0.5, "format_weight": 1.0,
                    "max_new_tokens": 7, "sft_steps": 4, "sft_batch": 9, "sft_lr": 2e-2,
                    "task": "docs.examples.parity_task:ParityTask", **DRAFT_CHANGES}
@@ -156,6 +156,8 @@ def other(value):
         return value + "x"
     if isinstance(value, ModelConfig):
         return dataclasses.replace(value, hidden_size=value.hidden_size * 2)
+    if isinstance(value, tuple):
+        return value + (0,)
     if isinstance(value, task.CountUpTask):
         return task.CountUpTask(1, 3)
     if callable(value):
