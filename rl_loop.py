@@ -18,6 +18,8 @@ For each prompt, G responses o_1..o_G are sampled (speculatively, exactly from p
          token-mean               L = mean over the tokens of each micro-batch, averaged over micro-batches
          global-token (DAPO)      L = 1/sum_i |o_i| sum_{i,t} l_{i,t}   (global count over all micro-batches/ranks)
          constant     (Dr. GRPO)  L = 1/(|M| L_max) sum_{i,t} l_{i,t}
+     Each is a function in LOSS_NORMS (register_loss_norm adds one; --loss_norm picks it). dist_step.py needs every
+     one LINEAR in the l_{i,t}: it takes the weights w_t = dL/dl_t once per minibatch (docs/EXTENDING.md).
   4. Co-training: one policy forward over the packed rollouts returns logits and the taps; the draft's TTT loss reads
      the taps (detached) with the policy's own distributions (detached) as teacher:
          total = L_policy + lambda * L_draft      (no extra policy forward for the draft)
@@ -50,7 +52,18 @@ import torch
 from branch_mask import cu_seqlens_from_lengths, seq_ids
 from modeling.layers import at_least_f32
 
-LOSS_NORMS = ("seq-mean", "token-mean", "global-token", "constant")
+LOSS_NORMS: dict = {}  # --loss_norm NAME -> fn(l, mask, cu_seqlens, *, n_seqs, n_tokens, max_len, n_micro) -> ()
+
+
+def register_loss_norm(name: str):
+    """Decorator: fn(l, mask, cu_seqlens, *, n_seqs, n_tokens, max_len, n_micro) -> this micro-batch's share of the
+    minibatch loss, l = the per-token losses (T,) already zero off `mask` (T,); linear in l (dist_step.py's weights)."""
+    def add(fn):
+        if name in LOSS_NORMS:
+            raise ValueError(f"loss_norm={name!r}: already registered")
+        LOSS_NORMS[name] = fn
+        return fn
+    return add
 
 
 # ---------------------------------------------------------------------------------------------------- packed batches
@@ -169,19 +182,33 @@ def aggregate(loss_tok, mask, cu_seqlens, norm: str, *, n_seqs: int, n_tokens: i
     n_seqs / n_tokens: the number of trained sequences / tokens in the whole minibatch (all micro-batches, all ranks);
     summing the returned values over micro-batches gives the formulas in the module docstring."""
     if norm not in LOSS_NORMS:
-        raise ValueError(f"loss_norm={norm!r}: expected one of {LOSS_NORMS}")
-    l = loss_tok * mask
-    if norm == "seq-mean":
-        sid = seq_ids(cu_seqlens).to(l.device)
-        S = cu_seqlens.numel() - 1
-        per_seq = torch.zeros(S, dtype=l.dtype, device=l.device).index_add(0, sid, l)
-        n_tok = torch.zeros(S, dtype=l.dtype, device=l.device).index_add(0, sid, mask.to(l.dtype))
-        return (per_seq / n_tok.clamp_min(1)).sum() / max(n_seqs, 1)
-    if norm == "token-mean":
-        return l.sum() / mask.sum().clamp_min(1) / n_micro
-    if norm == "global-token":
-        return l.sum() / max(n_tokens, 1)
-    return l.sum() / (max(n_seqs, 1) * max_len)  # constant (Dr. GRPO)
+        raise ValueError(f"loss_norm={norm!r}: expected one of {tuple(LOSS_NORMS)}")
+    return LOSS_NORMS[norm](loss_tok * mask, mask, cu_seqlens, n_seqs=n_seqs, n_tokens=n_tokens, max_len=max_len,
+                            n_micro=n_micro)
+
+
+@register_loss_norm("seq-mean")
+def _seq_mean(l, mask, cu_seqlens, *, n_seqs, n_tokens, max_len, n_micro):
+    sid = seq_ids(cu_seqlens).to(l.device)
+    S = cu_seqlens.numel() - 1
+    per_seq = torch.zeros(S, dtype=l.dtype, device=l.device).index_add(0, sid, l)
+    n_tok = torch.zeros(S, dtype=l.dtype, device=l.device).index_add(0, sid, mask.to(l.dtype))
+    return (per_seq / n_tok.clamp_min(1)).sum() / max(n_seqs, 1)
+
+
+@register_loss_norm("token-mean")
+def _token_mean(l, mask, cu_seqlens, *, n_seqs, n_tokens, max_len, n_micro):
+    return l.sum() / mask.sum().clamp_min(1) / n_micro
+
+
+@register_loss_norm("global-token")
+def _global_token(l, mask, cu_seqlens, *, n_seqs, n_tokens, max_len, n_micro):
+    return l.sum() / max(n_tokens, 1)
+
+
+@register_loss_norm("constant")  # Dr. GRPO
+def _constant(l, mask, cu_seqlens, *, n_seqs, n_tokens, max_len, n_micro):
+    return l.sum() / (max(n_seqs, 1) * max_len)
 
 
 @dataclass
@@ -198,7 +225,7 @@ class GRPOConfig:
         if not self.temperature > 0:
             raise ValueError(f"temperature={self.temperature}: expected > 0 (the rollouts' sampling temperature)")
         if self.loss_norm not in LOSS_NORMS:
-            raise ValueError(f"loss_norm={self.loss_norm!r}: expected one of {LOSS_NORMS}")
+            raise ValueError(f"loss_norm={self.loss_norm!r}: expected one of {tuple(LOSS_NORMS)}")
         if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
             raise ValueError(f"eps_low={self.eps_low}, eps_high={self.eps_high}: expected 0 <= eps_low < 1, eps_high >= 0")
 

@@ -245,7 +245,8 @@ CHECKS = {
     "eps_high":           at_least(0),
     "beta":               at_least(0),
     "std_norm":           FLAG,
-    "loss_norm":          one_of(*LOSS_NORMS),
+    "loss_norm":          ((lambda v, c: v in LOSS_NORMS),  # read at check time: register_loss_norm adds names
+                           f"one of {', '.join(LOSS_NORMS)} (rl_loop.LOSS_NORMS)"),
     "eval_every":         at_least(1),
     "eval_prompts":       at_least(1),
     "eval_samples":       at_least(1),
