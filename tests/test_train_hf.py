@@ -49,6 +49,12 @@ def test_config_checks_for_hf_mode(hf_files, tmp_path):
         parse_args([f"--model={tmp_path}", f"--data={data}"])
     with pytest.raises(ValueError, match="expected a preset"):
         parse_args(["--model=not/a/dir"])
+    with pytest.raises(ValueError, match="--task=docs.examples.parity_task:ParityTask: HF mode"):
+        parse_args(hf_argv(hf_files, tmp_path) + ["--task=docs.examples.parity_task:ParityTask"])
+    assert parse_args(["--tap_layers=0,1,2"]).tap_layers == (0, 1, 2)  # the 6-layer mini policy can feed them
+    assert json.load(open(os.path.join(model, "config.json")))["num_hidden_layers"] == 2  # this one cannot
+    with pytest.raises(ValueError, match=r"--tap_layers=0,1,2: expected '' \(the default rule"):
+        parse_args(hf_argv(hf_files, tmp_path) + ["--tap_layers=0,1,2"])
 
 
 def test_hf_rollout_is_scored_by_the_math_answer_reward(hf_files, tmp_path):

@@ -1,4 +1,4 @@
-"""A task in one file: the parity of 6 bits. python train.py --preset test --task=docs.examples.parity_task:ParityTask"""
+"""A task in one file: the parity of 6 bits.  python train.py --task=docs.examples.parity_task:ParityTask"""
 import random
 
 import torch
