@@ -348,6 +348,8 @@ def finish(s: _Decode, seconds: float) -> Rollout:
 
 
 if __name__ == "__main__":
+    from parallel.cli import answer_help
+    answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
     from branch_mask import cu_seqlens_from_lengths
     from draft import Eagle3Draft
     from model import ModelConfig, greedy_generate
