@@ -187,7 +187,7 @@ CHECKS = {
     "device":             one_of("auto", "cpu", "cuda"),
     "out":                ((lambda v, c: not os.path.isfile(v)), "a directory ('' = runs/<name>), not a file"),
     "cache_dir":          a_dir_path("a directory"),
-    "task":               ((lambda v, c: _task_ok(v)),
+    "task":               ((lambda v, c: _parses(factory, v)),
                            f"one of {', '.join(TASKS)}, or an importable module:factory (factory(cfg) -> task)"),
     "min_steps":          ((lambda v, c: 1 <= v <= c.max_steps), "in [1, max_steps={max_steps}]"),
     "max_steps":          ((lambda v, c: c.min_steps <= v <= 18), "in [min_steps={min_steps}, 18]"),
@@ -260,15 +260,17 @@ CHECKS = {
     "attn_backend":       one_of("torch", "triton", "flash"),
     "logprob_chunk":      ((lambda v, c: v >= 0), ">= 0 (0 = unfused)"),
     "ckpt_every":         ((lambda v, c: v >= 0), ">= 0 (0 = never)"),
-    "log":                ((lambda v, c: _backends_ok(v)), f"a comma list of {', '.join(BACKENDS)}"),
+    "log":                ((lambda v, c: _parses(parse_backends, v)), f"a comma list of {', '.join(BACKENDS)}"),
     "resume":             FLAG,
     "overwrite":          ((lambda v, c: not (v and c.resume)), "false with --resume (a resume keeps the run's files)"),
     "dist_timeout":       at_least(1),
 }
 
-def _task_ok(name: str) -> bool:
+
+def _parses(parse, value) -> bool:
+    """True when parse(value) accepts it (a task name, a --log list); its ValueError means the value is refused."""
     try:
-        factory(name)
+        parse(value)
         return True
     except ValueError:
         return False
@@ -294,14 +296,6 @@ def _taps_ok(taps: tuple, c) -> bool:
         return True
     return (len(taps) == 3 and all(type(t) is int for t in taps) and list(taps) == sorted(set(taps))
             and 0 <= taps[0] and taps[-1] <= n - 2)
-
-
-def _backends_ok(spec: str) -> bool:
-    try:
-        parse_backends(spec)
-        return True
-    except ValueError:
-        return False
 
 
 _TYPE_CHECKS = {
