@@ -4,17 +4,10 @@
     h^d_i = Layer(x = [norm(e(x_{i+d})); norm(h^{d-1}_i)],  residual h^{d-1}_i,  RoPE position i+d-1)
     q^d_i = softmax(W_head norm(h^d_i))                    -> predicts x_{i+d+1}; teacher p_{i+d} (the policy at i+d)
 
-Training-time test (TTT, EAGLE-3 [Li et al. 2025]) unrolls the draft for d = 1..P passes on every anchor i at once.
-Pass d's query at anchor i attends to the *trunk* -- the pass-1 keys at positions j <= i of its sequence -- and to
-its *branch* -- the keys of passes 2..d at anchor i (RoPE positions i+1..i+d-1). That is exactly the key set the draft
-sees at inference after d-1 own steps from anchor i, so training matches inference; the attention is
-`attention_cp.ring_branch_attention`, which also runs it under context parallelism (zigzag ring for the trunk, the
-branch local). Loss: L = sum_d w_d * mean_i CE(p_{i+d}, q^d_i), w_d = pass_weight^(d-1) (0.8 unless --ttt_decay)
-(soft CE = forward KL + const), streamed over token chunks by draft_loss.py (no (T, V) tensor kept; the teacher may be
-the policy's hidden + LM head).
-Metrics per pass: top-1 agreement with the teacher, that agreement given all earlier passes agreed, the expected
-acceptance alpha_d = E sum_x min(p(x), q(x)), and the predicted acceptance length
-tau_hat = 1 + sum_k prod_{j<=k} alpha_j.
+Training (draft_ttt.py): training-time test (TTT, EAGLE-3 [Li et al. 2025]) unrolls the draft for d = 1..P passes on
+every anchor i at once, each pass attending to the trunk (pass-1 keys of the sequence) and its own branch, through
+`attention_cp.ring_branch_attention` (so it runs under context parallelism too). Loss: L = sum_d w_d * mean_i
+CE(p_{i+d}, q^d_i), streamed by draft_loss.py; metrics per pass and the predicted acceptance length tau_hat.
 
 Inference (speculative.py): `extend` appends trunk entries (token after position j, taps at j) to the draft's own KV
 cache and returns the pass-1 state at a chosen anchor; each `step` is one more pass (one cache entry on the branch).
@@ -27,7 +20,6 @@ V target vocab, Vd draft vocab, P branch entries.
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import asdict, dataclass
 from typing import Optional
@@ -37,14 +29,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-import branch_mask
-from branch_mask import cp_shift, pad_ring_of_one, shift_packed, zigzag_shard
-from draft_loss import chunk_rows, dense_pass_losses, make_teacher, pass_targets, ring_sum, streaming_pass_losses
+import draft_ttt
 from serving.draft_vocab import maps as draft_vocab_maps
 from model import EMBED_TAP, ModelConfig, Transformer, check_tap_layers, default_tap_layers
 from modeling.kv_cache import KVCache
 from modeling.layers import MLP, Attention, RMSNorm, rope_cos_sin
-from parallel.ring import as_ring
 
 
 @dataclass
@@ -234,118 +223,14 @@ class Eagle3Draft(nn.Module):
         h = self._cached(cache, self.embed(tokens), h, tree)
         return h, self.target_logits(h)
 
-    # -- training: multi-pass TTT over packed (optionally zigzag-sharded) sequences ----------------------------------
-    def ttt_forward(self, taps: dict, tokens, cu_seqlens, num_passes: int, *, position_ids=None, group=None,
-                    attn_fn=None, backend: str = "torch") -> list:
-        """Passes 1..num_passes at every anchor -> [h^1, ..., h^P], each (T, H) (pre-norm; `logits(h)` gives q).
+    # -- training: multi-pass TTT over packed (optionally zigzag-sharded) sequences (draft_ttt.py) ---------------------
+    def ttt_forward(self, taps: dict, tokens, cu_seqlens, num_passes: int, **kw) -> list:
+        """Passes 1..num_passes at every anchor -> [h^1, ..., h^P], each (T, H): draft_ttt.ttt_forward."""
+        return draft_ttt.ttt_forward(self, taps, tokens, cu_seqlens, num_passes, **kw)
 
-        taps {layer: (T, H)} (detached here: no draft gradient reaches the policy) and tokens (T,) are the packed batch,
-        or this rank's zigzag shard of it under CP; cu_seqlens (S+1) the global boundaries (CP-padded under CP;
-        without CP any lengths). group: None, a torch ProcessGroup or a ring.Ring. attn_fn defaults to
-        attention_cp.ring_branch_attention (tests pass the dense oracle).
-
-        taps[EMBED_TAP] (T, H), if given, is the policy's own input embedding e(x_i) (its first stage's tap, carried by
-        TapChannel): e(x_{i+d}) is then that tap shifted by d rows (cp_shift: under CP only boundary rows travel)
-        instead of a lookup in the shared embedding, so the update path needs no full policy copy. The two agree at
-        every position that has a next token; past a sequence's end the shift fills zeros where the lookup embeds id
-        0, and those positions carry no loss and are seen by no counted query."""
-        if num_passes < 1:
-            raise ValueError(f"num_passes={num_passes}: expected >= 1")
-        ring = as_ring(group)
-        taps = self._tap_inputs(taps, tokens.shape[0])
-        pad = pad_ring_of_one(cu_seqlens) if ring.size == 1 else None  # under CP the caller has padded
-        if pad is not None:  # cp = 1, odd lengths (branch_mask.pad_ring_of_one says why): pad, run, drop the padding
-            hs = self.ttt_forward({l: pad.pad(t) for l, t in taps.items()}, pad.pad(tokens), pad.cu_seqlens,
-                                  num_passes, position_ids=None if position_ids is None else pad.pad(position_ids),
-                                  group=ring, attn_fn=attn_fn, backend=backend)
-            return [pad.unpad(h) for h in hs]
-        if attn_fn is None:
-            from attention_cp import ring_branch_attention as attn_fn
-        attn = self.midlayer.self_attn
-        scale = 1.0 / math.sqrt(self.cfg.head_dim)
-        pos = _local_positions(cu_seqlens, ring) if position_ids is None else position_ids.long()  # (T,)
-        h = self.features(taps)  # h^0 (T, H)
-        emb = taps[EMBED_TAP].to(h.dtype) if EMBED_TAP in taps else None  # (T, H) e(x_i), or None: look tokens up
-        k1 = v1 = None
-        branch_k, branch_v, hs = [], [], []
-        for d in range(1, num_passes + 1):
-            # 1. inputs: the token d positions ahead (CP-aware shift; past a sequence end -> id 0, masked in the loss)
-            e = (self.embed(cp_shift(tokens, cu_seqlens, d, group=ring, fill=0)[0]) if emb is None
-                 else cp_shift(emb, cu_seqlens, d, group=ring, fill=0)[0])  # (T, H) e(x_{i+d})
-            cos, sin = rope_cos_sin(pos + (d - 1), self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
-            x = torch.cat([self.midlayer.input_layernorm(e), self.midlayer.hidden_norm(h)], dim=-1)  # (T, 2H)
-            q, k, v = attn.qkv(x, cos, sin)  # (T, Hq, D), (T, Hkv, D) x2
-            # 2. trunk = pass-1 K/V; branch = K/V of passes 2..d at the same anchor (P = d-1, own key included)
-            if d == 1:
-                k1, v1, bk, bv = k, v, None, None
-            else:
-                branch_k.append(k)
-                branch_v.append(v)
-                bk, bv = torch.stack(branch_k, 1), torch.stack(branch_v, 1)  # (T, P, Hkv, D)
-            o = attn_fn(q, k1, v1, cu_seqlens, bk, bv, group=ring, softmax_scale=scale, backend=backend)
-            # 3. residual on the previous state (gradient kept through h^{d-1}), then the MLP
-            h = h + attn.o_proj(o.flatten(-2))
-            h = h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
-            hs.append(h)
-        return hs
-
-    def _tap_inputs(self, taps, T):
-        missing = [l for l in self.tap_layers if l not in taps]
-        if missing:
-            raise ValueError(f"taps: missing layers {missing}; the draft reads {self.tap_layers}")
-        keep = self.tap_layers + ((EMBED_TAP,) if EMBED_TAP in taps else ())  # the embedding tap: optional
-        bad = [l for l in keep if tuple(taps[l].shape) != (T, self.cfg.hidden_size)]
-        if bad:
-            raise ValueError(f"taps: layers {bad} are not (T={T}, H={self.cfg.hidden_size})")
-        return {l: taps[l].detach() for l in keep}
-
-    def ttt_loss(self, taps: dict, tokens, cu_seqlens, teacher_logits=None, *, teacher_hidden=None, teacher_head=None,
-                 loss_mask=None, num_passes: int = 3, pass_weight: float = 0.8, hard_labels: bool = False,
-                 position_ids=None, group=None, attn_fn=None, backend: str = "torch", chunk=None):
-        """Multi-pass TTT loss on the policy's own forward. Returns (loss, metrics dict).
-
-        The teacher is the policy at each position (predicting the next token): its logits teacher_logits (T, V), or
-        -- no (T, V) tensor at all -- its final normed hidden teacher_hidden (T, H) with its LM-head weight
-        teacher_head (V, H). loss_mask (T,) bool per prediction: row j's prediction of x_{j+1} counts (default: each row
-        whose sequence has a next token; required under CP, false on the padding). Pass d at anchor i counts iff
-        loss_mask[i+d]. Under CP every (T, ...) input is this rank's zigzag shard and the returned loss is this rank's
-        share: the sum over ranks is the global loss, so the draft's grads are summed over the CP group (as data
-        parallelism does). Metrics are global floats. chunk: rows per chunk of the streamed loss
-        (draft_loss.StreamingSoftCE, O(chunk * V) memory; None: 2^21 // V rows); 0 runs the dense reference
-        (draft_loss.dense_pass_losses, every (T, V) tensor materialised)."""
-        ring = as_ring(group)
-        T = tokens.shape[0]
-        teacher = make_teacher(teacher_logits, teacher_hidden, teacher_head, T, self.cfg.vocab_size, cu_seqlens,
-                               num_passes, ring)
-        if loss_mask is None:
-            if ring.size > 1:
-                raise ValueError("loss_mask: required under CP (false on the padding)")
-            loss_mask = shift_packed(tokens, cu_seqlens, 1)[1]  # (T,) a next token exists in the sequence
-        elif loss_mask.shape != (T,):
-            raise ValueError(f"loss_mask: expected shape ({T},), got {tuple(loss_mask.shape)}")
-        pad = pad_ring_of_one(cu_seqlens) if ring.size == 1 else None
-        if pad is not None:  # cp = 1, odd lengths: pad the (T, H) inputs; the teacher is read through a row map
-            taps = {l: pad.pad(t) for l, t in self._tap_inputs(taps, T).items()}
-            tokens, loss_mask, cu_seqlens = pad.pad(tokens), pad.pad(loss_mask.bool(), False), pad.cu_seqlens
-            position_ids = None if position_ids is None else pad.pad(position_ids)
-            teacher.row_map = pad.pad(torch.arange(T, device=tokens.device))
-        hs = self.ttt_forward(taps, tokens, cu_seqlens, num_passes, position_ids=position_ids, group=ring,
-                              attn_fn=attn_fn, backend=backend)
-        valid, labels, count = pass_targets(tokens, cu_seqlens, loss_mask, num_passes, ring, hard_labels=hard_labels,
-                                            t2d=self.t2d)
-        labels = None if labels is None else [_to_draft_id(self, y) for y in labels]
-        chunk = chunk_rows(self.cfg.vocab_size, chunk)
-        if chunk == 0:
-            shifted = lambda x, d, fill: cp_shift(x, cu_seqlens, d, group=ring, fill=fill)[0]  # noqa: E731
-            loss, stats = dense_pass_losses(hs, self.logits, self.draft_to_target, teacher.dense(), valid, labels,
-                                            count, pass_weight=pass_weight, shifted=shifted)
-        else:
-            full = self.cfg.draft_vocab_size == self.cfg.vocab_size
-            loss, stats = streaming_pass_losses(hs, self.norm, self.lm_head.weight,
-                                                None if full else self.draft_to_target, teacher, valid, labels, count,
-                                                pass_weight=pass_weight, cp=ring.size, local_cu=cu_seqlens // ring.size,
-                                                chunk=chunk)
-        return loss, _metrics(ring_sum(stats, ring), count)
+    def ttt_loss(self, taps: dict, tokens, cu_seqlens, teacher_logits=None, **kw):
+        """The multi-pass TTT loss on the policy's own forward -> (loss, metrics): draft_ttt.ttt_loss."""
+        return draft_ttt.ttt_loss(self, taps, tokens, cu_seqlens, teacher_logits, **kw)
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
     def save(self, path: str):
@@ -388,32 +273,6 @@ def _embed_weight(embed):  # a Transformer, an nn.Embedding or its weight -> the
 
 def draft_device(embed) -> torch.device:  # where a draft sharing `embed` (see Eagle3Draft.attach) must live
     return _embed_weight(embed).device
-
-
-def _to_draft_id(draft: Eagle3Draft, y):  # (T,) target ids -> draft ids (0 where outside the draft vocabulary)
-    if draft.cfg.draft_vocab_size == draft.cfg.vocab_size:
-        return y
-    inv = torch.zeros(draft.cfg.vocab_size, dtype=torch.long, device=y.device)
-    inv[draft.draft_to_target] = torch.arange(draft.cfg.draft_vocab_size, device=y.device)
-    return inv[y]
-
-
-def _metrics(stats, count) -> dict:
-    """stats (P, 5) summed over valid anchors: ce, agree, agree & all earlier agreed, all earlier agreed, alpha."""
-    n = count.clamp_min(1)
-    alpha = (stats[:, 4] / n).tolist()
-    tau, run = 1.0, 1.0
-    for a in alpha:  # tau_hat = 1 + sum_k prod_{j<=k} alpha_j
-        run *= a
-        tau += run
-    return {"loss_per_pass": (stats[:, 0] / n).tolist(), "acc": (stats[:, 1] / n).tolist(),
-            "acc_cond": (stats[:, 2] / stats[:, 3].clamp_min(1)).tolist(), "alpha": alpha, "tau_hat": tau,
-            "count": [int(c) for c in count.tolist()]}
-
-
-def _local_positions(cu_seqlens, ring):  # (T_local,) RoPE position of this rank's tokens
-    pos = branch_mask.position_ids(cu_seqlens)  # O(T_global) integers, no activations
-    return pos if ring.size == 1 else zigzag_shard(pos, cu_seqlens, ring.size, ring.rank)
 
 
 if __name__ == "__main__":

@@ -179,7 +179,8 @@ def test_every_spec_field_is_in_its_key(kind, field):
 
 
 @pytest.mark.parametrize("path", ["harness/warmup.py", "harness/cache_keys.py", "tasks/task.py", "model.py",
-                                  "modeling/layers.py", "draft.py", "draft_loss.py", "rl_loop.py", "speculative.py",
+                                  "modeling/layers.py", "draft.py", "draft_ttt.py", "draft_loss.py", "rl_loop.py",
+                                  "speculative.py",
                                   "backends/attention_padded.py", "serving/hf_io.py"])
 def test_an_edit_to_the_warmups_code_changes_both_keys(path, monkeypatch):
     cfg = parse_args(["--preset=test"])
