@@ -37,7 +37,8 @@ from parallel.consistency import check_same_cu_seqlens
 from backends.fused_logprob import token_logp as fused_token_logp
 from parallel.grid import Grid
 from model import EMBED_TAP
-from pipeline import Microbatch, PipelineSchedule, build_stage, shard_for_cp, split_layers
+from parallel.pp_schedule import split_layers
+from pipeline import Microbatch, PipelineSchedule, build_stage, shard_for_cp
 from rl_loop import GRPOConfig, RolloutBatch, aggregate, draft_mask, per_prediction, seq_ids, token_logp, token_losses
 
 

@@ -41,7 +41,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from model import EMBED_TAP, ModelConfig, Transformer, default_tap_layers  # noqa: E402
 from parallel.grid import Grid  # noqa: E402
-from pipeline import Microbatch, PipelineSchedule, build_stage, split_layers  # noqa: E402
+from parallel.pp_schedule import split_layers  # noqa: E402
+from pipeline import Microbatch, PipelineSchedule, build_stage  # noqa: E402
 from parallel.cli import parser  # noqa: E402
 
 PP, M = 4, 8

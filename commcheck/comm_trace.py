@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from parallel.grid import warm_up_plan
-from pipeline import p2p_plan, schedule_actions, split_layers, tap_depth
+from parallel.pp_schedule import p2p_plan, schedule_actions, split_layers, tap_depth
 from tapchannel import tap_owners
 
 

@@ -16,7 +16,7 @@ gloo forgives what NCCL does not: it connects every group at new_group and buffe
 simulate() runs these rules to a fixed point; ranks left blocked are a deadlock, reported with the ops that wait on
 each other. Traces come from two places that the tests show equal: comm_trace.CommRecorder logs what the real code
 issues under gloo (torch.distributed patched), and comm_trace.layout_traces generates it from the schedule's own plan
-(pipeline.p2p_plan, grid.warm_up_plan, TapChannel's ring), which is fast enough to sweep every layout.
+(pp_schedule.p2p_plan, grid.warm_up_plan, TapChannel's ring), which is fast enough to sweep every layout.
 
 The trace format (("call", id, kind, group, ops) and ("wait", id) per rank) is comm_trace.py's.
 

@@ -28,7 +28,7 @@ from harness.logger import BACKENDS, parse_backends
 from parallel.cli import flags_help, print_help, wants_help
 from parallel.cli import show_value as _show
 from model import PRESETS as MODEL_PRESETS
-from pipeline import SCHEDULES
+from parallel.pp_schedule import SCHEDULES
 from rl_loop import LOSS_NORMS
 from decoding.speculative_tree import Tree
 from tasks.protocol import TASKS, factory
@@ -105,7 +105,7 @@ class Config:
     pp: int = 2  # pipeline stages
     cp: int = 2  # context-parallel ranks inside each stage (zigzag ring)
     dp: int = 0  # data-parallel replicas (0: world size / (pp * cp))
-    schedule: str = "1f1b"  # pipeline.SCHEDULES
+    schedule: str = "1f1b"  # parallel/pp_schedule.SCHEDULES
     activation_checkpointing: bool = False  # recompute each decoder layer in the update's backward (memory for time)
     # memory and kernels at scale: see README "Memory of the whole step"
     attn_backend: str = "torch"  # block kernel of ring_branch_attention: torch | triton | flash (CUDA only)

@@ -83,7 +83,8 @@ def test_every_supported_layout_is_deadlock_free():
 def _record(rank, world, layouts):
     from branch_mask import cp_shift
     from parallel.grid import Grid
-    from pipeline import PipelineSchedule, build_stage, shard_for_cp, split_layers
+    from parallel.pp_schedule import split_layers
+    from pipeline import PipelineSchedule, build_stage, shard_for_cp
     from test_pipeline_dist import make_batch
     out = []
     for pp, cp, dp, schedule, M in layouts:

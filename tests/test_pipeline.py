@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from model import EMBED_TAP, ModelConfig, Transformer
 from test_pipeline_dist import make_batch
 from parallel.grid import Grid
-from pipeline import PipelineSchedule, build_stage, schedule_actions, split_layers, tap_depth
+from parallel.pp_schedule import schedule_actions, split_layers, tap_depth
+from pipeline import PipelineSchedule, build_stage
 
 
 @pytest.fixture(autouse=True)

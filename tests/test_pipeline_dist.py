@@ -24,7 +24,8 @@ from dist_util import run_distributed
 from branch_mask import cu_seqlens_from_lengths
 from model import EMBED_TAP, ModelConfig, Transformer
 from parallel.grid import Grid
-from pipeline import Microbatch, PipelineSchedule, build_stage, shard_for_cp, split_layers
+from parallel.pp_schedule import split_layers
+from pipeline import Microbatch, PipelineSchedule, build_stage, shard_for_cp
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
