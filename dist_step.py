@@ -38,6 +38,7 @@ from backends.fused_logprob import token_logp as fused_token_logp
 from parallel.grid import Grid
 from model import EMBED_TAP
 from parallel.pp_schedule import split_layers
+from parallel.zero1 import ShardedOptimizer
 from pipeline import Microbatch, PipelineSchedule, build_stage, shard_for_cp
 from rl_loop import GRPOConfig, RolloutBatch, aggregate, draft_mask, per_prediction, seq_ids, token_logp, token_losses
 
@@ -110,12 +111,13 @@ class DistCotrainer:
 
     def __init__(self, policy, drafts: list, grid: Grid, make_opt, *, grad_clip: float = 1.0, schedule: str = "1f1b",
                  attn_fn=None, attn_backend=None, logprob_chunk: int = 0, activation_checkpointing: bool = False,
-                 watch: tuple = ()):
+                 watch: tuple = (), zero1: bool = False):
         """attn_backend None: the policy uses attn_fn at cp = 1 (the ring otherwise) and each draft its trainer's
         attn_fn; "torch" / "triton" / "flash": every attention of the step, at any cp (a ring of one at cp = 1), is
         attention_cp.ring_branch_attention with that block kernel. logprob_chunk > 0: no (T, V) logits on the last
         stage: GRPO's log-probs come from the final hidden through fused_logprob.token_logp and the drafts' teacher is
-        the final hidden + LM head, streamed (draft_loss.Teacher). The drafts read e(x_{i+d}) from the embedding tap
+        the final hidden + LM head, streamed (draft_loss.Teacher). zero1: the stage's optimizer state sharded over its
+        DP x CP ranks (parallel/zero1.py), the same update. The drafts read e(x_{i+d}) from the embedding tap
         (stage 0's, through TapChannel), never from the full policy copy, which serves the rollouts only.
         activation_checkpointing: each decoder layer of the stage is recomputed in backward. watch: drafts
         (Eagle3Draft) NOT trained on the rollouts whose teacher-forced acceptance on them is measured in the same draft
@@ -134,7 +136,8 @@ class DistCotrainer:
         self.stage = build_stage(cfg, self.split[grid.pp_rank], policy.state_dict(), next(policy.parameters()).dtype,
                                  activation_checkpointing=activation_checkpointing)  # recompute each layer in backward
         self.stage.to(next(policy.parameters()).device)
-        self.opt = make_opt(self.stage.parameters())
+        self.opt = (ShardedOptimizer(self.stage.parameters(), make_opt, grid.stage_group) if zero1
+                    else make_opt(self.stage.parameters()))
         self.last = self.stage.is_last
         taps = sorted({l for tr in self.drafts for l in tr.draft.tap_layers}
                       | {l for d in self.watch for l in d.tap_layers})

@@ -107,6 +107,7 @@ class Config:
     dp: int = 0  # data-parallel replicas (0: world size / (pp * cp))
     schedule: str = "1f1b"  # parallel/pp_schedule.SCHEDULES
     activation_checkpointing: bool = False  # recompute each decoder layer in the update's backward (memory for time)
+    zero1: bool = False  # shard each stage's optimizer state (AdamW m, v + master slice) over its DP x CP ranks
     # memory and kernels at scale: see README "Memory of the whole step"
     attn_backend: str = "torch"  # block kernel of ring_branch_attention: torch | triton | flash (CUDA only)
     logprob_chunk: int = 0  # > 0: log-probs and the draft's teacher from the final hidden, that many rows at a time
@@ -257,6 +258,7 @@ CHECKS = {
     "dp":                 ((lambda v, c: v >= 0), ">= 0 (0 = world / (pp * cp))"),
     "schedule":           one_of(*SCHEDULES),
     "activation_checkpointing": FLAG,
+    "zero1":              FLAG,
     "attn_backend":       one_of("torch", "triton", "flash"),
     "logprob_chunk":      ((lambda v, c: v >= 0), ">= 0 (0 = unfused)"),
     "ckpt_every":         ((lambda v, c: v >= 0), ">= 0 (0 = never)"),
