@@ -93,9 +93,9 @@ def test_resume_after_a_bad_row_was_appended_keeps_every_metric_record(llama, tm
     out = tmp_path / "run"
     _earlier_run(out, _hf_cfg(llama, data, out))
     with open(data, "a") as f:
-        f.write('{"prompt": "What is 1 + 1 ?", "answer": NaN}\n')
+        f.write('{"prompt": "What is 1 + 1 ?", "solution": 2}\n')
     before = _tree(out)
-    with pytest.raises(ValueError, match=r"p.jsonl:10: 'answer' is nan: expected a finite number"):
+    with pytest.raises(ValueError, match=r"p.jsonl:10: missing field 'answer'"):
         train(_hf_cfg(llama, data, out, "--resume", "--resume_changed_inputs"))
     assert _tree(out) == before and len((out / "metrics.jsonl").read_text().splitlines()) == 7
 
@@ -247,7 +247,7 @@ def test_a_concurrent_run_finishing_first_leaves_no_temporary(tmp_path, spec, mo
 
 # ------------------------------------------------------------------------ 7. HF data parsed as the user means
 @pytest.mark.parametrize("answer, response", [(1e-6, "so it is 0.000001"), (1e20, "\\boxed{100000000000000000000}"),
-                                              (1e20, "the answer is 1e20"), (2.5e-3, "#### 0.0025"),
+                                              (1e20, "the answer is 1e20"), (0.0025, "#### 2.5e-3"),
                                               ("1.5E+3", "1500")])
 def test_numeric_answers_compare_as_numbers_with_exponents(tmp_path, answer, response):
     ex = load_examples(write_jsonl(tmp_path / "p.jsonl", [{"prompt": "q", "answer": answer}]))
