@@ -116,6 +116,7 @@ class Config:
     log: str = "jsonl"  # comma list: metrics.jsonl always, plus "tensorboard" (<out>/tb) and/or "wandb" (offline)
     resume: bool = False  # continue the latest checkpoint in <out>/ckpt (the same run only)
     overwrite: bool = False  # a fresh run into an <out> whose ckpt/ holds checkpoints deletes them (resume_policy.py)
+    resume_changed_inputs: bool = False  # --resume although --model / --data / --chat_template now hold other bytes
     dist_timeout: int = 1800  # seconds any collective may wait (a dead or stuck rank fails the job instead of hanging)
 
     def __post_init__(self):
@@ -173,10 +174,6 @@ def one_of(*choices):
     return (lambda v, c: v in choices), "one of " + ", ".join(choices)
 
 
-def a_dir_path(what):  # a path a directory may be created at: not an existing file
-    return (lambda v, c: v != "" and not os.path.isfile(v)), f"{what} (non-empty, not an existing file)"
-
-
 FLAG = (lambda v, c: True, "true or false")  # the type check is the whole check
 
 CHECKS = {
@@ -186,8 +183,10 @@ CHECKS = {
     "threads":            at_least(1),
     "warmup_threads":     at_least(1),
     "device":             one_of("auto", "cpu", "cuda"),
-    "out":                ((lambda v, c: not os.path.isfile(v)), "a directory ('' = runs/<name>), not a file"),
-    "cache_dir":          a_dir_path("a directory"),
+    "out":                ((lambda v, c: not os.path.isfile(v) and _writable_dir(v or os.path.join("runs", c.name))),
+                           "a directory ('' = runs/<name>) this process can write or create, not a file"),
+    "cache_dir":          ((lambda v, c: v != "" and _writable_dir(v)),
+                           "a directory this process can write or create (non-empty, not a file)"),
     "task":               ((lambda v, c: _parses(factory, v)),
                            f"one of {', '.join(TASKS)}, or an importable module:factory (factory(cfg) -> task)"),
     "min_steps":          ((lambda v, c: 1 <= v <= c.max_steps), "in [1, max_steps={max_steps}]"),
@@ -262,9 +261,12 @@ CHECKS = {
     "attn_backend":       one_of("torch", "triton", "flash"),
     "logprob_chunk":      ((lambda v, c: v >= 0), ">= 0 (0 = unfused)"),
     "ckpt_every":         ((lambda v, c: v >= 0), ">= 0 (0 = never)"),
-    "log":                ((lambda v, c: _parses(parse_backends, v)), f"a comma list of {', '.join(BACKENDS)}"),
+    "log":                ((lambda v, c: _parses(parse_backends, v) and _installed(parse_backends(v))),
+                           f"a comma list of {', '.join(BACKENDS)}, each installed (pip install -e \".[wandb]\", "
+                           "\".[tensorboard]\")"),
     "resume":             FLAG,
     "overwrite":          ((lambda v, c: not (v and c.resume)), "false with --resume (a resume keeps the run's files)"),
+    "resume_changed_inputs": FLAG,
     "dist_timeout":       at_least(1),
 }
 
@@ -276,6 +278,21 @@ def _parses(parse, value) -> bool:
         return True
     except ValueError:
         return False
+
+
+def _writable_dir(path: str) -> bool:
+    """`path` is a directory this process may write, or one it may create: its nearest existing ancestor is a
+    writable directory (no file in the way, no read-only mount). Read-only: nothing is created here."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    return os.path.isdir(p) and os.access(p, os.W_OK | os.X_OK)
+
+
+def _installed(backends) -> bool:
+    """Every --log backend's package is importable (tensorboard, wandb), found without importing it."""
+    import importlib.util
+    return all(importlib.util.find_spec(b) is not None for b in backends if b != "jsonl")
 
 
 def _policy_layers(c) -> int | None:

@@ -53,7 +53,8 @@ def generate(s: Setup, draft, prompts: list, seed=None, k=None):
         for key in rows:
             rows[key] += getattr(r.stats, key)
     st.update(rows)
-    st["accept_len"] = st["kept"] / max(st["row_steps"], 1)  # tokens kept per verification forward (speculative.py)
+    # tokens kept per verification forward (speculative.py); None: there was none (max_new_tokens 1)
+    st["accept_len"] = st["kept"] / st["row_steps"] if st["row_steps"] else None
     st["tok_s"] = st["new_tokens"] / max(st["seconds"], 1e-9)
     return toks, lps, st
 
@@ -89,9 +90,15 @@ def rollout(s: Setup, mesh: Mesh, problems: list) -> tuple[RolloutBatch, dict]:
     parts = [None] * mesh.world
     dist.all_gather_object(parts, part)  # sync point: tokens and per-token floats only, small next to the weights
     parts = sorted((p for p in parts if p is not None), key=lambda p: p[0])
-    info = {k: sum(p[2][k] for p in parts) / len(parts) for k in parts[0][2]}
+    info = {k: _mean([p[2][k] for p in parts]) for k in parts[0][2]}
     info["zero_var_groups"] = sum(p[2]["zero_var_groups"] for p in parts)
     return concat_batches([p[1] for p in parts]), info
+
+
+def _mean(xs: list):
+    """The replicas' mean of a stat; None where a replica has none (an acceptance without verification forwards)."""
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
 
 
 def concat_batches(parts: list) -> RolloutBatch:

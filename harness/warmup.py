@@ -12,6 +12,12 @@
 Each warm-up reads its settings from one spec (cache_keys.PolicySpec / DraftSpec) and nothing else that shapes it; the
 key is the hash of the whole spec and of the warm-up's source code (cache_keys.py says which).
 
+An entry is complete once its config.json is there (written last, each file atomically). It is written under
+`<entry>.tmp<pid>` and renamed into place (publish): an incomplete entry there (an interrupted copy) is replaced, a
+complete one (a concurrent run finished first) is kept, and the temporary never stays behind, not even after a kill
+(the next run deletes those of processes that are gone). A cached entry that cannot be read, or holds NaN/inf
+weights, is a one-line error naming the file.
+
     python -m harness.warmup                   # SFT (or load) the default policy; report its held-out greedy / sampled reward
     python -m harness.warmup --preset smoke    # any train.py preset / --key=value: the same cache entries as train.py
 
@@ -19,9 +25,13 @@ Letters: T packed tokens, S sequences, V vocab.
 """
 from __future__ import annotations
 
+import dataclasses
+import glob
 import math
 import os
 import random
+import re
+import shutil
 import time
 
 import torch
@@ -29,8 +39,8 @@ import torch
 import speculative
 from tasks.protocol import Demonstrations, make_task
 from harness.cache_keys import DraftSpec, PolicySpec
-from draft import Eagle3Draft
-from serving.hf_io import from_pretrained, save_pretrained
+from draft import DraftConfig, Eagle3Draft
+from serving.hf_io import from_pretrained, read_json, save_pretrained
 from serving.draft_vocab import select_draft_vocab
 from model import Transformer
 from backends.attention_padded import padded_causal_attention
@@ -100,16 +110,75 @@ def warm_policy(spec: PolicySpec, *, cache_dir: str = "cache", log_every: int = 
         torch.manual_seed(spec.seed)
         return Transformer(spec.model).to(device), key, False
     path = os.path.join(cache_dir, f"policy-{key}")
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return from_pretrained(path).to(device), key, True
+    clean_stale(path)
+    if complete(path):
+        return from_pretrained(path).to(device), key, True  # names the file of any unreadable or non-finite weight
     torch.manual_seed(spec.seed)
     policy = Transformer(spec.model).to(device)  # initialised on the CPU: the same weights on every device
     sft_policy(policy, spec.task, steps=spec.steps, batch=spec.batch, lr=spec.lr, seed=spec.seed,
                log_every=log_every)
-    tmp = f"{path}.tmp{os.getpid()}"
-    save_pretrained(policy, tmp)
-    os.replace(tmp, path) if not os.path.exists(path) else None  # another run may have finished first: keep theirs
+    publish(path, lambda tmp: save_pretrained(policy, tmp))
     return policy, key, False
+
+
+def complete(path: str) -> bool:
+    """A cache entry is complete once its config.json is there (each file lands atomically, config.json last)."""
+    return os.path.isfile(os.path.join(path, "config.json"))
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def clean_stale(path: str):
+    """Delete `path`.tmp<pid> / .old<pid> left by processes that are gone (killed mid-save)."""
+    for p in glob.glob(f"{glob.escape(path)}.*"):
+        m = re.fullmatch(rf"{re.escape(path)}\.(?:tmp|old)(\d+)", p)
+        if m and _gone(int(m[1])):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def publish(path: str, save):
+    """save(tmp) into `path`.tmp<pid>, then into place: an incomplete entry at `path` is replaced (renamed away
+    first), a complete one (a concurrent run's) kept. The temporary is deleted whatever happens."""
+    tmp, old = f"{path}.tmp{os.getpid()}", f"{path}.old{os.getpid()}"
+    try:
+        save(tmp)
+        if os.path.isdir(path) and not complete(path):
+            os.replace(path, old)
+            shutil.rmtree(old)
+        try:
+            os.replace(tmp, path)
+        except OSError:  # a complete entry landed meanwhile (a concurrent run): theirs is as good
+            if not complete(path):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_draft(path: str, policy) -> Eagle3Draft:
+    """A cached draft (draft.py's save format); anything unreadable or non-finite is a ValueError naming the file."""
+    cfg_path, st = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
+    extra = sorted(set(read_json(cfg_path)) - {f.name for f in dataclasses.fields(DraftConfig)} - {"architectures"})
+    if extra:
+        raise ValueError(f"{cfg_path}: unknown key(s) {extra} (a cached draft holds DraftConfig's fields); delete "
+                         f"{path} to retrain it")
+    try:
+        draft = Eagle3Draft.load(path, policy)
+    except Exception as e:  # noqa: BLE001 -- SafetensorError, a missing or misshapen tensor, a bad config value
+        why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        raise ValueError(f"{st}: unreadable cached draft ({why}); truncated or not this draft? Delete {path} to "
+                         "retrain it") from None
+    bad = [n for n, p in draft.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise ValueError(f"{st}: the weights are not finite ({bad[0]}); delete {path} to retrain it")
+    return draft
 
 
 def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache",
@@ -131,8 +200,9 @@ def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache"
         torch.manual_seed(seed)
         return Eagle3Draft.from_target(policy, tap_layers=taps), False
     path = os.path.join(cache_dir, f"draft-{spec.key()}")
-    if steps and os.path.isfile(os.path.join(path, "config.json")):
-        return Eagle3Draft.load(path, policy), True
+    clean_stale(path)
+    if steps and complete(path):
+        return load_draft(path, policy), True
     dev = next(policy.parameters()).device
     rng, g = random.Random(seed + 1), torch.Generator(device=dev).manual_seed(seed + 1)
     prompts = [tsk.encode_prompt(p) for p in tsk.sample(pool, rng, "train")]
@@ -169,9 +239,7 @@ def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache"
             print(f"  draft step {step:4d}/{steps}  loss {loss.item():.4f}  tau_hat {m['tau_hat']:.2f}  "
                   f"{time.time() - t0:5.1f}s", flush=True)
     check_finite_weights(draft, f"draft warm-up, after {steps} steps, the draft", HINT)
-    tmp = f"{path}.tmp{os.getpid()}"
-    draft.save(tmp)
-    os.replace(tmp, path) if not os.path.exists(path) else None
+    publish(path, draft.save)
     return draft, False
 
 
