@@ -37,8 +37,8 @@ from parallel.consistency import check_same_cu_seqlens
 from backends.fused_logprob import token_logp as fused_token_logp
 from parallel.grid import Grid
 from model import EMBED_TAP
+from modeling.mixed_precision import clip_grads_, grads_of, master_optimizer
 from parallel.pp_schedule import split_layers
-from parallel.zero1 import ShardedOptimizer
 from pipeline import Microbatch, PipelineSchedule, build_stage, shard_for_cp
 from rl_loop import GRPOConfig, RolloutBatch, aggregate, draft_mask, per_prediction, seq_ids, token_logp, token_losses
 
@@ -136,8 +136,8 @@ class DistCotrainer:
         self.stage = build_stage(cfg, self.split[grid.pp_rank], policy.state_dict(), next(policy.parameters()).dtype,
                                  activation_checkpointing=activation_checkpointing)  # recompute each layer in backward
         self.stage.to(next(policy.parameters()).device)
-        self.opt = (ShardedOptimizer(self.stage.parameters(), make_opt, grid.stage_group) if zero1
-                    else make_opt(self.stage.parameters()))
+        # fp32: make_opt (ZeRO-1: sharded over the stage group); bf16: fp32 masters, grads accumulated in fp32
+        self.opt = master_optimizer(self.stage.parameters(), make_opt, grid.stage_group if zero1 else None)
         self.last = self.stage.is_last
         taps = sorted({l for tr in self.drafts for l in tr.draft.tap_layers}
                       | {l for d in self.watch for l in d.tap_layers})
@@ -201,7 +201,7 @@ class DistCotrainer:
         self.opt.step()
         if self.last:
             for tr in self.drafts:
-                torch.nn.utils.clip_grad_norm_(tr.draft.parameters(), tr.grad_clip)
+                clip_grads_(list(tr.draft.parameters()), tr.grad_clip)
                 tr.opt.step()
         if self.last:
             acc[4] = (res.draft_seconds - float(acc[5])) / (g.cp * g.dp)  # summed below: the mean over the last stage
@@ -245,7 +245,7 @@ class DistCotrainer:
         a copy on the last stage, counted once). Grads are already equal across CP and DP ranks."""
         g, st = self.grid, self.stage
         skip = {id(st.embed.weight)} if (g.pp > 1 and self.last and st.cfg.tie_word_embeddings) else set()
-        grads = [p.grad for p in st.parameters() if p.grad is not None and id(p) not in skip]
+        grads = grads_of([p for p in st.parameters() if id(p) not in skip])  # fp32 .main_grad under bf16
         sq = torch.zeros((), dtype=torch.float64, device=next(st.parameters()).device)
         for gr in grads:
             sq = sq + gr.double().pow(2).sum()
@@ -253,9 +253,8 @@ class DistCotrainer:
             dist.all_reduce(sq, group=g.pp_group)
         total = float(sq.sqrt())
         coef = min(self.grad_clip / (total + 1e-6), 1.0)
-        for p in st.parameters():
-            if p.grad is not None:
-                p.grad.mul_(coef)
+        for gr in grads_of(st.parameters()):
+            gr.mul_(coef)
         return total
 
     # --------------------------------------------------------------------------------------------------- refit

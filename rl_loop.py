@@ -51,6 +51,7 @@ import torch
 
 from branch_mask import cu_seqlens_from_lengths, seq_ids
 from modeling.layers import at_least_f32
+from modeling.mixed_precision import clip_grads_
 
 LOSS_NORMS: dict = {}  # --loss_norm NAME -> fn(l, mask, cu_seqlens, *, n_seqs, n_tokens, max_len, n_micro) -> ()
 
@@ -327,7 +328,7 @@ def cotrain_step(policy, policy_opt, batch: RolloutBatch, cfg: GRPOConfig, draft
     policy_opt.step()
     t1 = time.perf_counter()
     for tr in drafts:
-        torch.nn.utils.clip_grad_norm_(tr.draft.parameters(), tr.grad_clip)
+        clip_grads_(list(tr.draft.parameters()), tr.grad_clip)
         tr.opt.step()
     timer["policy_train"] += t1 - t0
     timer["draft_train"] += time.perf_counter() - t1

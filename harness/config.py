@@ -111,6 +111,9 @@ class Config:
     # memory and kernels at scale: see README "Memory of the whole step"
     attn_backend: str = "torch"  # block kernel of ring_branch_attention: torch | triton | flash (CUDA only)
     logprob_chunk: int = 0  # > 0: log-probs and the draft's teacher from the final hidden, that many rows at a time
+    # precision: bf16 runs every forward (rollouts, reference, drafts, eval) and KV cache in bf16 and keeps the trained
+    # weights' fp32 masters, grads and AdamW state (modeling/mixed_precision.py); fp32 allows TF32 matmuls on CUDA
+    dtype: str = "auto"  # bf16 | fp32 | auto: bf16 on CUDA, fp32 on the CPU (where bf16 matmuls are far slower)
     # checkpoints (checkpoint.py): every ckpt_every steps into <out>/ckpt (0: never); --resume continues the latest
     ckpt_every: int = 0  # steps between checkpoints into <out>/ckpt (0: never)
     log: str = "jsonl"  # comma list: metrics.jsonl always, plus "tensorboard" (<out>/tb) and/or "wandb" (offline)
@@ -259,6 +262,7 @@ CHECKS = {
     "activation_checkpointing": FLAG,
     "zero1":              FLAG,
     "attn_backend":       one_of("torch", "triton", "flash"),
+    "dtype":              one_of("auto", "bf16", "fp32"),
     "logprob_chunk":      ((lambda v, c: v >= 0), ">= 0 (0 = unfused)"),
     "ckpt_every":         ((lambda v, c: v >= 0), ">= 0 (0 = never)"),
     "log":                ((lambda v, c: _parses(parse_backends, v) and _installed(parse_backends(v))),

@@ -28,7 +28,9 @@ from backends.attention_padded import padded_branch_attention, padded_causal_att
 from dist_step import DistCotrainer
 from draft import Eagle3Draft
 from serving.hf_io import from_pretrained
+from harness.mesh import model_dtype
 from model import Transformer
+from modeling.mixed_precision import master_optimizer
 from harness.offline_arm import OfflineArm
 from rl_loop import DraftTrainer, GRPOConfig
 
@@ -147,15 +149,19 @@ def build_models(cfg: Config, dev: torch.device, log=print) -> Setup:
         torch.set_num_threads(threads)
     done = "none (an untrained draft)" if cfg.draft_warmup_steps == 0 else "loaded from cache" if dloaded else "trained"
     log(f"draft warm-up: {done} ({t2 - t1:.0f}s)")
+    dt = model_dtype(cfg, dev)  # the warm-ups train in fp32; from here on every copy runs in --dtype
+    if dt != next(policy.parameters()).dtype:
+        policy.to(dt)
+        warm.to(dt).attach(policy)  # the draft shares the (now bf16) embedding again
     ref = copy.deepcopy(policy).requires_grad_(False)
     warm_copy = copy.deepcopy(warm)  # the offline arm's start (the co-trained arm trains `warm` itself)
     frozen = copy.deepcopy(warm).requires_grad_(False)
     frozen.attach(policy)  # like the co-trained draft it reads the live policy's embedding; its own weights stay put
 
     def trainer(d):
-        return DraftTrainer(d, torch.optim.AdamW(d.parameters(), lr=cfg.draft_lr, weight_decay=0.0), lam=cfg.draft_lam,
-                            grad_clip=cfg.draft_grad_clip, num_passes=cfg.ttt_passes, pass_weight=cfg.ttt_decay,
-                            attn_fn=padded_branch_attention)
+        opt = master_optimizer(d.parameters(), lambda ps: torch.optim.AdamW(ps, lr=cfg.draft_lr, weight_decay=0.0))
+        return DraftTrainer(d, opt, lam=cfg.draft_lam, grad_clip=cfg.draft_grad_clip, num_passes=cfg.ttt_passes,
+                            pass_weight=cfg.ttt_decay, attn_fn=padded_branch_attention)
 
     torch.manual_seed(cfg.run_seed + 7)
     vocab = warm.draft_to_target if cfg.draft_vocab else None  # every arm names the same draft tokens

@@ -31,14 +31,15 @@ import torch.distributed as dist
 
 import speculative
 from backends.attention_padded import padded_branch_attention, padded_causal_attention
+from modeling.mixed_precision import clip_grads_, master_optimizer
 from rl_loop import DraftTrainer, RolloutBatch, draft_loss
 
 
 class OfflineArm:
     def __init__(self, cfg, tsk, ref, draft, *, seed: int):
         self.cfg, self.task, self.ref = cfg, tsk, ref
-        self.tr = DraftTrainer(draft, torch.optim.AdamW(draft.parameters(), lr=cfg.draft_lr, weight_decay=0.0),
-                               lam=cfg.draft_lam, grad_clip=cfg.draft_grad_clip, num_passes=cfg.ttt_passes,
+        opt = master_optimizer(draft.parameters(), lambda ps: torch.optim.AdamW(ps, lr=cfg.draft_lr, weight_decay=0.0))
+        self.tr = DraftTrainer(draft, opt, lam=cfg.draft_lam, grad_clip=cfg.draft_grad_clip, num_passes=cfg.ttt_passes,
                                pass_weight=cfg.ttt_decay, attn_fn=padded_branch_attention)
         dev = next(ref.parameters()).device
         self.rng = random.Random(seed + 555)  # its own prompt stream: fresh prompts, not the rollouts'
@@ -77,7 +78,7 @@ class OfflineArm:
             loss, _ = draft_loss(self.tr, out.taps, out.logits, mb, self.cfg.temperature)
             self.tr.opt.zero_grad(set_to_none=True)
             (self.tr.lam * loss).backward()
-            torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.tr.grad_clip)
+            clip_grads_(list(self.draft.parameters()), self.tr.grad_clip)
             self.tr.opt.step()
         self.steps_done += 1
         return {"offline_sample": t1 - t0, "offline_train": time.perf_counter() - t1}
