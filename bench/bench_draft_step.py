@@ -27,7 +27,7 @@ fused_logprob.budget_rows), the same bytes per chunk at every V. Seconds: wall t
     python bench/bench_draft_step.py --vocab_ratio --T 512 --repeats 2 [--chunk_mib 256]
                                                 # step_fused at V = 151936 and 32768, interleaved (a fresh pair of
                                                 # processes per repeat, the order alternating): seconds and their ratio
-                                                # -> bench/results/draft_step_vocab_ratio.json
+                                                # -> bench/results/draft_step_vocab_ratio_<M>mib.json
 
 Letters: T tokens (all ranks), T_l = T / cp, H hidden, V vocabulary, P passes, cp CP size.
 """
@@ -38,6 +38,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -335,7 +336,7 @@ def plot(rows, path):
 def vocab_ratio(T: int, repeats: int, chunk_mib: float, machine: str):
     """step_fused at V = 151936 and 32768 on the same T, cp = 1: one fresh pair of rank processes per repeat, the two
     vocabularies interleaved inside it (their order alternating), so a change in the shared CPU's load hits both.
-    Writes bench/results/draft_step_vocab_ratio.json; returns the per-repeat seconds and the median ratio."""
+    Writes bench/results/draft_step_vocab_ratio_<chunk_mib>mib.json; returns the per-repeat seconds and the median ratio."""
     Vs, runs = (151936, 32768), []
     for i in range(repeats):
         jobs = [("step_fused", T, V, T) for V in (Vs if i % 2 == 0 else Vs[::-1])]
@@ -344,11 +345,11 @@ def vocab_ratio(T: int, repeats: int, chunk_mib: float, machine: str):
         runs.append(dict(seconds=sec, chunk={V: rows[("step_fused", T, V)]["chunk"] for V in Vs},
                          ratio=None if None in sec.values() else round(sec[Vs[0]] / sec[Vs[1]], 2)))
         print(f"repeat {i}: {runs[-1]}", flush=True)
-    ok = sorted(r["ratio"] for r in runs if r["ratio"] is not None)
+    ok = [r["ratio"] for r in runs if r["ratio"] is not None]
     res = dict(cmd=f"python bench/bench_draft_step.py --vocab_ratio --T {T} --repeats {repeats} --chunk_mib "
                    f"{chunk_mib}", machine=machine, T=T, chunk_mib=chunk_mib, V_ratio=round(Vs[0] / Vs[1], 2),
-               runs=runs, median_ratio=ok[len(ok) // 2] if ok else None)
-    with open(os.path.join(ROOT, "bench", "results", "draft_step_vocab_ratio.json"), "w") as f:
+               runs=runs, median_ratio=round(statistics.median(ok), 2) if ok else None)
+    with open(os.path.join(ROOT, "bench", "results", f"draft_step_vocab_ratio_{chunk_mib:g}mib.json"), "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps(res, indent=1))
     return res
