@@ -116,7 +116,8 @@ class DistCotrainer:
         attn_fn; "torch" / "triton" / "flash": every attention of the step, at any cp (a ring of one at cp = 1), is
         attention_cp.ring_branch_attention with that block kernel. logprob_chunk > 0: no (T, V) logits on the last
         stage: GRPO's log-probs come from the final hidden through fused_logprob.token_logp and the drafts' teacher is
-        the final hidden + LM head, streamed (draft_loss.Teacher). zero1: the stage's optimizer state sharded over its
+        the final hidden + LM head, streamed (draft_loss.Teacher), their loss in chunks of the same rows
+        (0: draft_loss.chunk_rows's default). zero1: the stage's optimizer state sharded over its
         DP x CP ranks (parallel/zero1.py), the same update. The drafts read e(x_{i+d}) from the embedding tap
         (stage 0's, through TapChannel), never from the full policy copy, which serves the rollouts only.
         activation_checkpointing: each decoder layer of the stage is recomputed in backward. watch: drafts
@@ -174,7 +175,8 @@ class DistCotrainer:
         def draft_hook(d):  # last stage, after F(m): every draft's TTT loss on the detached taps and logits
             mb, total = d.mb, 0.0
             teacher = self._teacher(d, cfg.temperature)  # softmax(z / tau): the rollout's temperature
-            backend = dict(backend=self.attn_backend or "torch", group=g.cp_group)
+            backend = dict(backend=self.attn_backend or "torch", group=g.cp_group,
+                           chunk=self.logprob_chunk or None)  # the draft loss's chunk: the log-probs' rows
             for k, tr in enumerate(self.drafts):
                 L, met = tr.draft.ttt_loss(d.taps, mb.tokens, mb.cu_seqlens, loss_mask=mb.extra["dmask"],
                                            num_passes=tr.num_passes, pass_weight=tr.pass_weight,

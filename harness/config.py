@@ -110,7 +110,7 @@ class Config:
     zero1: bool = False  # shard each stage's optimizer state (AdamW m, v + master slice) over its DP x CP ranks
     # memory and kernels at scale: see README "Memory of the whole step"
     attn_backend: str = "torch"  # block kernel of ring_branch_attention: torch | triton | flash (CUDA only)
-    logprob_chunk: int = 0  # > 0: log-probs and the draft's teacher from the final hidden, that many rows at a time
+    chunk_mib: float = 256.0  # MiB of fp32 logits per chunk of log-probs and draft loss (0: unfused (T, V) logits)
     # precision: bf16 runs every forward (rollouts, reference, drafts, eval) and KV cache in bf16 and keeps the trained
     # weights' fp32 masters, grads and AdamW state (modeling/mixed_precision.py); fp32 allows TF32 matmuls on CUDA
     dtype: str = "auto"  # bf16 | fp32 | auto: bf16 on CUDA, fp32 on the CPU (where bf16 matmuls are far slower)
@@ -263,7 +263,7 @@ CHECKS = {
     "zero1":              FLAG,
     "attn_backend":       one_of("torch", "triton", "flash"),
     "dtype":              one_of("auto", "bf16", "fp32"),
-    "logprob_chunk":      ((lambda v, c: v >= 0), ">= 0 (0 = unfused)"),
+    "chunk_mib":          ((lambda v, c: v >= 0), ">= 0 (0 = the unfused (T, V) logits, the reference path)"),
     "ckpt_every":         ((lambda v, c: v >= 0), ">= 0 (0 = never)"),
     "log":                ((lambda v, c: _parses(parse_backends, v) and _installed(parse_backends(v))),
                            f"a comma list of {', '.join(BACKENDS)}, each installed (pip install -e \".[wandb]\", "

@@ -25,6 +25,7 @@ from tasks.protocol import Demonstrations, make_task
 from harness import warmup
 from harness.cache_keys import DraftSpec, PolicySpec, hf_policy_key
 from backends.attention_padded import padded_branch_attention, padded_causal_attention
+from backends.fused_logprob import budget_rows
 from dist_step import DistCotrainer
 from draft import Eagle3Draft
 from serving.hf_io import from_pretrained
@@ -82,7 +83,8 @@ def build_policy(cfg: Config, tsk, log=print, device=None) -> tuple[Transformer,
         return policy, key, True
     t0 = time.perf_counter()
     policy, key, loaded = warmup.warm_policy(PolicySpec.from_config(cfg, tsk), cache_dir=cfg.cache_dir,
-                                             log_every=max(cfg.sft_steps // 6, 1), device=device)
+                                             log_every=max(cfg.sft_steps // 6, 1), device=device,
+                                             chunk_mib=cfg.chunk_mib)
     done = ("loaded from cache" if loaded else "trained" if isinstance(tsk, Demonstrations)
             else "none (the task has no demonstrations)")
     log(f"policy SFT warm-up: {done} ({key}, {time.perf_counter() - t0:.0f}s)")
@@ -111,7 +113,7 @@ def build(cfg: Config, mesh: Mesh, log=print) -> Setup:
         s.policy, list(s.drafts.values()), mesh.grid,
         lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99)),
         grad_clip=cfg.grad_clip, schedule=cfg.schedule, attn_fn=padded_causal_attention,
-        attn_backend=cfg.attn_backend, logprob_chunk=cfg.logprob_chunk,
+        attn_backend=cfg.attn_backend, logprob_chunk=budget_rows(s.policy.cfg.vocab_size, cfg.chunk_mib),
         activation_checkpointing=cfg.activation_checkpointing, zero1=cfg.zero1,
         watch=[d for _, d in watched(s)])  # frozen / offline-extended: teacher-forced acceptance, forward only
     return s
@@ -143,7 +145,7 @@ def build_models(cfg: Config, dev: torch.device, log=print) -> Setup:
         policy, pkey, loaded = build_policy(cfg, tsk, log, dev)
         t1 = time.perf_counter()
         warm, dloaded = warmup.warm_draft(policy, draft_spec(cfg, tsk, pkey), cache_dir=cfg.cache_dir,
-                                          log_every=max(cfg.draft_warmup_steps // 4, 1))
+                                          log_every=max(cfg.draft_warmup_steps // 4, 1), chunk_mib=cfg.chunk_mib)
         t2 = time.perf_counter()
     finally:
         torch.set_num_threads(threads)

@@ -6,8 +6,10 @@
      `cache/policy-<key>/`) and later runs load it. A task without demonstrations gets no SFT: the policy is its
      seeded random initialisation.
   2. Draft warm-up (EAGLE-3's offline stage): sample responses from the warm policy (temperature 1), run the policy's
-     packed forward to get taps and logits, and fit the draft's multi-pass TTT loss with the policy as teacher. Also
-     cached (`cache/draft-<key>/`, draft.py's save/load), keyed on the policy's key too.
+     packed forward to get taps and its final hidden, and fit the draft's multi-pass TTT loss with the policy as
+     teacher. Also cached (`cache/draft-<key>/`, draft.py's save/load), keyed on the policy's key too.
+Both train through the RL update's streamed losses: the LM head is applied --chunk_mib of logits at a time, so no
+(tokens, V) tensor forms (fused_logprob.py, draft_loss.py); sampling runs --rollout_batch prompts per generate call.
 
 Each warm-up reads its settings from one spec (cache_keys.PolicySpec / DraftSpec) and nothing else that shapes it; the
 key is the hash of the whole spec and of the warm-up's source code (cache_keys.py says which).
@@ -44,7 +46,8 @@ from serving.hf_io import from_pretrained, read_json, save_pretrained
 from serving.draft_vocab import select_draft_vocab
 from model import Transformer
 from backends.attention_padded import padded_causal_attention
-from rl_loop import DraftTrainer, RolloutBatch, check_finite_weights, draft_loss, next_token_logp, pack
+from backends.fused_logprob import DEFAULT_CHUNK_MIB, budget_rows
+from rl_loop import DraftTrainer, RolloutBatch, check_finite_weights, draft_loss, pack, packed_logp
 
 
 HINT = "stopping, nothing cached. Try a lower --sft_lr / --draft_warmup_lr"
@@ -73,9 +76,11 @@ def sft_batch(tsk: Demonstrations, n: int, rng: random.Random):
 
 
 def sft_policy(policy: Transformer, tsk: Demonstrations, *, steps: int, batch: int, lr: float, seed: int,
-               log_every: int = 0) -> list:
-    """Supervised warm-up in place. Returns the loss per step."""
+               log_every: int = 0, chunk_mib: float = DEFAULT_CHUNK_MIB) -> list:
+    """Supervised warm-up in place. Returns the loss per step. The log-probs come from the final hidden through the
+    LM head chunk_mib MiB of logits at a time (rl_loop.packed_logp; 0: (T, V) logits), like the RL update's."""
     rng = random.Random(seed)
+    chunk = budget_rows(policy.cfg.vocab_size, chunk_mib)
     opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     losses, t0 = [], time.time()
     dev = next(policy.parameters()).device
@@ -84,8 +89,8 @@ def sft_policy(policy: Transformer, tsk: Demonstrations, *, steps: int, batch: i
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup=max(steps // 20, 1))
         tokens, cu, mask = (t.to(dev) for t in sft_batch(tsk, batch, rng))
-        logits = policy(tokens, cu, attn_fn=padded_causal_attention).logits  # (T, V)
-        loss = -(next_token_logp(logits, tokens, cu) * mask).sum() / mask.sum()
+        out = policy(tokens, cu, attn_fn=padded_causal_attention, logits=chunk == 0)  # hidden (T, H)
+        loss = -(packed_logp(out, policy.head_weight, tokens, cu, chunk=chunk) * mask).sum() / mask.sum()
         if not math.isfinite(loss.item()):
             raise FloatingPointError(f"SFT warm-up step {step}: loss = {loss.item()} (not finite); {HINT}")
         opt.zero_grad(set_to_none=True)
@@ -99,12 +104,12 @@ def sft_policy(policy: Transformer, tsk: Demonstrations, *, steps: int, batch: i
     return losses
 
 
-def warm_policy(spec: PolicySpec, *, cache_dir: str = "cache", log_every: int = 0,
-                device=None) -> tuple[Transformer, str, bool]:
+def warm_policy(spec: PolicySpec, *, cache_dir: str = "cache", log_every: int = 0, device=None,
+                chunk_mib: float = DEFAULT_CHUNK_MIB) -> tuple[Transformer, str, bool]:
     """The SFT'd policy on `device` (default CPU), from `cache_dir` when an identical warm-up was run before; a task
     without demonstrations (no encode_demo): the seeded random initialisation, nothing cached.
-    Returns (policy, key, loaded). Everything that shapes it comes from `spec` (its key: spec.key()); the device does
-    not: a CPU-trained policy serves a GPU run."""
+    Returns (policy, key, loaded). Everything that shapes it comes from `spec` (its key: spec.key()); the device and
+    chunk_mib (the log-probs' chunk) do not: they change rounding only, and a CPU-trained policy serves a GPU run."""
     key = spec.key()
     if not isinstance(spec.task, Demonstrations):
         torch.manual_seed(spec.seed)
@@ -116,7 +121,7 @@ def warm_policy(spec: PolicySpec, *, cache_dir: str = "cache", log_every: int = 
     torch.manual_seed(spec.seed)
     policy = Transformer(spec.model).to(device)  # initialised on the CPU: the same weights on every device
     sft_policy(policy, spec.task, steps=spec.steps, batch=spec.batch, lr=spec.lr, seed=spec.seed,
-               log_every=log_every)
+               log_every=log_every, chunk_mib=chunk_mib)
     publish(path, lambda tmp: save_pretrained(policy, tmp))
     return policy, key, False
 
@@ -181,16 +186,20 @@ def load_draft(path: str, policy) -> Eagle3Draft:
     return draft
 
 
-def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache",
-               log_every: int = 0) -> tuple[Eagle3Draft, bool]:
+def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache", log_every: int = 0,
+               chunk_mib: float = DEFAULT_CHUNK_MIB) -> tuple[Eagle3Draft, bool]:
     """A draft fitted offline to the warm policy's own samples (cached). Returns (draft, loaded).
     policy: the model spec.policy_key names. Everything else that shapes the draft comes from `spec` (its key:
     spec.key()): the task (its train prompts and EOS), steps (0: an untrained draft), draft_vocab = N > 0 (the draft
     names only the N most frequent target tokens of the sampled responses, draft_vocab.py), tap_layers (the policy
     layers it reads; (): model.default_tap_layers), pass_weight (w_d = pass_weight^(d-1) in the TTT loss), ...
+    chunk_mib (rounding only, not in the key): the streamed loss's chunk, its teacher's logits formed from the policy's
+    final hidden chunk by chunk (0: the policy's (T, V) logits as the teacher).
 
-    1. sample `pool` responses from the policy (plain sampling at temperature 1: the distribution RL starts from);
-    2. each step: `batch` of them -> policy forward (no grad) for taps + logits -> TTT loss -> AdamW step."""
+    1. sample `pool` responses from the policy (plain sampling at temperature 1: the distribution RL starts from),
+       spec.rows prompts per generate call;
+    2. each step: `batch` of them -> policy forward (no grad) for taps + final hidden -> TTT loss, streamed -> AdamW
+       step."""
     tsk, steps, batch, lr, pool, seed, draft_vocab = (spec.task, spec.steps, spec.batch, spec.lr, spec.pool, spec.seed,
                                                       spec.draft_vocab)
     max_new_tokens, num_passes, attn_fn, draft_attn_fn = (spec.max_new_tokens, spec.num_passes, spec.attn_fn,
@@ -207,8 +216,8 @@ def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache"
     rng, g = random.Random(seed + 1), torch.Generator(device=dev).manual_seed(seed + 1)
     prompts = [tsk.encode_prompt(p) for p in tsk.sample(pool, rng, "train")]
     responses = []
-    for i in range(0, pool, 256):
-        responses += [r.cpu() for r in speculative.generate(policy, None, prompts[i: i + 256],
+    for i in range(0, pool, spec.rows):
+        responses += [r.cpu() for r in speculative.generate(policy, None, prompts[i: i + spec.rows],
                                                             max_new_tokens=max_new_tokens, temperature=1.0,
                                                             eos_id=tsk.tok.eos_id, generator=g).tokens]
     torch.manual_seed(seed)
@@ -218,7 +227,7 @@ def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache"
         return draft, False
     tr = DraftTrainer(draft, torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0), num_passes=num_passes,
                       pass_weight=spec.pass_weight, attn_fn=draft_attn_fn)
-    t0 = time.time()
+    t0, chunk = time.time(), budget_rows(policy.cfg.vocab_size, chunk_mib)
     for step in range(steps):
         for grp in tr.opt.param_groups:
             grp["lr"] = lr_at(step, steps, lr, warmup=max(steps // 20, 1))
@@ -227,8 +236,8 @@ def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache"
         mb = RolloutBatch.from_rollouts([prompts[i] for i in idx], [responses[i] for i in idx],
                                         [torch.zeros(responses[i].numel()) for i in idx], zeros, zeros.bool()).to(dev)
         with torch.no_grad():
-            out = policy(mb.tokens, mb.cu_seqlens, attn_fn=attn_fn, tap_layers=draft.tap_layers)
-        loss, m = draft_loss(tr, out.taps, out.logits, mb)
+            out = policy(mb.tokens, mb.cu_seqlens, attn_fn=attn_fn, tap_layers=draft.tap_layers, logits=chunk == 0)
+        loss, m = draft_loss(tr, out.taps, out.logits, mb, hidden=out.hidden, head=policy.head_weight, chunk=chunk)
         if not math.isfinite(loss.item()):
             raise FloatingPointError(f"draft warm-up step {step}: loss = {loss.item()} (not finite); {HINT}")
         tr.opt.zero_grad(set_to_none=True)
@@ -244,12 +253,17 @@ def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache"
 
 
 @torch.no_grad()
-def evaluate_policy(policy, tsk, problems, max_new_tokens: int, *, temperature: float, seed: int = 0) -> dict:
-    """Mean reward, accuracy, explicit-step fraction (0 for a task without one) and response length on `problems`."""
+def evaluate_policy(policy, tsk, problems, max_new_tokens: int, *, temperature: float, seed: int = 0,
+                    rows: int = 32) -> dict:
+    """Mean reward, accuracy, explicit-step fraction (0 for a task without one) and response length on `problems`,
+    sampled `rows` prompts per generate call (the rollout engine's batch, --rollout_batch)."""
     g = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
     prompts = [tsk.encode_prompt(p) for p in problems]
-    resp = [r.cpu() for r in speculative.generate(policy, None, prompts, max_new_tokens=max_new_tokens,
-                                                  temperature=temperature, eos_id=tsk.tok.eos_id, generator=g).tokens]
+    resp = []
+    for i in range(0, len(prompts), rows):
+        resp += [r.cpu() for r in speculative.generate(policy, None, prompts[i: i + rows],
+                                                       max_new_tokens=max_new_tokens, temperature=temperature,
+                                                       eos_id=tsk.tok.eos_id, generator=g).tokens]
     R, parts = tsk.score(problems, resp)
     return {"reward": float(R.mean()), "correct": float(parts["correct"].mean()),
             "explicit": float(parts["explicit"].mean()) if "explicit" in parts else 0.0,
@@ -269,8 +283,8 @@ if __name__ == "__main__":
     tsk.max_new_tokens = c.max_new_tokens or tsk.max_new_tokens
     t0 = time.time()
     policy, key, loaded = warm_policy(PolicySpec.from_config(c, tsk), cache_dir=c.cache_dir,
-                                      log_every=max(c.sft_steps // 12, 1))
+                                      log_every=max(c.sft_steps // 12, 1), chunk_mib=c.chunk_mib)
     print(f"policy {key} ({'loaded' if loaded else 'trained'}) in {time.time() - t0:.0f}s")
     for T in (0.0, 1.0):
         print(f"held-out, temperature {T}:", evaluate_policy(policy, tsk, tsk.eval_set(256), tsk.max_new_tokens,
-                                                            temperature=T))
+                                                            temperature=T, rows=c.rollout_batch))

@@ -52,7 +52,7 @@ BAD_VALUE = {
     "eps_high": "-0.1", "beta": "-1", "loss_norm": "mean", "eval_every": "0", "eval_prompts": "0", "eval_samples": "0",
     "pp": "0", "cp": "0", "dp": "-1", "schedule": "gpipe", "ckpt_every": "-1", "dist_timeout": "0",
     "prompt_key": "", "answer_key": "", "chat_template": "nope.jinja", "draft_vocab": "-1", "log": "csv", "tree": "2,0,1",
-    "attn_backend": "cuda", "logprob_chunk": "-1",
+    "attn_backend": "cuda", "chunk_mib": "-1",
     "rl_seed": "-2", "eval_draft_tokens": "-1", "bootstrap": "0", "task": "nope",
     "ttt_decay": "1.5", "tap_layers": "0,1", "dtype": "fp16",
 }
