@@ -25,7 +25,8 @@ from parallel.ring import as_ring
 
 
 def padded_causal_attention(q, k, v, cu_seqlens, softmax_scale):
-    """Same result as modeling.layers.packed_causal_attention, computed as ONE batched SDPA over sequences padded to the longest.
+    """Same result as modeling.layers.packed_causal_attention, computed as ONE batched SDPA over sequences padded to
+    the longest.
 
     q (T, Hq, D), k/v (T, Hkv, D) -> (T, Hq, D). Wastes (L_max - L_s) rows per sequence but avoids the per-sequence
     Python loop, about 2x faster for many short rollouts on CPU. Pad rows sit after each sequence, so the causal mask

@@ -21,7 +21,8 @@ Work list: each Segment (q0, q1, k0, k1, causal) is cut into row tiles on the ho
 program: rows [s, e) of the tiled side and the segment's bounds), so one launch covers every sequence of a packed
 batch. Causal tiles stop at the diagonal; the longest tiles go first so the tail of the launch is short.
 
-    python -m backends.attention_triton                        # GPU: the ring (cp = 1, 2 as threads) vs dense fp64, bf16
+    python -m backends.attention_triton                        # GPU: the ring (cp = 1, 2 as threads) vs dense fp64
+                                                               # (bf16)
     TRITON_INTERPRET=1 python -m backends.attention_triton     # CPU: the same through Triton's interpreter, fp32
     pytest -q tests/test_attention_triton.py          # vs TorchBlocks block by block, and end to end
 

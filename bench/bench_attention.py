@@ -290,7 +290,8 @@ def claims(rows):
 def markdown(rows, cl, cmd, machine):
     mib = lambda b: "" if b is None else f"{b / 2**20:.1f}"  # noqa: E731
     lines = [f"`{cmd}` on {machine}", "",
-             "| method | L | cp | P | heads (q/kv) | head dim | peak MiB / rank | inputs MiB / rank | seconds | status |",
+             "| method | L | cp | P | heads (q/kv) | head dim | peak MiB / rank | inputs MiB / rank | seconds "
+             "| status |",
              "|---|---:|---:|---:|---|---:|---:|---:|---:|---|"]
     for r in rows:
         lines.append(f"| {r['method']} | {r['L']} | {r['cp']} | {r['P']} | {r['Hq']}/{r['Hkv']} | {r['head_dim']} | "

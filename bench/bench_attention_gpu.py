@@ -11,7 +11,8 @@ FLOPs (FlashAttention's convention; one sequence of L tokens, Hq heads, head dim
     fwd = 4 Hq D (L (L + 1) / 2 + P L)      (two matmuls, the causal half of the trunk, plus the branch)
     fwd + bwd = 3.5 fwd                     (the backward's five matmuls = 2.5 fwd; recomputation not counted)
 
-    python bench/bench_attention_gpu.py                               # H200: <= ~8 min, bench/results/attention_gpu.json
+    python bench/bench_attention_gpu.py                               # H200: <= ~8 min
+                                                                      # -> bench/results/attention_gpu.json
     python bench/bench_attention_gpu.py --lengths=4096,65536 --cp=8 --peak=989
     python bench/bench_attention_gpu.py --device=cpu --quick          # smoke run: tiny L, Triton's CPU interpreter
 

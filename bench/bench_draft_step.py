@@ -336,7 +336,8 @@ def plot(rows, path):
 def vocab_ratio(T: int, repeats: int, chunk_mib: float, machine: str):
     """step_fused at V = 151936 and 32768 on the same T, cp = 1: one fresh pair of rank processes per repeat, the two
     vocabularies interleaved inside it (their order alternating), so a change in the shared CPU's load hits both.
-    Writes bench/results/draft_step_vocab_ratio_<chunk_mib>mib.json; returns the per-repeat seconds and the median ratio."""
+    Writes bench/results/draft_step_vocab_ratio_<chunk_mib>mib.json; returns the per-repeat seconds and the median
+    ratio."""
     Vs, runs = (151936, 32768), []
     for i in range(repeats):
         jobs = [("step_fused", T, V, T) for V in (Vs if i % 2 == 0 else Vs[::-1])]

@@ -174,7 +174,8 @@ def check_resumable(path, config: dict, mesh: tuple, may_change=RESUME_MAY_CHANG
                          f"{m['step']})")
     changed = changed_inputs(m.get("inputs"), input_fingerprints(config), config)
     if changed and not config.get("resume_changed_inputs"):
-        raise ValueError(f"{path} was written by a run that read other inputs; {'; '.join(changed)}. A resume continues "
+        raise ValueError(f"{path} was written by a run that read other inputs; {'; '.join(changed)}. "
+                         "A resume continues "
                          "the same run only: restore the inputs, start a new run, or add --resume_changed_inputs to "
                          "continue on the new ones")
     saved, here = m.get("code") or {}, code_version()

@@ -10,7 +10,8 @@ Strings and None are left to the jsonl. tensorboard and wandb are optional extra
 `".[wandb]"`): asking for one that is not installed is an error naming the package, never a silent no-op. wandb runs
 in offline mode (files under <out>/wandb; `wandb sync` uploads them later) so a run never needs the network.
 
-    python -m harness.logger OUT_DIR [tensorboard] [wandb]    # logs a few fake steps; then: tensorboard --logdir OUT_DIR/tb
+    python -m harness.logger OUT_DIR [tensorboard] [wandb]    # logs a few fake steps
+    tensorboard --logdir OUT_DIR/tb                             # then look at them
 """
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ class MetricsLogger:
         if self._tb is None and self._wandb is None:
             return
         step = int(record.get("step", 0))
-        flat = flatten({k: v for k, v in record.items() if k not in ("kind", "step")}, f"{record.get('kind', 'metrics')}/")
+        fields = {k: v for k, v in record.items() if k not in ("kind", "step")}
+        flat = flatten(fields, f"{record.get('kind', 'metrics')}/")
         if self._tb is not None:
             for k, v in flat.items():
                 self._tb.add_scalar(k, v, global_step=step)
@@ -89,7 +91,8 @@ def _tensorboard(out_dir):
     try:
         from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` package
     except ImportError:
-        raise ImportError("log=tensorboard needs the `tensorboard` package: pip install -e \".[tensorboard]\"") from None
+        raise ImportError("log=tensorboard needs the `tensorboard` package: "
+                          "pip install -e \".[tensorboard]\"") from None
     return SummaryWriter(os.path.join(out_dir, "tb"))
 
 

@@ -20,7 +20,8 @@ complete one (a concurrent run finished first) is kept, and the temporary never 
 (the next run deletes those of processes that are gone). A cached entry that cannot be read, or holds NaN/inf
 weights, is a one-line error naming the file.
 
-    python -m harness.warmup                   # SFT (or load) the default policy; report its held-out greedy / sampled reward
+    python -m harness.warmup                   # SFT (or load) the default policy; report its held-out greedy /
+                                               # sampled reward
     python -m harness.warmup --preset smoke    # any train.py preset / --key=value: the same cache entries as train.py
 
 Letters: T packed tokens, S sequences, V vocab.

@@ -17,7 +17,7 @@ eagle_aux_hidden_state_layer_ids` = tap (it adds the one itself). cospec's tap t
 
     draft.export(path)                                    # the draft alone (Eagle3Draft.export calls export_draft)
     write_servables(out, policy, draft, tokenizer_dir, step=s)   # <out>/policy/ (HF checkpoint) + <out>/draft/ (export)
-    python -m serving.export runs/default/draft                   # reads an export back and checks it as the engines load it
+    python -m serving.export runs/default/draft                   # reads an export back, checks it as engines load it
 
 Each directory lands atomically: written under a temporary sibling name, then renamed into place (a reader sees the
 old directory or the new one, never half of one; between the two renames the path is briefly absent, and a kill there
@@ -62,8 +62,9 @@ def check_exportable(tap_layers, target_num_layers: int) -> tuple:
     layer). Returns them sorted."""
     taps = tuple(sorted(int(t) for t in tap_layers))
     if len(taps) != NUM_AUX:
-        raise ValueError(f"tap_layers={tuple(tap_layers)}: vLLM and SGLang feed the draft's fc exactly {NUM_AUX} target "
-                         f"hidden states; this draft reads {len(taps)} (a policy with >= 4 layers gets 3 by default)")
+        raise ValueError(f"tap_layers={tuple(tap_layers)}: vLLM and SGLang feed the draft's fc exactly {NUM_AUX} "
+                         f"target hidden states; this draft reads {len(taps)} (a policy with >= 4 layers gets 3 by "
+                         f"default)")
     if taps[0] < 0:
         raise ValueError(f"tap_layers={taps}: the embeddings (-1) cannot be exported as an aux state")
     if taps[-1] >= target_num_layers - 1:

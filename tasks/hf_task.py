@@ -13,7 +13,7 @@ strings; a number may carry an exponent (1e-6 == 0.000001, so a JSON answer 1e-0
 reference may be a bare answer or a GSM8K-style solution ending in "#### x". The data must mean one answer per
 prompt: the same prompt twice with answers that do not compare equal is an error at load time.
 
-    python -m tasks.hf_task MODEL_DIR prompts.jsonl     # prints the split sizes, special tokens and a few encoded prompts
+    python -m tasks.hf_task MODEL_DIR prompts.jsonl     # prints the split sizes, special tokens, a few encoded prompts
 
 Usage (the same interface as task.CountUpTask, so the experiment runs on either):
     t = HFTask(model_dir, "prompts.jsonl", prompt_key="prompt", answer_key="answer", chat_template="")
@@ -105,8 +105,8 @@ def check_one_answer(examples: list, path: str):
     for e in examples:
         seen = first.setdefault(e.prompt, e)
         if seen is not e and not same_answer(seen.answer, e.answer):
-            raise ValueError(f"{path}:{e.line}: the same prompt as line {seen.line} with another answer ({e.answer!r:.40}"
-                             f" vs {seen.answer!r:.40}): expected one answer per prompt")
+            raise ValueError(f"{path}:{e.line}: the same prompt as line {seen.line} with another answer "
+                             f"({e.answer!r:.40} vs {seen.answer!r:.40}): expected one answer per prompt")
 
 
 def math_answer_reward(response_text: str, answer) -> float:

@@ -133,7 +133,8 @@ def reward(p: Problem, text: str, ended: bool, format_weight: float) -> tuple[fl
     correct = float(ended and answer is not None and answer == str(p.answer))
     chain = [p.x0] + p.chain
     good = sum(1 for k, m in enumerate(steps[: p.n_steps])
-               if m.group(1) is not None and (m.group(1), m.group(2), m.group(3)) == tuple(map(str, (chain[k], p.d, chain[k + 1]))))
+               if m.group(1) is not None
+               and (m.group(1), m.group(2), m.group(3)) == tuple(map(str, (chain[k], p.d, chain[k + 1]))))
     explicit = good / p.n_steps
     return correct * (1.0 + format_weight * explicit), {"correct": correct, "explicit": explicit}
 

@@ -1,4 +1,4 @@
-"""Test-wide settings: a derandomized hypothesis profile (CI = local, reproducible) and the Triton interpreter on CPU."""
+"""Test-wide settings: a derandomized hypothesis profile (CI = local, reproducible), the Triton interpreter on CPU."""
 import os
 
 import pytest

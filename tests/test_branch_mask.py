@@ -77,7 +77,8 @@ def test_ttt_conventions_are_the_same_attention_up_to_row_permutation(lengths, p
     rd, rs = ttt_row_map(cu, passes)
     # 1. the masks agree under the relabelling, and no common row sees a key outside the common rows
     assert torch.equal(diag[rd][:, rd], stair[rs][:, rs])
-    assert torch.equal(diag[rd].sum(1), diag[rd][:, rd].sum(1)) and torch.equal(stair[rs].sum(1), stair[rs][:, rs].sum(1))
+    assert torch.equal(diag[rd].sum(1), diag[rd][:, rd].sum(1))
+    assert torch.equal(stair[rs].sum(1), stair[rs][:, rs].sum(1))
     # 2. hence the same attention: one K/V per (pass, sequence, anchor), laid out by each convention
     g = torch.Generator().manual_seed(seed)
     n, D = int(cu[-1]) * passes, 8

@@ -44,7 +44,8 @@ def assert_same(a, b, keys=("loss_per_pass", "acc", "acc_cond", "alpha", "count"
 @pytest.mark.parametrize("hard", [False, True])
 @pytest.mark.parametrize("teacher", ["logits", "hidden"])
 def test_streaming_equals_dense(vocab, hard, teacher):
-    """cp = 1, odd lengths (padded inside ttt_loss, the teacher read through the row map), chunks that do not divide T."""
+    """cp = 1, odd lengths (padded inside ttt_loss, the teacher read through the row map), chunks that do not divide
+    T."""
     built = case(draft_vocab=REDUCED if vocab else None, lens=LENS)
     ref = run(built, chunk=0, hard=hard)  # the dense reference on the policy's logits
     for chunk in (5, 1000):

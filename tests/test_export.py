@@ -108,7 +108,8 @@ def _export(draft, tmp_path, dtype):
 
 @pytest.mark.parametrize("reduced", [False, True])
 def test_engine_formulas_match_draft_inference(tmp_path, reduced):
-    transformers = pytest.importorskip("transformers", reason="the reference reads a transformers Llama's hidden states")
+    transformers = pytest.importorskip("transformers",
+                                       reason="the reference reads a transformers Llama's hidden states")
     V = 97
     policy, draft = _pair(vocab=V, draft_vocab=torch.randperm(V)[:40] if reduced else None)
     cfg, W = _export(draft, tmp_path, torch.float64)

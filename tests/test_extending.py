@@ -1,4 +1,4 @@
-"""docs/EXTENDING.md's examples run: every file under docs/examples/ appears in the doc verbatim (so the doc cannot drift
+"""docs/EXTENDING.md's examples run: every file under docs/examples/ is in the doc verbatim (so the doc cannot drift
 from what runs), and every `python train.py ...` line of the doc's bash blocks runs in-process, one step (--steps=1),
 each with its own --out and one shared cache; each flag's effect is checked where it lands. Measured: 24 s on a quiet
 2-core machine, 45 s to 54 s with it shared by other jobs, nearly all of it the four tiny runs and their warm-ups.

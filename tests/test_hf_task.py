@@ -79,7 +79,8 @@ def test_vocab_larger_than_the_model_is_an_error(tok_dir, data, tmp_path):
         HFTask(str(d), data)
     (d / "config.json").write_text(json.dumps({"vocab_size": V + 10}))
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS, V + 10]}))
-    with pytest.raises(ValueError, match=rf"special token ids \[{V + 10}\] are outside the model's vocab_size={V + 10}"):
+    with pytest.raises(ValueError,
+                       match=rf"special token ids \[{V + 10}\] are outside the model's vocab_size={V + 10}"):
         HFTask(str(d), data)
     (d / "config.json").write_text(json.dumps({"hidden_size": 8}))
     with pytest.raises(ValueError, match="no vocab_size"):
@@ -327,7 +328,8 @@ def test_rendering_equals_transformers_apply_chat_template(tmp_path):
     tk = transformers.PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), bos_token="<s>",
                                               eos_token="</s>", pad_token="<pad>")
     from tasks.hf_data import ChatTemplate
-    for template in (TEMPLATE, "{% for m in messages %}{{ m | tojson }}{% endfor %}{{ '<gen>' if add_generation_prompt }}"):
+    jsonish = "{% for m in messages %}{{ m | tojson }}{% endfor %}{{ '<gen>' if add_generation_prompt }}"
+    for template in (TEMPLATE, jsonish):
         want = tk.apply_chat_template(CHAT, chat_template=template, tokenize=False, add_generation_prompt=True)
         got = ChatTemplate(template, "test", {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"})
         assert got.render(CHAT, "here") == want

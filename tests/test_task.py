@@ -1,4 +1,4 @@
-"""The built-in task: tokenizer round trip, demonstrations are correct in both styles, the reward, the held-out split."""
+"""The built-in task: tokenizer round trip, demonstrations correct in both styles, the reward, the held-out split."""
 import random
 
 import pytest

@@ -94,7 +94,8 @@ def test_pick_device_one_gpu_per_rank(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_test_preset_on_cuda(tmp_path):
     """The whole loop with every model on the GPU: warm-ups, speculative rollouts, update, eval, summary."""
-    cfg = parse_args(["--preset=test", "--device=cuda", f"--cache_dir={tmp_path / 'cache'}", f"--out={tmp_path / 'run'}"])
+    cfg = parse_args(["--preset=test", "--device=cuda", f"--cache_dir={tmp_path / 'cache'}",
+                      f"--out={tmp_path / 'run'}"])
     s = build(cfg, make_mesh(cfg), log=lambda *a, **k: None)
     models = [s.policy, s.ref, s.frozen] + [tr.draft for tr in s.drafts.values()]
     assert all(p.is_cuda for m in models for p in m.parameters()) and s.gen.device.type == "cuda"
