@@ -48,7 +48,7 @@ class Setup:
     cotrainer: DistCotrainer  # this rank's pipeline stage + optimizer: the one update path at every world size
     eval_problems: list
     rng: random.Random  # the prompt sampler: the same stream on every rank
-    gen: torch.Generator  # the rollout sampler: one stream per DP replica
+    gen: torch.Generator  # the rollouts' step seeds (each row then draws from its own stream): the same on every rank
     perm_gen: torch.Generator  # the minibatch shuffle: the same stream on every rank
     grpo: GRPOConfig
     warm_info: dict = field(default_factory=dict)
@@ -104,7 +104,6 @@ def build(cfg: Config, mesh: Mesh, log=print) -> Setup:
     s = build_models(cfg, mesh.device, log) if mesh.main else None
     mesh.barrier()
     s = s or build_models(cfg, mesh.device, log=lambda *a, **k: None)
-    s.gen.manual_seed(cfg.run_seed + 1000 * mesh.grid.dp_rank)  # each DP replica samples its own rollouts
     s.cotrainer = DistCotrainer(
         s.policy, list(s.drafts.values()), mesh.grid,
         lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99)),
