@@ -73,24 +73,25 @@ def test_lossless_through_row_streams(tree):
 
 @pytest.mark.parametrize("k, tree", [(3, None), (0, None), (3, (2, 2, 1))])
 def test_a_rows_tokens_do_not_depend_on_its_batch(k, tree):
-    """12 rows generated at once, and again as 3 shuffled batches of 4: the same tokens per row (and, where every
-    policy forward has >= 4 rows x positions, k >= 3, bit-identical log-probs: MKL's sgemm rounds differently for
-    fewer than 4 rows, which only the autoregressive decode reaches once compaction leaves 1-3 rows)."""
+    """12 rows generated at once, and again as 3 shuffled batches of 4: the same tokens per row. The log-probs agree
+    to float rounding only: a row's forward is not bit-invariant to its batch on CPU (the cached attention's SDPA
+    kernel sums over the batch's padded key length, MKL's sgemm rounds differently below 4 rows), which is why the
+    harness cuts rows into the same blocks on every mesh (harness/mesh.row_blocks)."""
     torch.manual_seed(0)
     policy = Transformer(ModelConfig.preset("tiny")).eval()
     draft = Eagle3Draft.from_target(policy)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(97, (int(n),), generator=g) for n in torch.randint(3, 12, (12,), generator=g)]
     keys = row_keys(9, torch.arange(12))
-    kw = dict(max_new_tokens=24, num_draft_tokens=k, temperature=1.0, eos_id=5, tree=tree)
+    kw = dict(max_new_tokens=24, num_draft_tokens=k, temperature=1.0, eos_id=0, tree=tree)
     full = generate(policy, draft, prompts, generator=RowStreams(keys), **kw)
     order = torch.randperm(12, generator=g)
     for part in order.view(3, 4):
         r = generate(policy, draft, [prompts[i] for i in part], generator=RowStreams(keys[part]), **kw)
         for j, i in enumerate(part.tolist()):
             assert torch.equal(r.tokens[j], full.tokens[i]), (i, r.tokens[j], full.tokens[i])
-            if k >= 3:
-                assert torch.equal(r.logprobs[j], full.logprobs[i])
-            else:
-                assert torch.allclose(r.logprobs[j], full.logprobs[i], atol=1e-5)
-    assert len({t.numel() for t in full.tokens}) > 2  # rows stop at different lengths: compaction ran
+            assert torch.allclose(r.logprobs[j], full.logprobs[i], rtol=0, atol=1e-5)
+    assert sum(t.numel() < 24 for t in full.tokens) >= 3  # a quarter of the rows stopped early: compaction ran
+    shared = generate(policy, draft, prompts, generator=torch.Generator().manual_seed(9), **kw)
+    alone = generate(policy, draft, prompts[:4], generator=torch.Generator().manual_seed(9), **kw)
+    assert any(not torch.equal(a, b) for a, b in zip(shared.tokens, alone.tokens))  # one shared stream: it would
