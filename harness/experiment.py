@@ -139,12 +139,16 @@ def build_models(cfg: Config, dev: torch.device, log=print) -> Setup:
         t0 = time.perf_counter()
         policy, pkey, loaded = build_policy(cfg, tsk, log, dev)
         t1 = time.perf_counter()
-        warm, dloaded = warmup.warm_draft(policy, draft_spec(cfg, tsk, pkey), cache_dir=cfg.cache_dir,
-                                          log_every=max(cfg.draft_warmup_steps // 4, 1))
+        if cfg.draft:  # a served EAGLE-3 draft: no warm-up (warmup_cached.draft = None in the summary)
+            warm, dloaded = Eagle3Draft.from_export(cfg.draft, policy), None
+        else:
+            warm, dloaded = warmup.warm_draft(policy, draft_spec(cfg, tsk, pkey), cache_dir=cfg.cache_dir,
+                                              log_every=max(cfg.draft_warmup_steps // 4, 1))
         t2 = time.perf_counter()
     finally:
         torch.set_num_threads(threads)
-    done = "none (an untrained draft)" if cfg.draft_warmup_steps == 0 else "loaded from cache" if dloaded else "trained"
+    done = (f"none: the EAGLE-3 draft {cfg.draft}" if cfg.draft else "none (an untrained draft)"
+            if cfg.draft_warmup_steps == 0 else "loaded from cache" if dloaded else "trained")
     log(f"draft warm-up: {done} ({t2 - t1:.0f}s)")
     ref = copy.deepcopy(policy).requires_grad_(False)
     warm_copy = copy.deepcopy(warm)  # the offline arm's start (the co-trained arm trains `warm` itself)
@@ -157,7 +161,8 @@ def build_models(cfg: Config, dev: torch.device, log=print) -> Setup:
                             attn_fn=padded_branch_attention)
 
     torch.manual_seed(cfg.run_seed + 7)
-    vocab = warm.draft_to_target if cfg.draft_vocab else None  # every arm names the same draft tokens
+    reduced = cfg.draft_vocab or warm.cfg.draft_vocab_size < warm.cfg.vocab_size  # (--draft: the export's own)
+    vocab = warm.draft_to_target if reduced else None  # every arm names the same draft tokens
     taps = warm.tap_layers  # --tap_layers, or the default rule: every arm reads the same taps
     drafts = {"cotrained": trainer(Eagle3Draft.from_target(policy, tap_layers=taps, draft_vocab=vocab)
                                    if cfg.cold_start else warm)}
