@@ -1,6 +1,6 @@
 """--draft PATH: a run starts from a draft in the EAGLE-3 export format (Eagle3Draft.from_export) with no draft warm-up;
-a draft that does not fit the policy is a one-line error naming it. ~50 s on 2 shared cores (under load) (two 1-step `--preset
-test` runs: the first exports <out>/draft, the second starts from it)."""
+a draft that does not fit the policy is a one-line error naming it. ~50 s on 2 shared cores under load (two 1-step
+`--preset test` runs: the first exports <out>/draft, the second starts from it)."""
 import json
 import os
 
