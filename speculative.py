@@ -36,6 +36,7 @@ from decoding import speculative_tree
 from model import Transformer
 from modeling.layers import at_least_f32
 from decoding.spec_rule import accept_prob, probs, residual
+from decoding.row_streams import multinomial, uniform
 
 
 @dataclass
@@ -76,10 +77,10 @@ def verify(p_logits, d, q, temperature: float, generator=None):
     p = probs(p_logits, temperature)  # (B, k+1, V)
     p_d = p[:, :k].gather(-1, d[..., None])[..., 0]  # (B, k)
     q_d = q.gather(-1, d[..., None])[..., 0]
-    u = torch.rand(B, k, generator=generator, device=d.device)
+    u = uniform((B, k), generator, d.device)
     n = (u < accept_prob(p_d, q_d)).long().cumprod(1).sum(1)  # leading accepts
     q_next = torch.cat([q, torch.zeros_like(q[:, :1])], 1)[rows, n]  # q = 0 after the last draft: residual = p (bonus)
-    y = torch.multinomial(residual(p[rows, n], q_next), 1, generator=generator)[:, 0]
+    y = multinomial(residual(p[rows, n], q_next), generator)
     return n, y
 
 
@@ -87,7 +88,7 @@ def _sample(logits, temperature, generator):  # (B, V) -> (B,), and the probabil
     if temperature == 0:
         return logits.argmax(-1), None
     q = probs(logits, temperature)
-    return torch.multinomial(q, 1, generator=generator)[:, 0], q
+    return multinomial(q, generator), q
 
 
 def _logprob(logits, tokens, temperature):  # (B, S, V), (B, S) -> (B, S) log p(token)
@@ -138,7 +139,7 @@ class _Decode:
     temperature: float
     eos_id: Optional[int]
     max_new_tokens: int
-    generator: Optional[torch.Generator]
+    generator: object  # a torch.Generator (None: torch's global one) or RowStreams (decoding/row_streams.py)
     toks: torch.Tensor  # (B, width) generated ids per prompt; finished rows keep writing harmlessly past their end
     lps: torch.Tensor  # (B, width) their policy log-probs
     n_gen: torch.Tensor  # (B,) tokens generated per prompt so far
@@ -167,7 +168,8 @@ def generate(target: Transformer, draft=None, prompts=(), *, max_new_tokens: int
 
     draft=None or num_draft_tokens=0: plain autoregressive sampling through the same code (the baseline).
     tree=(b_1, ..., b_k): a tree draft instead of the chain (speculative_tree.py; num_draft_tokens must be 0 or k);
-    None or () is the chain."""
+    None or () is the chain. generator: a torch.Generator (one stream for the batch), or row_streams.RowStreams with
+    one stream per prompt: then each row's tokens depend on its own stream alone, not on the rows beside it."""
     _check(target, draft, prompts, max_new_tokens, num_draft_tokens, temperature, eos_id)
     t0 = time.perf_counter()
     tree = speculative_tree.Tree(tree) if tree else None
@@ -246,6 +248,8 @@ def compact(s: _Decode, n_done: int):
     keep = (~s.done).nonzero()[:, 0]
     s.live, s.y, s.done = s.live[keep], s.y[keep], s.done[keep]
     s.pcache.keep_rows(keep)
+    if hasattr(s.generator, "keep_rows"):  # per-row streams (decoding/row_streams.py) travel with their rows
+        s.generator.keep_rows(keep)
     if s.k:
         s.dcache.keep_rows(keep)
         s.h, s.zq = s.h[keep], s.zq[keep]

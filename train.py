@@ -24,13 +24,24 @@ continues the latest.
 
 One loop for every world size. One process is a 1 x 1 x 1 mesh; under torchrun (WORLD_SIZE > 1) the same loop runs on a
 DP x PP x CP mesh (--pp, --cp, --dp; default pp=2, cp=2), and the mode shows only where the mesh is made
-(harness/mesh.py). Each step: rollout (every DP replica generates its share with a full policy + draft copy;
+(harness/mesh.py). Each step: rollout (every rank generates its blocks of rows with a full policy + draft copy;
 harness/rollout.py) -> gather (every rank gets the whole batch) -> update (GRPO + co-training through the pipeline with
 CP inside each stage and the draft's TTT loss on the last stage; harness/update.py, dist_step.py) -> refit (the full
-copies) -> eval / log (rank 0; harness/eval_arms.py, harness/report.py) -> checkpoint (checkpoints/resume.py). Models
+copies) -> eval (every rank its blocks; harness/eval_arms.py) / log (rank 0; harness/report.py) -> checkpoint
+(checkpoints/resume.py). Models
 live on each rank's own GPU when CUDA is present (--device=auto; mesh.pick_device), else on the CPU.
 
     torchrun --standalone --nproc_per_node=4 train.py                         # the default run on pp=2 x cp=2
+    torchrun --standalone --nproc_per_node=4 train.py --draft runs/default/draft   # start from a served EAGLE-3 draft
+
+Rollouts, evals and the offline arm's sampling run on every rank (blocks of --rollout_batch rows each). What one rank
+runs while the others wait in a collective, bounded by --dist_timeout (s; a dead rank fails the job instead of hanging
+it), is: at startup rank 0's warm-ups when they are not cached (policy SFT, then the draft warm-up -- none with --draft
+PATH, which starts from an exported EAGLE-3 draft; a rerun loads both from cache/), and per step the offline arm's
+training and rank 0's checkpoint / servable writes. Size --dist_timeout above the longest of these: the warm-ups'
+time (their cost scales with --sft_steps x --sft_batch and --draft_warmup_steps x --draft_warmup_batch forwards of
+the policy) with a margin; or run the warm-ups once alone (`python -m harness.warmup` with the same flags) so the
+distributed job finds them cached.
     torchrun --standalone --nproc_per_node=4 train.py --preset smoke          # every code path, pp=2 x cp=2
     torchrun --standalone --nproc_per_node=4 train.py --pp=1 --cp=2 --dp=2 --micro_batches=2
 """
@@ -82,9 +93,10 @@ def train(cfg: Config) -> dict:
         rep.restore(records)
         rep.print(f"resume: from step {start} ({resume_from})")
 
-    def do_eval(step: int, kl: float) -> tuple:  # rank 0 evaluates on its full copy; the others wait at the next gather
+    def do_eval(step: int, kl: float) -> tuple:  # every rank evaluates its blocks; rank 0 pools them
         t0 = time.perf_counter()
-        ev = {"kind": "eval", "step": step, "kl": kl, **evaluate(s)} if mesh.main else None
+        ev = evaluate(s, mesh)
+        ev = {"kind": "eval", "step": step, "kl": kl, **ev} if mesh.main else None
         return ev, time.perf_counter() - t0
 
     rep.print(f"config: {json.dumps(dataclasses.asdict(cfg))}")
@@ -95,7 +107,7 @@ def train(cfg: Config) -> dict:
         timer = {"eval": t_eval}  # eval 0's time counts in step 1, eval k's in step k
         t0 = time.perf_counter()
         problems = s.task.sample(cfg.prompts_per_step, s.rng)  # the same prompts on every rank
-        batch, info = rollout(s, mesh, problems)  # generate (DP replicas) -> score -> gather to every rank
+        batch, info = rollout(s, mesh, problems, timer)  # every rank generates its blocks -> gather to every rank
         timer["rollout"] = time.perf_counter() - t0
         up = update(s, batch, timer)  # `updates` GRPO + co-training steps through the pipeline, each with a refit
         check_finite(step, up, s)

@@ -2,7 +2,8 @@
 that read the same bytes.
 
     fp = input_fingerprints(config)      {"model": {file: sha256} of an HF --model directory (None for a preset),
-                                          "data": sha256 of --data, "chat_template": sha256 of a --chat_template FILE}
+                                          "data": sha256 of --data, "chat_template": sha256 of a --chat_template FILE,
+                                          "draft": {file: sha256} of a --draft export directory}
     changed_inputs(saved, fp, config)    one line per input whose contents differ, naming the flag and the file
 
 The config strings alone cannot tell: the same --model path with new weights, or the same --data path with other
@@ -18,7 +19,7 @@ import os
 
 from tasks.hf_data import file_sha256
 
-INPUTS = ("model", "data", "chat_template")  # the Config fields that name files a run reads
+INPUTS = ("model", "data", "chat_template", "draft")  # the Config fields that name files a run reads
 
 
 @functools.lru_cache(maxsize=256)
@@ -39,9 +40,11 @@ def _directory(path: str) -> dict:
 def input_fingerprints(config: dict) -> dict:
     """{input: its contents' fingerprint} for the files `config` (asdict(cfg)) names; None where it names none."""
     out = dict.fromkeys(INPUTS)
-    model, data, template = (config.get(k) or "" for k in INPUTS)
+    model, data, template, draft = (config.get(k) or "" for k in INPUTS)
     if model and os.path.isdir(model):
         out["model"] = _directory(model)
+    if draft and os.path.isdir(draft):  # --draft: the EAGLE-3 export the run started from
+        out["draft"] = _directory(draft)
     if data and os.path.isfile(data):
         out["data"] = _file(data)
     if template and os.path.isfile(template):

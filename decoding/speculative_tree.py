@@ -32,6 +32,7 @@ import torch
 from branch_mask import tree_mask
 from modeling.kv_cache import TreeLayout
 from decoding.spec_rule import accept_prob, probs
+from decoding.row_streams import multinomial, uniform
 from decoding.spec_rule import residual as _residual  # a module name of its own: tests swap it for a wrong rule
 
 
@@ -105,7 +106,7 @@ def sample_children(zq, b: int, temperature: float, generator=None):
     if temperature == 0:
         return zq.topk(b, -1).indices, None
     q = probs(zq, temperature)
-    u = torch.rand(q.shape, generator=generator, device=q.device, dtype=q.dtype)
+    u = uniform(q.shape, generator, q.device, q.dtype)
     g = -torch.log(-torch.log(u.clamp_min(torch.finfo(q.dtype).tiny)))  # Gumbel(0, 1)
     return (q.log() + g).topk(b, -1).indices, q  # zero-q tokens (key -inf) come last: drawn only once q is exhausted
 
@@ -266,9 +267,9 @@ def verify_step(target, s, tree: Tree, cand, q):
         path, n, y = tree_greedy(z, cand, t)
     else:
         p = probs(z, s.temperature)  # (b, 1+N, V) T x V per node, as the chain's k+1
-        u = torch.rand(cand.shape, generator=s.generator, device=cand.device, dtype=p.dtype)
+        u = uniform(cand.shape, s.generator, cand.device, p.dtype)
         path, n, r, _ = tree_rule(p, q, cand, u, t)
-        y = torch.multinomial(r, 1, generator=s.generator)[:, 0]
+        y = multinomial(r, s.generator)
     s.pcache.keep_path(base, path)
     rows = torch.arange(cand.shape[0], device=cand.device)
     block = torch.cat([cand.gather(1, path[:, 1:]), y[:, None]], 1)  # (b, k+1)

@@ -65,6 +65,7 @@ class Config:
     sft_lr: float = 1e-2  # AdamW learning rate of the SFT warm-up
     # draft and its warm-up
     cold_start: bool = False  # the rollout draft starts untrained (fc/layer random, head copied) and learns online only
+    draft: str = ""  # start from this EAGLE-3 draft (the export's format, e.g. <out>/draft of a run) with no warm-up
     cold_arm: bool = True  # also co-train a cold-start draft on the same taps, evaluated only (no rollouts)
     offline_arm: bool = True  # the control: the warm-up draft trained as much, on fresh pi_0 samples (offline_arm.py)
     draft_warmup_steps: int = 800  # optimisation steps of the draft warm-up on the warm policy's own samples
@@ -120,7 +121,7 @@ class Config:
     resume: bool = False  # continue the latest checkpoint in <out>/ckpt (the same run only)
     overwrite: bool = False  # a fresh run into an <out> whose ckpt/ holds checkpoints deletes them (resume_policy.py)
     resume_changed_inputs: bool = False  # --resume although --model / --data / --chat_template now hold other bytes
-    dist_timeout: int = 1800  # seconds any collective may wait (a dead or stuck rank fails the job instead of hanging)
+    dist_timeout: int = 1800  # collective wait (s): > rank 0's uncached warm-ups, its longest solo phase (see train.py)
 
     def __post_init__(self):
         """Every field against its row of CHECKS (all failures in one error), then the checks across the mode."""
@@ -211,6 +212,10 @@ CHECKS = {
     "sft_batch":          at_least(1),
     "sft_lr":             above(0),
     "cold_start":         FLAG,
+    "draft":              ((lambda v, c: v == "" or (os.path.isfile(os.path.join(v, "config.json")) and not c.cold_start
+                                                     and not c.draft_vocab and not c.tap_layers)),
+                           "'' or an exported EAGLE-3 draft directory (config.json), not with --cold_start, "
+                           "--draft_vocab or --tap_layers (the draft brings its own)"),
     "cold_arm":           FLAG,
     "offline_arm":        FLAG,
     "draft_warmup_steps": at_least(0),

@@ -20,7 +20,9 @@ untrained start, evaluated only). k = cfg.eval_k draft tokens per step.
 
 A shared CPU's load swings +-40% between calls, so the arms run interleaved chunk by chunk in a rotating order after
 one untimed warm-up call each, and a speedup is the median of the PAIRED per-chunk ratios: a change in load hits every
-arm of a chunk alike. The held-out reward comes from the "ar" arm's samples (exact policy samples).
+arm of a chunk alike. The held-out reward comes from the "ar" arm's samples (exact policy samples). Every arm sees the
+same rows with the same per-row streams (row_streams.py). Spread like the rollouts: the chunks are blocks of
+cfg.rollout_batch rows, block j on rank j mod world (each pairs its arms on its own blocks), pooled on rank 0.
 """
 from __future__ import annotations
 
@@ -29,10 +31,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from decoding.row_streams import row_keys
+from harness.mesh import gather_all, row_blocks
 from harness.rollout import explicit_share, generate
 
 if TYPE_CHECKING:
     from harness.experiment import Setup
+    from harness.mesh import Mesh
+
+EVAL_STREAM = 0x5EED_E7A1  # the eval rows' key prefix: streams apart from the rollouts' and the offline arm's
 
 
 def arms(s: Setup) -> dict:
@@ -57,29 +64,43 @@ def paired_bootstrap(kept_a, fwd_a, kept_b, fwd_b, group: int, n: int, seed: int
 
 
 @torch.no_grad()
-def evaluate(s: Setup) -> dict:
+def evaluate(s: Setup, mesh: Mesh = None) -> dict:
+    """Every rank evaluates its blocks of the eval rows (mesh.row_blocks; mesh None: one process, all of them); rank 0
+    pools them and returns the dict (the other ranks: None)."""
     c = s.cfg
     probs = [p for p in s.eval_problems for _ in range(c.eval_samples)]
     prompts = [s.task.encode_prompt(p) for p in probs]
+    r = torch.arange(len(prompts))
+    keys = row_keys(EVAL_STREAM, c.seed, r // c.eval_samples, r % c.eval_samples)  # the same rows in every arm
     drafts = arms(s)
-    tot = {name: {"row_steps": 0, "kept": 0, "new_tokens": 0, "seconds": 0.0} for name in drafts}
-    rows = {name: {"row_kept": [], "row_forwards": []} for name in drafts}
     for draft in drafts.values():  # untimed warm-up: first-call costs (allocator, caches) would skew a 2-chunk timing
-        generate(s, draft, prompts[:2], seed=c.seed, k=c.eval_k)
-    ar_toks, chunk_tok_s, names = [], {name: [] for name in drafts}, list(drafts)
-    for j, i in enumerate(range(0, len(prompts), c.rollout_batch)):
+        generate(s, draft, prompts[:2], keys[:2], k=c.eval_k)
+    names, mine = list(drafts), []
+    blocks = mesh.blocks(len(prompts), c.rollout_batch) if mesh is not None else row_blocks(len(prompts),
+                                                                                             c.rollout_batch, 0, 1)
+    for j, rows in blocks:
+        out = {}
         for name in names[j % len(names):] + names[: j % len(names)]:  # rotating order
-            toks, _, st = generate(s, drafts[name], prompts[i: i + c.rollout_batch], seed=c.seed + 99 + i, k=c.eval_k)
-            for key in tot[name]:
-                tot[name][key] += st[key]
-            for key in rows[name]:
-                rows[name][key] += st[key]
-            chunk_tok_s[name].append(st["tok_s"])
-            if name == "ar":
-                ar_toks += toks
-    R, parts = s.task.score(probs, ar_toks)
+            toks, _, st = generate(s, drafts[name], prompts[rows.start: rows.stop], keys[rows.start: rows.stop],
+                                   k=c.eval_k)
+            out[name] = (toks if name == "ar" else None, st)
+        mine.append((j, out))
+    parts = gather_all(mine) if mesh is not None else [mine]  # sync point
+    done = sorted((b for part in parts for b in part), key=lambda b: b[0])
+    return pool(s, probs, [b for _, b in done], drafts) if mesh is None or mesh.main else None
+
+
+def pool(s: Setup, probs: list, blocks: list, drafts: dict) -> dict:
+    """The eval's numbers from every block's per-arm (tokens of "ar", stats), in block order."""
+    c = s.cfg
+    tot = {name: {key: sum(b[name][1][key] for b in blocks) for key in ("row_steps", "kept", "new_tokens", "seconds")}
+           for name in drafts}
+    rows = {name: {key: [x for b in blocks for x in b[name][1][key]] for key in ("row_kept", "row_forwards")}
+            for name in drafts}
+    chunk_tok_s = {name: [b[name][1]["tok_s"] for b in blocks] for name in drafts}
+    R, parts = s.task.score(probs, [t for b in blocks for t in b["ar"][0]])
     out = {"reward": float(R.mean()), "correct": float(parts["correct"].mean()), "explicit": explicit_share(parts),
-           "resp_len": tot["ar"]["new_tokens"] / len(prompts), "eval_k": c.eval_k}
+           "resp_len": tot["ar"]["new_tokens"] / len(probs), "eval_k": c.eval_k}
     for name, t in tot.items():
         out[f"tok_s_{name}"] = t["new_tokens"] / max(t["seconds"], 1e-9)
         if name != "ar":

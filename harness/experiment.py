@@ -51,7 +51,7 @@ class Setup:
     cotrainer: DistCotrainer  # this rank's pipeline stage + optimizer: the one update path at every world size
     eval_problems: list
     rng: random.Random  # the prompt sampler: the same stream on every rank
-    gen: torch.Generator  # the rollout sampler: one stream per DP replica
+    gen: torch.Generator  # the rollouts' step seeds (each row then draws from its own stream): the same on every rank
     perm_gen: torch.Generator  # the minibatch shuffle: the same stream on every rank
     grpo: GRPOConfig
     warm_info: dict = field(default_factory=dict)
@@ -108,7 +108,6 @@ def build(cfg: Config, mesh: Mesh, log=print) -> Setup:
     s = build_models(cfg, mesh.device, log) if mesh.main else None
     mesh.barrier()
     s = s or build_models(cfg, mesh.device, log=lambda *a, **k: None)
-    s.gen.manual_seed(cfg.run_seed + 1000 * mesh.grid.dp_rank)  # each DP replica samples its own rollouts
     s.cotrainer = DistCotrainer(
         s.policy, list(s.drafts.values()), mesh.grid,
         lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99)),
@@ -144,12 +143,16 @@ def build_models(cfg: Config, dev: torch.device, log=print) -> Setup:
         t0 = time.perf_counter()
         policy, pkey, loaded = build_policy(cfg, tsk, log, dev)
         t1 = time.perf_counter()
-        warm, dloaded = warmup.warm_draft(policy, draft_spec(cfg, tsk, pkey), cache_dir=cfg.cache_dir,
-                                          log_every=max(cfg.draft_warmup_steps // 4, 1), chunk_mib=cfg.chunk_mib)
+        if cfg.draft:  # a served EAGLE-3 draft: no warm-up (warmup_cached.draft = None in the summary)
+            warm, dloaded = Eagle3Draft.from_export(cfg.draft, policy), None
+        else:
+            warm, dloaded = warmup.warm_draft(policy, draft_spec(cfg, tsk, pkey), cache_dir=cfg.cache_dir,
+                                              log_every=max(cfg.draft_warmup_steps // 4, 1), chunk_mib=cfg.chunk_mib)
         t2 = time.perf_counter()
     finally:
         torch.set_num_threads(threads)
-    done = "none (an untrained draft)" if cfg.draft_warmup_steps == 0 else "loaded from cache" if dloaded else "trained"
+    done = (f"none: the EAGLE-3 draft {cfg.draft}" if cfg.draft else "none (an untrained draft)"
+            if cfg.draft_warmup_steps == 0 else "loaded from cache" if dloaded else "trained")
     log(f"draft warm-up: {done} ({t2 - t1:.0f}s)")
     dt = model_dtype(cfg, dev)  # the warm-ups train in fp32; from here on every copy runs in --dtype
     if dt != next(policy.parameters()).dtype:
@@ -166,7 +169,8 @@ def build_models(cfg: Config, dev: torch.device, log=print) -> Setup:
                             pass_weight=cfg.ttt_decay, attn_fn=padded_branch_attention)
 
     torch.manual_seed(cfg.run_seed + 7)
-    vocab = warm.draft_to_target if cfg.draft_vocab else None  # every arm names the same draft tokens
+    reduced = cfg.draft_vocab or warm.cfg.draft_vocab_size < warm.cfg.vocab_size  # (--draft: the export's own)
+    vocab = warm.draft_to_target if reduced else None  # every arm names the same draft tokens
     taps = warm.tap_layers  # --tap_layers, or the default rule: every arm reads the same taps
     drafts = {"cotrained": trainer(Eagle3Draft.from_target(policy, tap_layers=taps, draft_vocab=vocab)
                                    if cfg.cold_start else warm)}

@@ -7,8 +7,11 @@ grid.Grid derives every sub-group from it (and creates every communicator up fro
     world size 1      Mesh(grid = Grid(), rank 0)                    python train.py
     world size N      dist.init_process_group + Grid.build(pp, cp, dp)  torchrun --nproc_per_node=N train.py
 
-Roles that follow from the grid: rank 0 evaluates, prints and writes files (`main`); one rank per DP replica (its PP
-stage 0, CP rank 0) generates that replica's rollouts (`generates`).
+Roles that follow from the grid: rank 0 prints and writes files (`main`); EVERY rank generates: a step's rollout rows
+(and the eval's, the offline arm's samples) are cut into blocks of the engine's batch, and block j goes to rank
+j mod world (`row_blocks`), generated from that rank's full policy + draft copy, then gathered (`gather_all`). The cut
+depends on the row count and the block size alone, so each block is the same generate call on every mesh: with the
+per-row random streams (decoding/row_streams.py) a step's tokens and log-probs are bit-identical on any mesh.
 """
 from __future__ import annotations
 
@@ -37,9 +40,9 @@ class Mesh:
     def main(self) -> bool:  # evaluates, prints, writes files
         return self.rank == 0
 
-    @property
-    def generates(self) -> bool:  # the rank of its DP replica that generates the replica's rollouts
-        return self.grid.pp_rank == 0 and self.grid.cp_rank == 0
+    def blocks(self, n_rows: int, size: int) -> list:
+        """This rank's blocks of n_rows rows (row_blocks)."""
+        return row_blocks(n_rows, size, self.rank, self.world)
 
     def barrier(self):
         if self.world > 1:
@@ -55,6 +58,30 @@ class Mesh:
             return f"one process, models on {self.device}"
         return (f"mesh: dp={g.dp} x pp={g.pp} x cp={g.cp} = {self.world} ranks, models on {self.device.type} "
                 f"({'NCCL' if self.device.type == 'cuda' else 'gloo'})")
+
+
+def row_blocks(n_rows: int, size: int, rank: int, world: int) -> list:
+    """Rows 0..n_rows-1 cut into blocks of `size` (the last one shorter); block j goes to rank j mod world. Returns
+    this rank's blocks as (j, range of rows). Ranks past the number of blocks get none (size > n_rows / world)."""
+    n_blocks = -(-n_rows // size)
+    return [(j, range(j * size, min(n_rows, (j + 1) * size))) for j in range(rank, n_blocks, world)]
+
+
+def gather_all(obj) -> list:
+    """Every rank's obj, in rank order, on every rank (all_gather_object: picklable host data); [obj] in one
+    process."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def rank_world() -> tuple:
+    """(rank, world size) of this process: (0, 1) without a process group."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def pick_device(cfg: Config) -> torch.device:

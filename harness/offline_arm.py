@@ -15,9 +15,11 @@ distribution differs:
     t = arm.step()                               one RL step's worth: {"offline_sample": s, "offline_train": s}
 
 Sampling is plain autoregressive sampling of pi_0 through speculative.generate (draft=None): any lossless sampler would
-do, and its cost is the control's, timed apart from the co-trained run. Under torchrun rank 0 trains it (it holds the
-whole reference) and `broadcast` copies it to every rank, whose last pipeline stage measures its teacher-forced
-acceptance on the rollouts (dist_step.DistCotrainer(watch=...)).
+do, and its cost is the control's, timed apart from the co-trained run. Under torchrun every rank samples its blocks of
+rows like the rollouts (mesh.row_blocks; row r draws from the stream keyed by (seed, the arm's step, r // G, r % G))
+and every rank gathers them; rank 0 alone trains the draft (`updates` TTT steps on the whole batch: the same cost as
+the co-trained draft's share of an update) and `broadcast` copies it to every rank, whose last pipeline stage
+measures its teacher-forced acceptance on the rollouts (dist_step.DistCotrainer(watch=...)).
 
 Letters: B rows, T packed tokens.
 """
@@ -33,6 +35,8 @@ import speculative
 from backends.attention_padded import padded_branch_attention, padded_causal_attention
 from backends.fused_logprob import budget_rows
 from modeling.mixed_precision import clip_grads_, master_optimizer
+from decoding.row_streams import RowStreams, row_keys
+from harness.mesh import gather_all, rank_world, row_blocks
 from rl_loop import DraftTrainer, RolloutBatch, draft_loss
 
 
@@ -44,7 +48,7 @@ class OfflineArm:
                                pass_weight=cfg.ttt_decay, attn_fn=padded_branch_attention)
         dev = next(ref.parameters()).device
         self.rng = random.Random(seed + 555)  # its own prompt stream: fresh prompts, not the rollouts'
-        self.gen = torch.Generator(device=dev).manual_seed(seed + 556)
+        self.seed, self.dev = seed + 556, dev  # the sample streams: row_keys(seed + 556, steps_done, prompt, sample)
         self.perm = torch.Generator().manual_seed(seed + 557)
         self.steps_done = 0
 
@@ -53,23 +57,32 @@ class OfflineArm:
         return self.tr.draft
 
     def sample(self) -> RolloutBatch:
-        """n x G fresh samples of pi_0 at the rollout temperature, packed (no advantages: the draft needs none)."""
+        """n x G fresh samples of pi_0 at the rollout temperature, packed (no advantages: the draft needs none); this
+        rank's blocks of rows, gathered from every rank."""
         c = self.cfg
         prompts = [self.task.encode_prompt(p) for p in self.task.sample(c.prompts_per_step, self.rng)
                    for _ in range(c.group_size)]
-        toks = []
-        for i in range(0, len(prompts), c.rollout_batch):
-            toks += [t.cpu() for t in speculative.generate(
-                self.ref, None, prompts[i: i + c.rollout_batch], max_new_tokens=self.task.max_new_tokens,
-                temperature=c.temperature, eos_id=self.task.tok.eos_id, generator=self.gen).tokens]
+        r = torch.arange(len(prompts))
+        keys = row_keys(self.seed, self.steps_done, r // c.group_size, r % c.group_size)
+        mine = []
+        for j, rows in row_blocks(len(prompts), c.rollout_batch, *rank_world()):
+            mine.append((j, [t.cpu() for t in speculative.generate(
+                self.ref, None, prompts[rows.start: rows.stop], max_new_tokens=self.task.max_new_tokens,
+                temperature=c.temperature, eos_id=self.task.tok.eos_id,
+                generator=RowStreams(keys[rows.start: rows.stop].to(self.dev))).tokens]))
+        toks = [t for _, b in sorted((b for part in gather_all(mine) for b in part), key=lambda b: b[0]) for t in b]
         zeros = torch.zeros(len(prompts))
         return RolloutBatch.from_rollouts(prompts, toks, [torch.zeros(t.numel()) for t in toks], zeros, zeros.bool())
 
     def step(self) -> dict:
-        """One RL step's worth of training: `updates` TTT steps on minibatches of fresh pi_0 samples."""
+        """One RL step's worth of training: `updates` TTT steps on minibatches of fresh pi_0 samples. Call on every rank
+        (each samples its blocks); rank 0 trains, then `broadcast`."""
         t0 = time.perf_counter()
         batch = self.sample()
         t1 = time.perf_counter()
+        if rank_world()[0] != 0:
+            self.steps_done += 1
+            return {"offline_sample": t1 - t0}
         dev = next(self.ref.parameters()).device
         chunk = budget_rows(self.ref.cfg.vocab_size, self.cfg.chunk_mib)  # rows of the teacher's logits per chunk
         for idx in torch.randperm(batch.num_seqs, generator=self.perm).chunk(self.cfg.updates):
@@ -86,15 +99,15 @@ class OfflineArm:
         self.steps_done += 1
         return {"offline_sample": t1 - t0, "offline_train": time.perf_counter() - t1}
 
-    def state_dict(self) -> dict:  # for --resume (resume.py): weights, optimizer and the three sample streams
+    def state_dict(self) -> dict:  # for --resume (resume.py): weights, optimizer, the prompt and shuffle streams and
+        # the step count (the sample streams' key)
         return {"draft": self.draft.state_dict(), "opt": self.tr.opt.state_dict(), "rng": self.rng.getstate(),
-                "gen": self.gen.get_state(), "perm": self.perm.get_state(), "steps_done": self.steps_done}
+                "perm": self.perm.get_state(), "steps_done": self.steps_done}
 
     def load_state_dict(self, st: dict):
         self.draft.load_state_dict(st["draft"])
         self.tr.opt.load_state_dict(st["opt"])
         self.rng.setstate(st["rng"])
-        self.gen.set_state(st["gen"])
         self.perm.set_state(st["perm"])
         self.steps_done = st["steps_done"]
 

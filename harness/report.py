@@ -7,7 +7,9 @@ every other rank's Report is silent (world size 1 is a plain program: its one pr
 
     python -m harness.report runs/default runs/seed1 runs/seed2      # the seeds table (mean +- sd over runs), markdown
 
-Records: {"kind": "train", "step", reward..., "time": {"rollout", "policy_train", "draft_train", "eval"}} and
+Records: {"kind": "train", "step", reward..., "rank_rows", "time": {"rollout", "rollout_rank_s", "rollout_rank_cpu_s",
+"policy_train", "draft_train", "eval"}} (rank_rows / rollout_rank_*: per rank, the rows it generated and its wall / CPU
+seconds for them; the live table shows the slowest and fastest rank's wall seconds, r_max / r_min) and
 {"kind": "eval", "step", "kl", reward..., accept_<arm>, tok_s_<arm>, speedup_<arm>}.
 """
 from __future__ import annotations
@@ -24,7 +26,8 @@ if TYPE_CHECKING:
     from harness.config import Config
 
 HEADER = (f"{'step':>4} {'reward':>6} {'acc':>5} {'expl':>5} {'len':>5} {'KL':>6} {'zero':>4} {'clip':>5} "
-          f"{'accept':>6} {'tau^c':>5} {'tau^f':>5} {'tau^o':>5} {'tok/s':>6} {'t_roll':>6} {'t_pol':>5} {'t_dft':>5}")
+          f"{'accept':>6} {'tau^c':>5} {'tau^f':>5} {'tau^o':>5} {'tok/s':>6} {'t_roll':>6} {'r_max':>5} {'r_min':>5} "
+          f"{'t_pol':>5} {'t_dft':>5}")  # r_max / r_min: the slowest / fastest rank's share of the rollout phase
 
 
 class Report:
@@ -56,11 +59,13 @@ class Report:
         self.rows.append(row)
         self._write(row)
         t = row["time"]
+        ranks = t.get("rollout_rank_s") or [t["rollout"]]  # each rank's generate + score + reference seconds
         self.print(f"{row['step']:4d} {row['reward']:6.3f} {row['correct']:5.2f} {row['explicit']:5.2f} "
                    f"{row['resp_len']:5.1f} {row['kl']:6.3f} {row['zero_var_groups']:4d} {row['clip_frac']:5.3f} "
                    f"{_num(row['accept_len'], 6)} {row['tau_hat_cotrained']:5.2f} {row.get('tau_hat_frozen', 0):5.2f} "
                    f"{row.get('tau_hat_offline', 0):5.2f} {row['rollout_tok_s']:6.0f} "
-                   f"{t['rollout']:6.2f} {t['policy_train']:5.2f} {t['draft_train']:5.2f}")
+                   f"{t['rollout']:6.2f} {max(ranks):5.2f} {min(ranks):5.2f} {t['policy_train']:5.2f} "
+                   f"{t['draft_train']:5.2f}")
 
     def eval(self, ev: dict | None):  # None: nothing to report (not rank 0, or no evaluation this step)
         if ev is None:

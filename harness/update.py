@@ -10,7 +10,8 @@ a refit of the full copies the next rollouts use. The same path at every world s
                  each stage), GRPO on its log-probs, every draft's TTT loss on its taps (TapChannel) on the last stage;
                  rl_loop.cotrain_step is the naive single-process reference it equals (tests/test_dist_step.py);
   4. refit       the full policy and drafts re-assembled from the stages (DistCotrainer.refit).
-  5. control     the offline-extended arm's step on fresh pi_0 samples (offline_arm.py; rank 0, then broadcast),
+  5. control     the offline-extended arm's step on fresh pi_0 samples (offline_arm.py; sampled on every rank, trained
+                 on rank 0, then broadcast),
                  timed apart ("offline"): it is the control's cost, not the co-trained run's.
 
 Teacher-forced acceptance per arm and step: the draft hook's metrics on this step's rollouts (the last update's last
@@ -26,7 +27,6 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from harness.experiment import watched
 from rl_loop import RolloutBatch, check_finite_weights, rollout_kl
@@ -50,7 +50,7 @@ def update(s: Setup, batch: RolloutBatch, timer: dict) -> dict:
     timer["policy_train"] = timer.get("policy_train", 0.0) + time.perf_counter() - t0 - draft_s - watch_s
     timer["watch"] = timer.get("watch", 0.0) + watch_s  # the controls' teacher-forced metrics: not the run's cost
     if s.offline is not None:
-        timer.update(s.offline.step() if (not dist.is_initialized() or dist.get_rank() == 0) else {})
+        timer.update(s.offline.step())  # every rank samples its share, rank 0 trains
         s.offline.broadcast()
     last = stats[-1]
     out = {k: sum(st[k] for st in stats) / len(stats) for k in ("loss_policy", "clip_frac", "ratio", "grad_norm")}

@@ -44,6 +44,7 @@ ISSUE_FLAGS = [
 BAD_VALUE = {
     "name": "a/b", "seed": "-1", "threads": "0", "warmup_threads": "0", "device": "gpu", "out": "{file}",
     "cache_dir": "", "min_steps": "0", "max_steps": "19", "p_explicit": "-0.1", "format_weight": "-1", "model": "giant",
+    "draft": "no/such/draft",
     "data": "nope.jsonl", "eval_fraction": "1", "max_prompt_tokens": "0", "max_new_tokens": "-1", "sft_steps": "0",
     "sft_batch": "0", "sft_lr": "0", "draft_warmup_steps": "-1", "draft_warmup_batch": "2000", "draft_warmup_lr": "0",
     "draft_warmup_pool": "0", "draft_lr": "-0.001", "draft_lam": "-0.5", "draft_grad_clip": "0", "ttt_passes": "0",
