@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import speculative
+from decoding.adaptive_k import AdaptiveK
 from backends.attention_padded import padded_causal_attention
 from branch_mask import cu_seqlens_from_lengths, seq_lengths
 from rl_loop import RolloutBatch, group_advantages, reference_logp
@@ -35,9 +36,15 @@ if TYPE_CHECKING:
 def generate(s: Setup, draft, prompts: list, seed=None, k=None):
     """speculative.generate over chunks of cfg.rollout_batch rows -> (tokens, logprobs, stats). draft=None: plain
     autoregressive sampling through the same engine. seed: a fresh generator (every eval arm sees the same seed).
-    k: draft tokens per step (default cfg.num_draft_tokens). stats: sums, plus per prompt row_kept / row_forwards."""
+    k: draft tokens per step (default cfg.num_draft_tokens; with "auto" the controller s.adapt, made on first use, picks
+    each step's k up to cfg.max_draft_tokens: decoding/adaptive_k.py). stats: sums, plus per prompt row_kept /
+    row_forwards."""
     c = s.cfg
     gen = s.gen if seed is None else torch.Generator(device=s.gen.device).manual_seed(seed)
+    auto = k is None and c.num_draft_tokens == "auto" and draft is not None  # eval passes its fixed k
+    if auto and s.adapt is None:  # one controller for the run: its timings and acceptance carry over between calls
+        s.adapt = AdaptiveK.for_device(c.max_draft_tokens, next(s.policy.parameters()).device)
+    k = c.max_draft_tokens if auto else k
     toks, lps, st = [], [], {"row_steps": 0, "kept": 0, "new_tokens": 0, "seconds": 0.0}
     rows = {"row_kept": [], "row_forwards": []}
     for i in range(0, len(prompts), c.rollout_batch):
@@ -45,7 +52,8 @@ def generate(s: Setup, draft, prompts: list, seed=None, k=None):
                                  max_new_tokens=s.task.max_new_tokens,
                                  num_draft_tokens=(k or c.num_draft_tokens) if draft is not None else 0,
                                  temperature=c.temperature, eos_id=s.task.tok.eos_id, generator=gen,
-                                 tree=c.tree if not k or k == len(c.tree) else None)  # eval's own k: a chain
+                                 tree=c.tree if not k or k == len(c.tree) else None,  # eval's own k: a chain
+                                 adapt=s.adapt if auto else None)
         toks += [t.cpu() for t in r.tokens]  # rollouts are scored, packed and exchanged on the host
         lps += [lp.cpu() for lp in r.logprobs]
         for key in st:
