@@ -22,7 +22,14 @@ the controller picks the k with the most tokens per second:
 
 a(r), b(r) >= 0 and c_draft(r) are least-squares fits over the timed steps, each weighted by exp(-age / cost_memory)
 (age in steps) and by a kernel in the batch size, exp(-(ln r_i - ln r)^2 / (2 h^2)), so the steps run at r's size count
-most and nothing is keyed by batch size or temperature. Timings are the clock's, taken around the draft's work and
+most and nothing is keyed by batch size or temperature. The fit is the prior of each k's own timings: with n_k steps
+timed at k (kernel-weighted counts) and their mean t_k (weighted the same way),
+
+    c(r, k) = (n_k t_k + m_c (c_verify(r, k + 1) + k c_draft(r))) / (n_k + m_c),   m_c = 2 pseudo-steps
+
+so a k run often is costed by what it took (a verify forward is not affine in S: at batch 64 on one CPU thread one
+token per row took 7.7 ms, two 13.9 ms, three 18.3 ms, seven 26.2 ms, and a line through them would overcharge k = 0)
+and a k rarely or never run by the fit. Timings are the clock's, taken around the draft's work and
 around the rest of the step (speculative.chain_step); a `costs(rows, k) -> (draft s, verify s)` source replaces them
 (tests, simulations). The first steps, and the first at a batch size more than 2x away from every timed one, are probes:
 k = K, 0, 1, twice, so S and k both vary before the fit is used.
@@ -36,7 +43,7 @@ But the sampled tokens then depend on the clock (a run is not reproducible from 
 opt-in (--num_draft_tokens=auto); KSchedule (a fixed cycle of k, no clock) is how the tests switch k mid-generation.
 On a GPU pass a clock that synchronizes the device (for_device) or the timings see only the kernel launches.
 
-    expected_kept(alphas, k), fit_verify_naive(obs, r, ...)   the formulas above on plain lists (the references)
+    expected_kept(alphas, k), step_costs_naive(obs, r, ...)   the formulas above on plain lists (the references)
 
 Letters: K the ceiling, r rows in the batch, S tokens per row in one verification forward (k + 1), H hidden.
 """
@@ -72,15 +79,27 @@ def _solve_affine(w, ws, wss, wt, wst):
     return mt - b * ms, b
 
 
-def fit_verify_naive(obs, r: float, memory: float, h: float):
-    """The reference for AdaptiveK's verify fit: obs [(rows, S, seconds)] oldest first -> (a, b) at r, by the
-    weighted sums written out (weights exp(-age / memory) * kernel(rows, r))."""
-    sums = [0.0] * 5
-    for age, (r_i, S, t) in enumerate(reversed(obs)):
-        w = math.exp(-age / memory) * _kernel(r_i, r, h)
-        for i, v in enumerate((w, w * S, w * S * S, w * t, w * S * t)):
+def step_costs_naive(obs, r: float, K: int, memory: float, h: float, m: float = 2.0) -> list:
+    """The reference for AdaptiveK.costs_at: obs [(rows, k, draft s, verify s)] oldest first -> c(r, k) for k = 0..K,
+    the sums written out (weights exp(-age / memory) * kernel(rows, r); counts kernel(rows, r))."""
+    sums, per_k = [0.0] * 5, {}
+    dw = dt = 0.0
+    for age, (r_i, k, td, tv) in enumerate(reversed(obs)):
+        kern = _kernel(r_i, r, h)
+        w, S = math.exp(-age / memory) * kern, k + 1.0
+        for i, v in enumerate((w, w * S, w * S * S, w * tv, w * S * tv)):
             sums[i] += v
-    return _solve_affine(*sums)
+        dw, dt = dw + w * k, dt + w * td
+        e = per_k.setdefault(k, [0.0, 0.0, 0.0])
+        e[0], e[1], e[2] = e[0] + w, e[1] + w * (td + tv), e[2] + kern
+    a, b = _solve_affine(*sums)
+    cd = dt / dw if dw > 0 else 0.0
+    out = []
+    for k in range(K + 1):
+        prior = a + b * (k + 1) + k * cd
+        w, wt, n = per_k.get(k, (0.0, 0.0, 0.0))
+        out.append((n * wt / w + m * prior) / (n + m) if w > 0 else prior)
+    return out
 
 
 class AdaptiveK:
@@ -95,8 +114,8 @@ class AdaptiveK:
         self.accept_memory, self.cost_memory, self.h = accept_memory, cost_memory, bandwidth
         self.explore_every, self.probes = explore_every, (max_k, 0, 1) * probe_rounds
         self.R, self.A = [0.0] * max_k, [0.0] * max_k  # decayed drafts tried / accepted per position
-        self.verify = {}  # rows -> decayed sums [w, w S, w S^2, w t, w S t] of the timed steps at that batch size
-        self.draft = {}  # rows -> decayed sums [w, w t / k]
+        self.timed = {}  # rows -> {k: [w, w t_verify, w t_draft, n]}: the steps timed at that batch size and k;
+        self.age = 0  # w = exp(step / cost_memory) (rescaled now and then): the decay without touching old entries
         self.queue, self.zero_run, self.seen = [], 0, None
         self.chosen = [0] * (max_k + 1)  # steps run at each k (reporting)
 
@@ -132,10 +151,18 @@ class AdaptiveK:
         """After a step: its seconds drafting / verifying, and the call's cumulative per-position counts (K,)."""
         if self.costs is not None:
             t_draft, t_verify = self.costs(rows, k)
-        g = math.exp(-1.0 / self.cost_memory)
-        _add(self.verify, rows, g, (1.0, k + 1.0, (k + 1.0) ** 2, t_verify, (k + 1.0) * t_verify))
-        if k:
-            _add(self.draft, rows, g, (1.0, t_draft / k))
+        self.age += 1
+        if self.age > 200 * self.cost_memory:  # rescale before exp() overflows; drop what has decayed away
+            f = math.exp(-self.age / self.cost_memory)
+            for by_k in self.timed.values():
+                for e in by_k.values():
+                    e[0], e[1], e[2] = e[0] * f, e[1] * f, e[2] * f
+            self.timed = {r: {k_: e for k_, e in by_k.items() if e[0] > 1e-12} for r, by_k in self.timed.items()}
+            self.timed = {r: by_k for r, by_k in self.timed.items() if by_k}
+            self.age = 0
+        w = math.exp(self.age / self.cost_memory)
+        e = self.timed.setdefault(rows, {}).setdefault(k, [0.0, 0.0, 0.0, 0.0])
+        e[0], e[1], e[2], e[3] = e[0] + w, e[1] + w * t_verify, e[2] + w * t_draft, e[3] + 1.0
         R, A = reached.tolist(), accepted.tolist()  # host sync: K numbers
         prev = self.seen or ([0] * len(R), [0] * len(A))
         dR, dA = [x - y for x, y in zip(R, prev[0])], [x - y for x, y in zip(A, prev[1])]
@@ -153,19 +180,31 @@ class AdaptiveK:
             out.append(prior)
         return out
 
-    def fit(self, rows: int):
-        """(a, b, c_draft) at `rows`; None where nothing was timed."""
-        v = self._sums(self.verify, rows, 5)
-        d = self._sums(self.draft, rows, 2)
-        ab = _solve_affine(*v) if v else None
-        return (*(ab or (None, None)), d[1] / d[0] if d and d[0] > 0 else None)
+    def costs_at(self, rows: int) -> list:
+        """c(r, k) for k = 0..K at r = rows (seconds per step), from the timed steps (module docstring)."""
+        kern = {r: _kernel(r, rows, self.h) for r in self.timed}
+        sums, per_k, dw, dt = [0.0] * 5, {}, 0.0, 0.0
+        for r, by_k in self.timed.items():
+            c = kern[r]
+            for k, (w, wv, wd, n) in by_k.items():
+                S, cw = k + 1.0, c * w
+                sums[0], sums[1], sums[2] = sums[0] + cw, sums[1] + cw * S, sums[2] + cw * S * S
+                sums[3], sums[4] = sums[3] + c * wv, sums[4] + c * wv * S
+                dw, dt = dw + cw * k, dt + c * wd
+                p = per_k.setdefault(k, [0.0, 0.0, 0.0])
+                p[0], p[1], p[2] = p[0] + cw, p[1] + c * (wv + wd), p[2] + c * n
+        a, b = _solve_affine(*sums) or (0.0, 0.0)
+        cd, m, out = dt / dw if dw > 0 else 0.0, 2.0, []
+        for k in range(self.max_k + 1):
+            prior = a + b * (k + 1) + k * cd
+            w, wt, n = per_k.get(k, (0.0, 0.0, 0.0))
+            out.append((n * wt / w + m * prior) / (n + m) if w > 0 else prior)
+        return out
 
     def rates(self, rows: int) -> list:
         """Expected tokens per second per row, k = 0..K (E[kept | k] / c(r, k))."""
-        a, b, cd = self.fit(rows)
         al, tiny = self.alphas(), 1e-12
-        a, b, cd = a or 0.0, b or 0.0, cd or 0.0
-        return [expected_kept(al, k) / max(a + b * (k + 1) + k * cd, tiny) for k in range(self.max_k + 1)]
+        return [expected_kept(al, k) / max(c, tiny) for k, c in enumerate(self.costs_at(rows))]
 
     def best(self, rows: int, lo: int = 0) -> int:
         rates = self.rates(rows)
@@ -178,27 +217,7 @@ class AdaptiveK:
                     k_mean=round(sum(k * n for k, n in enumerate(self.chosen)) / max(sum(self.chosen), 1), 2))
 
     def _near(self, rows: int) -> bool:  # a timed batch size within 2x
-        return any(abs(math.log(r / rows)) <= math.log(2) for r in self.verify)
-
-    def _sums(self, table: dict, rows: int, n: int):
-        if not table:
-            return None
-        kern = {r: _kernel(r, rows, self.h) for r in table}
-        top = max(kern.values())
-        if top <= 0:
-            return None
-        return [sum(kern[r] / top * s[i] for r, s in table.items()) for i in range(n)]
-
-
-def _add(table: dict, rows: int, g: float, obs: tuple):
-    """Decay every batch size's sums by g (one more step has happened), then add this step's at `rows`."""
-    for r in list(table):
-        s = table[r] = [g * v for v in table[r]]
-        if s[0] < 1e-9:
-            del table[r]
-    s = table.setdefault(rows, [0.0] * len(obs))
-    for i, v in enumerate(obs):
-        s[i] += v
+        return any(abs(math.log(r / rows)) <= math.log(2) for r in self.timed)
 
 
 class KSchedule:

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from decoding.adaptive_k import AdaptiveK, expected_kept, fit_verify_naive
+from decoding.adaptive_k import AdaptiveK, expected_kept, step_costs_naive
 from harness.config import parse_args
 from spec_cases import make_small_vocab_pair
 from speculative import generate
@@ -44,20 +44,21 @@ class Sim:
         return ks
 
 
-def test_verify_fit_equals_the_written_out_reference():
-    """The running per-batch-size sums reproduce the weighted least squares over the explicit list (fp64, 1e-9)."""
-    rng, ctl, obs = random.Random(0), AdaptiveK(4, cost_memory=20.0, bandwidth=0.5), []
-    R = torch.zeros(4, dtype=torch.long)
-    for _ in range(60):
-        rows, k = rng.choice([3, 8, 12, 40]), rng.randint(0, 4)
-        t = 0.5 + 0.01 * rows * (k + 1) + rng.gauss(0, 0.05)
-        obs.append((rows, k + 1, t))
-        ctl.record(rows, k, 0.1 * k, t, R, R)
+def test_step_costs_equal_the_written_out_reference():
+    """The running sums (per batch size and k, lazily decayed) reproduce c(r, k) computed from the explicit list of
+    timed steps (fp64, 1e-9), at timed and untimed batch sizes; a k never timed is costed by the fit alone."""
+    rng, ctl, obs = random.Random(0), AdaptiveK(5, cost_memory=20.0, bandwidth=0.5), []
+    R = torch.zeros(5, dtype=torch.long)
+    for _ in range(80):
+        rows, k = rng.choice([3, 8, 12, 40]), rng.choice([0, 1, 2, 4])  # k = 3 and 5 never run
+        td, tv = 0.1 * k * (1 + rng.random()), 0.5 + 0.01 * rows * (k + 1) + rng.gauss(0, 0.05)
+        obs.append((rows, k, td, tv))
+        ctl.record(rows, k, td, tv, R, R)
     for r in (3, 8, 20, 64):
-        a, b, _ = ctl.fit(r)
-        ra, rb = fit_verify_naive(obs, r, memory=20.0, h=0.5)
-        assert a == pytest.approx(ra, rel=1e-9, abs=1e-12) and b == pytest.approx(rb, rel=1e-9, abs=1e-12)
-    assert fit_verify_naive([(8, 2, 1.0), (8, 4, 2.0)], 8, 1e9, 0.5) == pytest.approx((0.0, 0.5))  # t = S / 2
+        assert ctl.costs_at(r) == pytest.approx(step_costs_naive(obs, r, 5, memory=20.0, h=0.5), rel=1e-9)
+    # two steps at one size: the line through them, and each k's own mean pulled towards it by m = 2 pseudo-steps
+    assert step_costs_naive([(8, 1, 0.0, 1.0), (8, 3, 0.0, 2.0)], 8, 3, 1e12, 0.5) == pytest.approx(
+        [0.5, (1.0 + 2 * 1.0) / 3, 1.5, (2.0 + 2 * 2.0) / 3])
     assert expected_kept([0.5, 0.5, 1.0], 3) == 1 + 0.5 + 0.25 + 0.25 and expected_kept([0.9], 0) == 1.0
 
 
@@ -101,9 +102,9 @@ def test_the_engine_times_steps_with_the_injected_clock(mismatched, monkeypatch)
              generator=torch.Generator().manual_seed(0))
     assert [k for k, _, _ in seen[:6]] == [2, 0, 1, 2, 0, 1]  # the probes
     assert all((td, tv) == ((2.0, 2.0) if k else (0.0, 1.0)) for k, td, tv in seen)
-    a, b, cd = ctl.fit(3)
-    assert b > 0 and cd == pytest.approx(sum(2.0 / k for k, _, _ in seen if k) / sum(1 for k, _, _ in seen if k),
-                                         rel=0.3)
+    for by_k in ctl.timed.values():  # what the fit holds: each k's weighted mean step, 4 s (k > 0) or 1 s (k = 0)
+        for k, (w, wv, wd, n) in by_k.items():
+            assert (wv + wd) / w == pytest.approx(4.0 if k else 1.0)
     with pytest.raises(ValueError, match="ceiling K=2"):
         ctl.begin(3)
     with pytest.raises(ValueError, match="max_k"):
