@@ -34,9 +34,12 @@ around the rest of the step (speculative.chain_step); a `costs(rows, k) -> (draf
 (tests, simulations). The first steps, and the first at a batch size more than 2x away from every timed one, are probes:
 k = K, 0, 1, twice, so S and k both vary before the fit is used.
 
+Every `explore_every` steps one step runs at a neighbour of k* instead (k* + 1 and k* - 1 in turn, inside 0..K), so the
+timings of the k next to the choice stay fresh (a k left alone keeps its old mean) and, from k* = 0, the acceptance is
+observed again (while k = 0 nothing is observed and nothing decays).
+
 k = 0 runs no draft pass: the policy's taps of those steps wait in a Backlog, and the draft's trunk extends over them
-in one forward at the next step with k > 0 (that catch-up is not charged to the fit). While k* = 0 no acceptance is
-observed (nothing decays), so every `explore_every` steps at k = 0 one step runs at the best k >= 1.
+in one forward at the next step with k > 0 (that catch-up is not charged to the fit).
 
 Lossless at every k: each step is an exact speculative-sampling step whatever k is, and k depends only on the past.
 But the sampled tokens then depend on the clock (a run is not reproducible from its seed), so the adaptive k is
@@ -116,7 +119,7 @@ class AdaptiveK:
         self.R, self.A = [0.0] * max_k, [0.0] * max_k  # decayed drafts tried / accepted per position
         self.timed = {}  # rows -> {k: [w, w t_verify, w t_draft, n]}: the steps timed at that batch size and k;
         self.age = 0  # w = exp(step / cost_memory) (rescaled now and then): the decay without touching old entries
-        self.queue, self.zero_run, self.seen = [], 0, None
+        self.queue, self.since, self.up, self.seen = [], 0, True, None
         self.chosen = [0] * (max_k + 1)  # steps run at each k (reporting)
 
     @classmethod
@@ -140,10 +143,10 @@ class AdaptiveK:
         if self.queue:
             k = self.queue.pop(0)
         else:
-            k = self.best(rows)
-            self.zero_run = self.zero_run + 1 if k == 0 else 0
-            if self.zero_run > self.explore_every:  # refresh the acceptance k = 0 cannot see
-                self.zero_run, k = 0, self.best(rows, lo=1)
+            k, self.since = self.best(rows), self.since + 1
+            if self.since >= self.explore_every:  # a neighbour of k*: its timings (and from 0 the acceptance) refresh
+                self.since, self.up = 0, not self.up
+                k = k + 1 if (self.up or k == 0) and k < self.max_k else k - 1
         self.chosen[k] += 1
         return k
 
@@ -206,9 +209,9 @@ class AdaptiveK:
         al, tiny = self.alphas(), 1e-12
         return [expected_kept(al, k) / max(c, tiny) for k, c in enumerate(self.costs_at(rows))]
 
-    def best(self, rows: int, lo: int = 0) -> int:
+    def best(self, rows: int) -> int:
         rates = self.rates(rows)
-        return max(range(lo, self.max_k + 1), key=lambda k: rates[k])
+        return max(range(self.max_k + 1), key=lambda k: rates[k])
 
     def summary(self) -> dict:
         """What the controller believes and did: alpha_j, the steps it ran at each k, the k it ran most."""
