@@ -27,11 +27,11 @@ timed at k (kernel-weighted counts) and their mean t_k (weighted the same way),
 
     c(r, k) = (n_k t_k + m_c (c_verify(r, k + 1) + k c_draft(r))) / (n_k + m_c),   m_c = 2 pseudo-steps
 
-so a k run often is costed by what it took (a verify forward is not affine in S: at batch 64 on one CPU thread one
-token per row took 7.7 ms, two 13.9 ms, three 18.3 ms, seven 26.2 ms, and a line through them would overcharge k = 0)
-and a k rarely or never run by the fit. Timings are the clock's, taken around the draft's work and
-around the rest of the step (speculative.chain_step); a `costs(rows, k) -> (draft s, verify s)` source replaces them
-(tests, simulations). The first steps, and the first at a batch size more than 2x away from every timed one, are probes:
+so a k run often is costed by what it took and a k rarely or never run by the fit. (A step is not affine in S: with
+bench/bench_rollout.py's policy at batch 64, tau 1.5, one CPU thread on a shared 2-core VM, the median verify part took
+7.7 / 13.9 / 18.3 / 26.2 ms at S = 1 / 2 / 3 / 7, and a line through the k run most overcharged k = 0 by ~40%.)
+Timings are the clock's, taken around the draft's work and around the rest of the step (speculative.chain_step); a
+`costs(rows, k) -> (draft s, verify s)` source replaces them (tests, simulations). The first steps, and the first at a batch size more than 2x away from every timed one, are probes:
 k = K, 0, 1, twice, so S and k both vary before the fit is used.
 
 Every `explore_every` steps one step runs at a neighbour of k* instead (k* + 1 and k* - 1 in turn, inside 0..K), so the
@@ -40,6 +40,11 @@ observed again (while k = 0 nothing is observed and nothing decays).
 
 k = 0 runs no draft pass: the policy's taps of those steps wait in a Backlog, and the draft's trunk extends over them
 in one forward at the next step with k > 0 (that catch-up is not charged to the fit).
+
+Not in the model: the end of a call. Under speculation rows reach max_new_tokens at different steps, and finished rows
+ride along until a quarter of the batch is done (speculative.compact), so a call pays for straggler steps that
+autoregressive decoding, whose rows all finish together, does not. Where speculation and k = 0 tie per step (batch 64,
+tau 1.5 in the benchmark) the controller can therefore end a little slower than plain decoding.
 
 Lossless at every k: each step is an exact speculative-sampling step whatever k is, and k depends only on the past.
 But the sampled tokens then depend on the clock (a run is not reproducible from its seed), so the adaptive k is
