@@ -31,8 +31,9 @@ so a k run often is costed by what it took and a k rarely or never run by the fi
 bench/bench_rollout.py's policy at batch 64, tau 1.5, one CPU thread on a shared 2-core VM, the median verify part took
 7.7 / 13.9 / 18.3 / 26.2 ms at S = 1 / 2 / 3 / 7, and a line through the k run most overcharged k = 0 by ~40%.)
 Timings are the clock's, taken around the draft's work and around the rest of the step (speculative.chain_step); a
-`costs(rows, k) -> (draft s, verify s)` source replaces them (tests, simulations). The first steps, and the first at a batch size more than 2x away from every timed one, are probes:
-k = K, 0, 1, twice, so S and k both vary before the fit is used.
+`costs(rows, k) -> (draft s, verify s)` source replaces them (tests, simulations). The first steps, and the first at a
+batch size more than 2x away from every timed one, are probes: k = K, 0, 1, twice, so S and k both vary before the fit
+is used.
 
 Every `explore_every` steps one step runs at a neighbour of k* instead (k* + 1 and k* - 1 in turn, inside 0..K), so the
 timings of the k next to the choice stay fresh (a k left alone keeps its old mean) and, from k* = 0, the acceptance is
