@@ -428,7 +428,8 @@ def auto_targets(rows) -> dict:
 
 def markdown_auto(t) -> str:
     head = ("| batch | tau | best fixed k | its speedup | auto speedup | sd of auto - best | steps at k = 0..K | "
-            "k auto ran most | auto >= best - 2 sd | auto >= 1 - 2 sd |\n|---:|---:|---:|---:|---:|---:|---|---:|---|---|")
+            "k auto ran most | auto >= best - 2 sd | auto >= 1 - 2 sd |\n"
+            "|---:|---:|---:|---:|---:|---:|---|---:|---|---|")
     body = [f"| {r['batch']} | {r['temperature']:g} | {r['best_k']} | {r['best']:.2f}x ± {r['best_sd']:.2f} | "
             f"**{r['auto']:.2f}x** ± {r['auto_sd']:.2f} | {r['diff_sd']:.2f} | {r['steps_at_k']} | {r['k_mode']} | "
             f"{'yes' if r['vs_best_ok'] else 'NO'} | {'yes' if r['vs_ar_ok'] else 'NO'} |" for r in t["rows"]]
