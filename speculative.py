@@ -19,6 +19,8 @@ The log-probs returned for GRPO are the policy's, log softmax(logits / tau) (tau
 the verification forwards.
 
 Tree drafts (several candidates per position, verified in the same one forward): speculative_tree.py, generate(tree=).
+Adaptive k (chains only; a tree keeps its fixed shape): generate(adapt=AdaptiveK(K)) asks decoding/adaptive_k.py for
+each step's k in {0..K} and tells it the step's timings (chain_step); k = 0 is an autoregressive step.
 
     python speculative.py      # tiny random policy + draft: greedy exactness and the stats of a sampled rollout
 
@@ -33,6 +35,7 @@ from typing import Optional
 import torch
 
 from decoding import speculative_tree
+from decoding.adaptive_k import Backlog
 from model import Transformer
 from modeling.layers import at_least_f32
 from decoding.spec_rule import accept_prob, probs, residual
@@ -158,19 +161,26 @@ class _Decode:
     row_kept: torch.Tensor = None  # (B,) per prompt: tokens kept over its verification forwards
     row_fwd: torch.Tensor = None  # (B,) per prompt: verification forwards it was active in
     row_steps: int = 0  # rows active, summed over forwards
+    K: int = 0  # the ceiling of k (buffers are sized for it); 0: k never changes
+    backlog: object = None  # adaptive_k.Backlog: the draft-trunk entries of k = 0 steps, not yet extended
+    drafted: object = 0  # draft tokens proposed to active rows (device scalar once stepping)
 
 
 @torch.inference_mode()
 def generate(target: Transformer, draft=None, prompts=(), *, max_new_tokens: int, num_draft_tokens: int = 0,
-             temperature: float = 1.0, eos_id: Optional[int] = None, generator=None, tree=None) -> Rollout:
+             temperature: float = 1.0, eos_id: Optional[int] = None, generator=None, tree=None, adapt=None) -> Rollout:
     """Sample up to max_new_tokens per prompt (ragged prompts, per-row EOS) with speculative decoding:
     prefill, then per step compact -> propose (k draft forwards) -> verify (one policy forward) -> commit.
 
     draft=None or num_draft_tokens=0: plain autoregressive sampling through the same code (the baseline).
     tree=(b_1, ..., b_k): a tree draft instead of the chain (speculative_tree.py; num_draft_tokens must be 0 or k);
     None or () is the chain. generator: a torch.Generator (one stream for the batch), or row_streams.RowStreams with
-    one stream per prompt: then each row's tokens depend on its own stream alone, not on the rows beside it."""
+    one stream per prompt: then each row's tokens depend on its own stream alone, not on the rows beside it.
+    adapt: a controller (decoding/adaptive_k.py: AdaptiveK, KSchedule) that picks k in {0..num_draft_tokens} before
+    each step of a chain draft; num_draft_tokens is then its ceiling K."""
     _check(target, draft, prompts, max_new_tokens, num_draft_tokens, temperature, eos_id)
+    if adapt is not None and (draft is None or tree):
+        raise ValueError("adapt: expected a chain draft (a draft, and tree=None: a tree keeps its fixed shape)")
     t0 = time.perf_counter()
     tree = speculative_tree.Tree(tree) if tree else None
     if tree is not None and num_draft_tokens not in (0, tree.k):
@@ -184,6 +194,8 @@ def generate(target: Transformer, draft=None, prompts=(), *, max_new_tokens: int
         return Rollout(empty, [torch.zeros(0, device=dev)] * len(prompts), SpecStats())
     s = prefill(target, draft if k else None, prompts, k, temperature, eos_id, max_new_tokens, generator,
                 span=1 + tree.num_nodes if tree is not None else 0)
+    if adapt is not None:
+        adapt.begin(k)
     while (n_done := int(s.done.sum())) < s.live.numel():  # sync point: one per step
         compact(s, n_done)
         if k == 0:
@@ -196,11 +208,41 @@ def generate(target: Transformer, draft=None, prompts=(), *, max_new_tokens: int
             s.h, s.zq = draft.extend(s.dcache, block, taps, n)
             commit(s, block, z, n)
         else:
-            d, q = propose(draft, s)
-            block, z, n, taps = verify_step(target, s, d, q)
-            s.h, s.zq = draft.extend(s.dcache, block, taps, n)  # the draft's trunk catches up on the kept entries
-            commit(s, block, z, n)
+            chain_step(target, draft, s, adapt)
     return finish(s, time.perf_counter() - t0)
+
+
+def chain_step(target, draft, s: _Decode, adapt=None):
+    """Steps 1-4 for a chain: propose -> verify -> extend the draft's trunk -> commit. adapt (adaptive_k.py) sets
+    s.k first and is told the seconds spent in the draft and in the rest of the step. k = 0: one autoregressive
+    policy forward; its taps wait in s.backlog until the next step with k > 0 extends the draft's trunk over them."""
+    clock = adapt.clock if adapt is not None else _no_clock
+    t0 = clock()
+    if adapt is not None:
+        s.k = adapt.choose(s.live.numel())
+    t_draft = 0.0
+    if s.k == 0:
+        out = target.forward_cached(s.y[:, None], s.pcache, tap_layers=s.tap_layers)  # (b, 1, V)
+        y, _ = _sample(out.logits[:, 0], s.temperature, s.generator)
+        s.backlog.push(y[:, None], out.taps)
+        commit(s, y[:, None], out.logits, torch.zeros_like(y))
+    else:
+        if s.backlog:  # the catch-up after k = 0 steps: not charged to this step
+            s.h, s.zq = s.backlog.flush(draft, s.dcache)
+            t0 = clock()
+        d, q = propose(draft, s)
+        t1 = clock()
+        block, z, n, taps = verify_step(target, s, d, q)
+        t2 = clock()
+        s.h, s.zq = draft.extend(s.dcache, block, taps, n)  # the draft's trunk catches up on the kept entries
+        t_draft = (t1 - t0) + (clock() - t2)
+        commit(s, block, z, n)
+    if adapt is not None:
+        adapt.record(s.live.numel(), s.k, t_draft, clock() - t0 - t_draft, s.reached, s.accepted)
+
+
+def _no_clock():
+    return 0.0
 
 
 def prefill(target, draft, prompts, k: int, temperature, eos_id, max_new_tokens, generator, span: int = 0) -> _Decode:
@@ -229,7 +271,7 @@ def prefill(target, draft, prompts, k: int, temperature, eos_id, max_new_tokens,
                 pcache=pcache, reached=torch.zeros(max(k, 1), dtype=torch.long, device=dev),
                 accepted=torch.zeros(max(k, 1), dtype=torch.long, device=dev))
     s.toks[:, 0], s.lps[:, 0] = y, _logprob(z[:, None], y[:, None], temperature)[:, 0]
-    s.accept_sum = torch.zeros((), dtype=torch.long, device=dev)
+    s.accept_sum, s.K, s.backlog = torch.zeros((), dtype=torch.long, device=dev), k, Backlog()
     s.row_kept, s.row_fwd = torch.zeros(B, dtype=torch.long, device=dev), torch.zeros(B, dtype=torch.long, device=dev)
     s.row_steps = torch.zeros((), dtype=torch.long, device=dev)
     if k:
@@ -250,9 +292,10 @@ def compact(s: _Decode, n_done: int):
     s.pcache.keep_rows(keep)
     if hasattr(s.generator, "keep_rows"):  # per-row streams (decoding/row_streams.py) travel with their rows
         s.generator.keep_rows(keep)
-    if s.k:
+    if s.dcache is not None:
         s.dcache.keep_rows(keep)
         s.h, s.zq = s.h[keep], s.zq[keep]
+        s.backlog.keep(keep)
 
 
 def propose(draft, s: _Decode):
@@ -313,13 +356,14 @@ def commit(s: _Decode, block, z, n):
     s.n_gen[s.live] = g
     s.done = s.done | (g >= s.max_new_tokens)
     s.pcache.rollback(torch.where(s.done, 0, s.pcache.lengths - block.shape[1] + kept))  # live rows kept n + 1
-    if s.k:
+    if s.dcache is not None:
         s.dcache.rollback(torch.where(s.done, 0, s.dcache.lengths))
     s.y = block[torch.arange(block.shape[0], device=block.device), n]
     if s.k:  # per position j: draft j tried (j <= n) / accepted (j < n), among the positions the row keeps
         j = cols[None, : s.k]
-        s.reached += ((j <= n[:, None]) & (j < kept[:, None])).sum(0)
-        s.accepted += ((j < n[:, None]) & (j < kept[:, None])).sum(0)
+        s.reached[: s.k] += ((j <= n[:, None]) & (j < kept[:, None])).sum(0)
+        s.accepted[: s.k] += ((j < n[:, None]) & (j < kept[:, None])).sum(0)
+        s.drafted = s.drafted + s.k * active.sum()
     s.accept_sum += kept.sum()
     s.row_steps += active.sum()
     if s.row_kept is not None:
@@ -341,8 +385,8 @@ def finish(s: _Decode, seconds: float) -> Rollout:
     st.row_steps = int(s.row_steps)
     st.kept = int(s.accept_sum)
     st.acceptance_length = st.kept / max(st.row_steps, 1)
-    st.drafted, st.accepted = s.k * st.row_steps, st.kept - st.row_steps
-    st.accept_per_position = (s.accepted.float() / s.reached.clamp_min(1)).tolist() if s.k else []
+    st.drafted, st.accepted = int(s.drafted), st.kept - st.row_steps
+    st.accept_per_position = (s.accepted.float() / s.reached.clamp_min(1)).tolist() if s.K or s.k else []
     st.new_tokens = sum(n_keep)
     if s.row_kept is not None:
         st.row_kept, st.row_forwards = s.row_kept.tolist(), s.row_fwd.tolist()

@@ -14,8 +14,16 @@ samples are therefore peaky, like an RL policy late in training on a structured 
 soft CE against the policy) on rollouts the policy itself sampled, and the two decoders run on held-out prompts at
 batch sizes 1, 8, 64 and k = 2, 3, 4, 6 draft tokens at temperature 1, runs interleaved so machine noise hits all
 methods alike; the median of `repeats` runs is reported (each repeat its own prompts and sampling seed, the same for
-every draft). Exactness is checked on the way: at temperature 0 the speculative tokens must equal the autoregressive
+every draft), and speedup_sd, the standard deviation over repeats of the paired speedup (that repeat's spec / that
+repeat's AR). Exactness is checked on the way: at temperature 0 the speculative tokens must equal the autoregressive
 ones.
+
+`auto` (on by default) adds a row per (batch, tau) with "k": "auto": decoding/adaptive_k.py picks k in {0, ..., max(ks)}
+every step from its own timings (the benchmark's clock) and measured acceptance. One controller serves all of a row's
+repeats, as one serves all of a training run's rollouts (its probes are timed in the first repeat); the row records
+the steps it ran at each k. The targets (auto_targets): per row, auto >= the best fixed k's speedup - 2 sd (sd of the
+paired per-repeat difference auto - best) and >= 1 - 2 sd (auto's speedup_sd); the geometric mean of auto's speedups
+>= 0.98 x that of the per-row best fixed k.
 
 Tree drafts (speculative_tree.py) run beside the chains: `trees` (6-22 nodes, depth 2-6) at every batch, and all
 drafts again at `hot_temperature` (batches `hot_batches`), where the policy is flatter and the per-position acceptance
@@ -28,6 +36,7 @@ at each batch: they bound what any chain or tree can gain on this machine.
     python bench/bench_rollout.py --repeats=9 --batches=1,8
     python bench/bench_rollout.py --device=cuda --out=bench/results/rollout_gpu.json  # decoders timed on a GPU
     python bench/bench_rollout.py --trees=2,2,1:3,2,1 --hot_temperature=0   # other trees (':'-separated), no hot rows
+    python bench/bench_rollout.py --trees= --out=bench/results/rollout_auto.json  # chains and auto: 13 min at load ~17
 
 Writes bench/results/rollout.json (rows: batch, k, tokens_per_s_ar, tokens_per_s_spec, speedup, acceptance_length, ...;
 best_speedup) and bench/results/rollout.md (the markdown table). Trained weights are cached under
@@ -36,6 +45,7 @@ bench/results/scratch/ (git-ignored); delete it to retrain.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -53,6 +63,7 @@ from modeling.kv_cache import TreeLayout  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from speculative import generate  # noqa: E402
 from decoding.speculative_tree import Tree  # noqa: E402
+from decoding.adaptive_k import AdaptiveK  # noqa: E402
 from parallel.cli import describe, flags_help, wants_help  # noqa: E402
 
 
@@ -76,7 +87,8 @@ class BenchConfig:
     max_new_tokens: int = 96
     prompt_len: int = 8
     temperature: float = 1.0
-    repeats: int = 5
+    repeats: int = 9  # each row's speedup_sd is over these
+    auto: bool = True  # an adaptive-k row (decoding/adaptive_k.py, ceiling max(ks)) per (batch, tau)
     threads: int = 1
     clock: str = "auto"  # "cpu": the process's CPU time (excludes a shared host's steal; 1 thread), "wall"; auto: cpu
     device: str = "cpu"  # "cuda": train on the CPU, then time the decoders on the GPU (wall clock, synchronized)
@@ -95,11 +107,14 @@ def parse_args(argv) -> BenchConfig:
     cfg, types = BenchConfig(), {f.name: f.type for f in fields(BenchConfig)}
     for arg in argv:
         key, _, val = arg.removeprefix("--").partition("=")
-        if not arg.startswith("--") or key not in types or not val:
+        if not arg.startswith("--") or key not in types or (not val and key != "trees"):  # --trees= : no trees
             raise SystemExit(f"bad argument {arg!r}; expected --key=value with key in {sorted(types)}")
         cur = getattr(cfg, key)
         try:
-            new = tuple(int(v) for v in val.split(",")) if isinstance(cur, tuple) else type(cur)(val)
+            if isinstance(cur, bool) and val.lower() not in ("true", "false", "1", "0"):
+                raise ValueError
+            new = (tuple(int(v) for v in val.split(",")) if isinstance(cur, tuple) else
+                   val.lower() in ("true", "1") if isinstance(cur, bool) else type(cur)(val))
         except ValueError:
             raise SystemExit(f"--{key}={val!r}: expected {type(cur).__name__}")
         setattr(cfg, key, new)
@@ -206,9 +221,10 @@ def cached(cfg, lang):
 
 # --------------------------------------------------------------------------------------------------- measuring
 def drafts(cfg) -> list:
-    """[(label, k, tree)]: autoregressive first, then the chains, then the trees."""
+    """[(label, k, tree)]: autoregressive first, then the chains, the adaptive k (ceiling max(ks)), the trees."""
     trees = [tuple(int(b) for b in t.split(",")) for t in cfg.trees.split(":") if t.strip()]
     return ([("AR", 0, None)] + [(f"chain k={k}", k, None) for k in cfg.ks] +
+            ([("auto", max(cfg.ks), None)] if cfg.auto else []) +
             [(f"tree {','.join(map(str, t))}", len(t), t) for t in trees])
 
 
@@ -229,19 +245,21 @@ def clock_of(cfg):  # the benchmark's clock; on a GPU it waits for the device's 
 def measure(cfg, policy, draft, prompts, B: int, tau: float) -> list:
     """Every draft at batch B and temperature tau, interleaved (AR, chains, trees, AR, ...), medians of `repeats`."""
     clock = clock_of(cfg)
+    adapt = AdaptiveK(max(cfg.ks), clock=clock)  # the auto row's controller: one for all its repeats
 
-    def run(k, tree, r):  # -> the stats, tokens per second of `clock`
+    def run(label, k, tree, r):  # -> the stats, tokens per second of `clock`
         t0 = clock()
         st = generate(policy, draft, [prompts[(r * B + i) % len(prompts)] for i in range(B)],
                       max_new_tokens=cfg.max_new_tokens, num_draft_tokens=k if tree is None else 0, temperature=tau,
-                      tree=tree, generator=torch.Generator(cfg.device).manual_seed(cfg.seed + r)).stats
+                      tree=tree, generator=torch.Generator(cfg.device).manual_seed(cfg.seed + r),
+                      adapt=adapt if label == "auto" else None).stats
         return st, st.new_tokens / (clock() - t0)
 
     ds = drafts(cfg)
     res, tps = {label: [] for label, _, _ in ds}, {label: [] for label, _, _ in ds}
-    for r in range(cfg.repeats):  # repeat r: the same prompts and sampling seed for every draft, new ones per
-        for label, k, tree in ds:  # repeat, so acceptance averages over prompts and paths (one at B = 1 is noisy)
-            st, rate = run(k, tree, r)
+    for r in range(cfg.repeats):  # repeat r: the same prompts and sampling seed for every draft, new ones per repeat,
+        for label, k, tree in ds[r % len(ds):] + ds[:r % len(ds)]:  # so acceptance averages over prompts and paths
+            st, rate = run(label, k, tree, r)  # (one at B = 1 is noisy); the order rotates: no draft always runs last
             res[label].append(st)
             tps[label].append(rate)
     ar, ar_wall = statistics.median(tps["AR"]), statistics.median(s.tokens_per_s for s in res["AR"])
@@ -249,16 +267,21 @@ def measure(cfg, policy, draft, prompts, B: int, tau: float) -> list:
     for label, k, tree in ds[1:]:
         st = res[label]
         sp, sp_wall = statistics.median(tps[label]), statistics.median(s.tokens_per_s for s in st)
+        paired = [a / b for a, b in zip(tps[label], tps["AR"])]  # this repeat's spec / this repeat's AR
         acc = statistics.mean(s.acceptance_length for s in st)
         per_pos = [round(statistics.mean(s.accept_per_position[j] for s in st), 3) for j in range(k)]
-        rows.append(dict(batch=B, temperature=tau, draft=label, k=k, tree=list(tree or ()),
-                         nodes=Tree(tree).num_nodes if tree else k, tokens_per_s_ar=round(ar, 1),
-                         tokens_per_s_spec=round(sp, 1), speedup=round(sp / ar, 2), acceptance_length=round(acc, 2),
+        rows.append(dict(batch=B, temperature=tau, draft=label, k="auto" if label == "auto" else k,
+                         tree=list(tree or ()), nodes=Tree(tree).num_nodes if tree else k, tokens_per_s_ar=round(ar, 1),
+                         tokens_per_s_spec=round(sp, 1), speedup=round(sp / ar, 2),
+                         speedup_sd=round(statistics.stdev(paired), 3) if len(paired) > 1 else None,
+                         speedup_per_repeat=[round(x, 3) for x in paired], acceptance_length=round(acc, 2),
                          speedup_wall=round(sp_wall / ar_wall, 2), clock=cfg.clock,
                          accept_per_position=per_pos, policy_forwards_ar=res["AR"][0].policy_forwards,
-                         policy_forwards_spec=st[0].policy_forwards))
-        print(f"B={B:3d} tau={tau} {label:>16}: AR {ar:8.1f} tok/s  spec {sp:8.1f} tok/s  speedup {sp / ar:5.2f}x  "
-              f"tokens/forward {acc:.2f}  per position {per_pos}")
+                         policy_forwards_spec=st[0].policy_forwards,
+                         **(dict(k_ceiling=k, auto=adapt.summary()) if label == "auto" else {})))
+        print(f"B={B:3d} tau={tau} {label:>16}: AR {ar:8.1f} tok/s  spec {sp:8.1f} tok/s  speedup {sp / ar:5.2f}x "
+              f"(sd {rows[-1]['speedup_sd']})  tokens/forward {acc:.2f}  per position {per_pos}" +
+              (f"  steps at k=0..{k}: {adapt.chosen}" if label == "auto" else ""))
     return rows
 
 
@@ -328,19 +351,21 @@ def main(cfg: BenchConfig):
         key = (r["batch"], r["temperature"], r["draft"].split()[0])
         if key not in best or r["speedup"] > best[key]["speedup"]:
             best[key] = r
-    chain = max((r for r in rows if r["tree"] == []), key=lambda r: r["speedup"])
+    chain = max((r for r in rows if r["tree"] == [] and r["k"] != "auto"), key=lambda r: r["speedup"])
     result = dict(
         config=asdict(cfg), rows=rows, costs=cost, best_speedup=chain["speedup"],
         best=dict(batch=chain["batch"], k=chain["k"]),
         best_per_batch=[dict(batch=b, temperature=t, kind=kind, draft=r["draft"], speedup=r["speedup"],
                              tokens_per_forward=r["acceptance_length"]) for (b, t, kind), r in best.items()],
-        equal_depth=equal_depth(rows), greedy_exact=exact, draft_train_metrics=metrics, train_seconds=round(train_s, 1),
+        equal_depth=equal_depth(rows), auto_targets=auto_targets(rows), greedy_exact=exact,
+        draft_train_metrics=metrics, train_seconds=round(train_s, 1),
         machine=dict(platform=platform.platform(), cpus=os.cpu_count(), threads=cfg.threads, device=cfg.device,
                      gpu=torch.cuda.get_device_name(cfg.device) if cfg.device != "cpu" else None,
                      torch=torch.__version__, load_avg_1min_at_start=load),
         policy_parameters=sum(p.numel() for p in policy.parameters()),
         draft_parameters=sum(p.numel() for p in draft.parameters()))
-    table = markdown(rows) + "\n\n" + markdown_costs(cost) + "\n\n" + markdown_depth(result["equal_depth"])
+    table = "\n\n".join([markdown(rows), markdown_costs(cost), markdown_depth(result["equal_depth"])] +
+                          ([markdown_auto(result["auto_targets"])] if cfg.auto else []))
     print("\n" + table)
     os.makedirs(os.path.dirname(cfg.out), exist_ok=True)
     with open(cfg.out, "w") as f:
@@ -355,7 +380,8 @@ def markdown(rows) -> str:
     head = (f"| batch | tau | draft | nodes | AR tok/s | spec tok/s | speedup | tokens / policy forward | "
             f"acceptance per depth |\n|---:|---:|---|---:|---:|---:|---:|---:|---|")
     body = [f"| {r['batch']} | {r['temperature']:g} | {r['draft']} | {r['nodes']} | {r['tokens_per_s_ar']:.0f} | "
-            f"{r['tokens_per_s_spec']:.0f} | **{r['speedup']:.2f}x** | {r['acceptance_length']:.2f} | "
+            f"{r['tokens_per_s_spec']:.0f} | **{r['speedup']:.2f}x** ± {r['speedup_sd'] or 0:.2f} | "
+            f"{r['acceptance_length']:.2f} | "
             f"{', '.join(f'{a:.2f}' for a in r['accept_per_position'])} |" for r in rows]
     return "\n".join([head] + body)
 
@@ -365,7 +391,7 @@ def equal_depth(rows) -> list:
     each temperature, the chain of k against the tree of depth k that keeps the most tokens per forward."""
     B, out = max(r["batch"] for r in rows), []
     for tau in sorted({r["temperature"] for r in rows if r["batch"] == B}):
-        at = [r for r in rows if r["batch"] == B and r["temperature"] == tau]
+        at = [r for r in rows if r["batch"] == B and r["temperature"] == tau and r["k"] != "auto"]
         for c in (r for r in at if not r["tree"]):
             trees = [r for r in at if len(r["tree"]) == c["k"]]
             if trees:
@@ -374,6 +400,43 @@ def equal_depth(rows) -> list:
                                 tree_tokens=t["acceptance_length"], gain=round(t["acceptance_length"] /
                                                                                c["acceptance_length"] - 1, 3)))
     return out
+
+
+def auto_targets(rows) -> dict:
+    """Per (batch, tau): auto against the best fixed chain k (paired per repeat) and against autoregressive; the
+    geometric means across rows."""
+    out = []
+    for a in (r for r in rows if r["k"] == "auto"):
+        fixed = [r for r in rows if (r["batch"], r["temperature"]) == (a["batch"], a["temperature"])
+                 and r["tree"] == [] and r["k"] != "auto"]
+        best = max(fixed, key=lambda r: r["speedup"])
+        diff = [x - y for x, y in zip(a["speedup_per_repeat"], best["speedup_per_repeat"])]
+        sd_diff = statistics.stdev(diff) if len(diff) > 1 else 0.0
+        out.append(dict(batch=a["batch"], temperature=a["temperature"], best_k=best["k"], best=best["speedup"],
+                        best_sd=best["speedup_sd"], auto=a["speedup"], auto_sd=a["speedup_sd"],
+                        diff_sd=round(sd_diff, 3), steps_at_k=a["auto"]["steps_at_k"], k_mode=a["auto"]["k_mode"],
+                        k_mean=a["auto"]["k_mean"], alpha=a["auto"]["alpha"],
+                        vs_best_ok=a["speedup"] >= best["speedup"] - 2 * sd_diff,
+                        vs_ar_ok=a["speedup"] >= 1.0 - 2 * (a["speedup_sd"] or 0.0)))
+    if not out:
+        return dict(rows=[])
+    gm = lambda xs: math.exp(statistics.mean(math.log(x) for x in xs))  # noqa: E731
+    g_auto, g_best = gm([t["auto"] for t in out]), gm([t["best"] for t in out])
+    return dict(rows=out, geomean_auto=round(g_auto, 3), geomean_best_fixed=round(g_best, 3),
+                geomean_ok=g_auto >= 0.98 * g_best)
+
+
+def markdown_auto(t) -> str:
+    head = ("| batch | tau | best fixed k | its speedup | auto speedup | sd of auto - best | steps at k = 0..K | "
+            "k auto ran most | auto >= best - 2 sd | auto >= 1 - 2 sd |\n"
+            "|---:|---:|---:|---:|---:|---:|---|---:|---|---|")
+    body = [f"| {r['batch']} | {r['temperature']:g} | {r['best_k']} | {r['best']:.2f}x ± {r['best_sd']:.2f} | "
+            f"**{r['auto']:.2f}x** ± {r['auto_sd']:.2f} | {r['diff_sd']:.2f} | {r['steps_at_k']} | {r['k_mode']} | "
+            f"{'yes' if r['vs_best_ok'] else 'NO'} | {'yes' if r['vs_ar_ok'] else 'NO'} |" for r in t["rows"]]
+    foot = (f"geometric mean of the speedups: auto {t['geomean_auto']:.3f}, per-row best fixed k "
+            f"{t['geomean_best_fixed']:.3f} (auto >= 0.98 x best: {'yes' if t['geomean_ok'] else 'NO'}); ± is the "
+            "standard deviation over repeats of the paired per-repeat speedup") if t["rows"] else ""
+    return "\n".join([head] + body) + "\n\n" + foot
 
 
 def markdown_depth(eq) -> str:

@@ -84,7 +84,8 @@ class Config:
     prompts_per_step: int = 32  # prompts per RL step, each sampled group_size times
     group_size: int = 8  # G: samples per prompt, the group of GRPO's advantage
     temperature: float = 1.0  # tau of rollouts and eval (0: greedy); every log-prob of the update is at tau
-    num_draft_tokens: int = 4  # k, draft tokens per verification forward (rollouts and eval); 0: autoregressive
+    num_draft_tokens: int | str = 4  # k per verification forward; auto: chosen per step, decoding/adaptive_k.py
+    max_draft_tokens: int = 6  # K, the ceiling of --num_draft_tokens=auto (opt-in: samples depend on the clock)
     tree: tuple = ()  # a tree draft (b_1,...,b_k), --tree=2,2,1 (decoding/speculative_tree.py); (): a chain
     rollout_batch: int = 32  # rows per generate call (the rollout engine's batch), speculative and autoregressive alike
     lr: float = 5e-4  # the drift: leaves the SFT style while held-out accuracy rises (0: the no-drift control)
@@ -100,7 +101,7 @@ class Config:
     eval_every: int = 10  # steps between held-out evaluations of the draft arms (also at step 0 and the end)
     eval_prompts: int = 64  # held-out prompts per evaluation
     eval_samples: int = 2  # samples per eval prompt (same seed for every arm)
-    eval_draft_tokens: int = 0  # k at eval (0: num_draft_tokens); a larger k keeps the ceiling k + 1 from binding
+    eval_draft_tokens: int = 0  # k at eval (0: num_draft_tokens; K if auto); a larger k keeps the ceiling k + 1 off
     bootstrap: int = 2000  # paired bootstrap resamples over eval prompts for the acceptance-gain intervals
     # distributed (torchrun, WORLD_SIZE > 1 only): mesh DP x PP x CP, pp * cp * dp = world size (dp=0: world/(pp*cp))
     pp: int = 2  # pipeline stages
@@ -152,8 +153,9 @@ class Config:
 
     @property
     def eval_k(self) -> int:
-        """Draft tokens per step at eval."""
-        return self.eval_draft_tokens or self.num_draft_tokens
+        """Draft tokens per step at eval: always a fixed k (with --num_draft_tokens=auto its ceiling)."""
+        return self.eval_draft_tokens or (self.max_draft_tokens if self.num_draft_tokens == "auto" else
+                                          self.num_draft_tokens)
 
     @property
     def hf_mode(self) -> bool:
@@ -237,7 +239,9 @@ CHECKS = {
     "prompts_per_step":   at_least(1),
     "group_size":         at_least(2),  # GRPO's advantage is relative to the group: one sample has none
     "temperature":        above(0),
-    "num_draft_tokens":   at_least(1),
+    "num_draft_tokens":   ((lambda v, c: v == "auto" or (type(v) is int and v >= 1)),
+                           ">= 1, or auto (adaptive, at most max_draft_tokens)"),
+    "max_draft_tokens":   ((lambda v, c: 1 <= v <= 16), "in [1, 16]"),
     "tree":               ((lambda v, c: isinstance(v, tuple) and all(type(b) is int and b >= 1 for b in v)
                                          and len(v) in (0, c.num_draft_tokens)
                                          and sum(math.prod(v[:j]) for j in range(1, len(v) + 1)) <= Tree.MAX_NODES),
@@ -421,6 +425,8 @@ def _convert(key: str, val: str, typ: str):
             return val.lower() in ("true", "1")
         if typ == "tuple":  # --tree=2,2,1; --tree= (empty) is ()
             return tuple(int(v) for v in val.split(",") if v.strip())
+        if typ == "int | str":  # --num_draft_tokens=4 or =auto: a word stays a word, CHECKS says which
+            return int(val) if val.strip().lstrip("+-").isdigit() else val
         return {"int": int, "float": float, "str": str}[typ](val)
     except ValueError:
         raise ValueError(f"--{key}={val!r}: expected a value of type {typ}") from None

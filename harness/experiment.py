@@ -56,6 +56,7 @@ class Setup:
     grpo: GRPOConfig
     warm_info: dict = field(default_factory=dict)
     offline: OfflineArm = None  # the offline-extended control (cfg.offline_arm): trained on fresh pi_0 samples
+    adapt: object = None  # --num_draft_tokens=auto: the rollouts' k controller (decoding/adaptive_k.AdaptiveK)
 
 
 def build_task(cfg: Config):

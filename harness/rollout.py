@@ -30,6 +30,7 @@ import time
 import torch
 
 import speculative
+from decoding.adaptive_k import AdaptiveK
 from backends.attention_padded import padded_causal_attention
 from backends.fused_logprob import budget_rows
 from decoding.row_streams import RowStreams, row_keys
@@ -45,9 +46,14 @@ if TYPE_CHECKING:
 def generate(s: Setup, draft, prompts: list, keys: torch.Tensor, k=None):
     """speculative.generate over chunks of cfg.rollout_batch rows -> (tokens, logprobs, stats); prompt i draws from
     the stream of keys[i] (row_streams.row_keys), so its tokens do not depend on the chunk it shares. draft=None: plain
-    autoregressive sampling through the same engine. k: draft tokens per step (default cfg.num_draft_tokens). stats:
-    sums, plus per prompt row_kept / row_forwards."""
+    autoregressive sampling through the same engine. k: draft tokens per step (default cfg.num_draft_tokens; with
+    "auto" the controller s.adapt, made on first use, picks each step's k up to cfg.max_draft_tokens:
+    decoding/adaptive_k.py; eval passes its fixed k). stats: sums, plus per prompt row_kept / row_forwards."""
     c = s.cfg
+    auto = k is None and c.num_draft_tokens == "auto" and draft is not None  # eval passes its fixed k
+    if auto and s.adapt is None:  # one controller for the run: its timings and acceptance carry over between calls
+        s.adapt = AdaptiveK.for_device(c.max_draft_tokens, next(s.policy.parameters()).device)
+    k = c.max_draft_tokens if auto else k
     toks, lps, st = [], [], {"row_steps": 0, "kept": 0, "new_tokens": 0, "seconds": 0.0}
     rows = {"row_kept": [], "row_forwards": []}
     for i in range(0, len(prompts), c.rollout_batch):
@@ -56,7 +62,8 @@ def generate(s: Setup, draft, prompts: list, keys: torch.Tensor, k=None):
                                  num_draft_tokens=(k or c.num_draft_tokens) if draft is not None else 0,
                                  temperature=c.temperature, eos_id=s.task.tok.eos_id,
                                  generator=RowStreams(keys[i: i + c.rollout_batch].to(s.gen.device)),
-                                 tree=c.tree if not k or k == len(c.tree) else None)  # eval's own k: a chain
+                                 tree=c.tree if not k or k == len(c.tree) else None,  # eval's own k: a chain
+                                 adapt=s.adapt if auto else None)
         toks += [t.cpu() for t in r.tokens]  # rollouts are scored, packed and exchanged on the host
         lps += [lp.cpu() for lp in r.logprobs]
         for key in st:

@@ -31,3 +31,8 @@ def exact_first3(policy, prompt, tau):
     p = torch.softmax(z.view(V * V, -1, V)[:, -3:].double() / tau, -1)  # (V^2, 3, V)
     p1, p2, p3 = p[0, 0], p[::V, 1], p[:, 2].view(V, V, V)  # p2 (V, V) rows x1
     return p1[:, None, None] * p2[:, :, None] * p3
+
+
+# k switching mid-generation (speculative.generate(adapt=...)): each cycle holds k = 0 steps (autoregressive, the draft's
+# trunk catching up later) between chain steps, so every transition 0 -> k, k -> 0 and k -> k' runs
+SWITCHING = [(0, 2), (2, 0), (3, 0, 0, 1, 2, 0, 4)]

@@ -55,7 +55,7 @@ BAD_VALUE = {
     "prompt_key": "", "answer_key": "", "chat_template": "nope.jinja", "draft_vocab": "-1", "log": "csv", "tree": "2,0,1",
     "attn_backend": "cuda", "chunk_mib": "-1",
     "rl_seed": "-2", "eval_draft_tokens": "-1", "bootstrap": "0", "task": "nope",
-    "ttt_decay": "1.5", "tap_layers": "0,1", "dtype": "fp16",
+    "ttt_decay": "1.5", "tap_layers": "0,1", "dtype": "fp16", "max_draft_tokens": "0",
 }
 FIELDS = {f.name: f.type for f in dataclasses.fields(Config)}
 

@@ -37,3 +37,15 @@ def test_device_flag():
     assert bench_rollout.parse_args(["--device=cuda"]).clock == "wall"
     with pytest.raises(SystemExit, match="wall on a GPU"):
         bench_rollout.parse_args(["--device=cuda", "--clock=cpu"])
+
+
+def test_auto_targets_pair_the_repeats():
+    """The auto row against the best fixed chain of its (batch, tau): the spread is that of the per-repeat difference,
+    so machine noise shared by both columns cancels (here auto - best is 0.1 below in every repeat: sd 0, a miss)."""
+    from bench_rollout import auto_targets
+    row = lambda k, sp, rep: dict(batch=8, temperature=1.0, k=k, tree=[], speedup=sp, speedup_per_repeat=rep,  # noqa
+                                  speedup_sd=0.5, auto=dict(steps_at_k=[1, 0, 9], k_mode=2, k_mean=1.8, alpha=[0.9]))
+    t = auto_targets([row(2, 1.5, [1.0, 2.0]), row(4, 1.2, [0.9, 1.5]), row("auto", 1.4, [0.9, 1.9])])
+    (r,) = t["rows"]
+    assert (r["best_k"], r["diff_sd"], r["vs_best_ok"], r["vs_ar_ok"]) == (2, 0.0, False, True)
+    assert t["geomean_auto"] == 1.4 and t["geomean_best_fixed"] == 1.5 and not t["geomean_ok"]

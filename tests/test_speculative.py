@@ -12,7 +12,8 @@ from serving.hf_io import from_pretrained
 from branch_mask import cu_seqlens_from_lengths
 from model import ModelConfig, Transformer, greedy_generate
 from modeling.kv_cache import KVCache
-from spec_cases import exact_first3, make_small_vocab_pair
+from decoding.adaptive_k import KSchedule
+from spec_cases import SWITCHING, exact_first3, make_small_vocab_pair
 from speculative import accept_prob, generate, residual
 
 
@@ -66,13 +67,15 @@ def test_ttt_training_learns(pair):
     assert last["acc"][0] > first["acc"][0] + 0.3 and last["loss_per_pass"][0] < first["loss_per_pass"][0]
 
 
-@pytest.mark.parametrize("k", [0, 1, 2, 3, 4, 5, 6, "reduced"])
+@pytest.mark.parametrize("k", [0, 1, 2, 3, 4, 5, 6, "reduced", "switching"])
 def test_greedy_equals_autoregressive(pair, k):
     policy, full, reduced, _ = pair
     draft, k = (reduced, 3) if k == "reduced" else (full, k)
+    adapt = KSchedule(SWITCHING[2]) if k == "switching" else None  # k changes every step (0 included)
+    k = adapt.max_k if adapt else k
     prompts = ragged_prompts(torch.Generator().manual_seed(1), 5, policy.cfg.vocab_size)
     ref = greedy_generate(policy, prompts, 20)
-    r = generate(policy, draft, prompts, max_new_tokens=20, num_draft_tokens=k, temperature=0)
+    r = generate(policy, draft, prompts, max_new_tokens=20, num_draft_tokens=k, temperature=0, adapt=adapt)
     assert [t.tolist() for t in r.tokens] == [t.tolist() for t in ref]
     if k:  # the draft is good but not perfect: both the accept and the reject path ran
         assert 0 < r.stats.accepted < r.stats.drafted
@@ -133,10 +136,10 @@ def test_accept_residual_is_exact(V, seed, zero_frac):
 
 
 
-def empirical_first3(policy, draft, prompt, tau, N, seed):
+def empirical_first3(policy, draft, prompt, tau, N, seed, adapt=None):
     V = policy.cfg.vocab_size
-    r = generate(policy, draft, [prompt] * N, max_new_tokens=3, num_draft_tokens=2, temperature=tau,
-                 generator=torch.Generator().manual_seed(seed))
+    r = generate(policy, draft, [prompt] * N, max_new_tokens=3, num_draft_tokens=adapt.max_k if adapt else 2,
+                 temperature=tau, generator=torch.Generator().manual_seed(seed), adapt=adapt)
     idx = torch.stack(r.tokens) @ torch.tensor([V * V, V, 1])
     return torch.bincount(idx, minlength=V ** 3).double().view(V, V, V) / N, r.stats
 
@@ -159,6 +162,19 @@ def test_sampling_matches_exact_distribution(small_vocab_pair, tau):
     assert 0.05 < stats.accepted / stats.drafted < 0.95  # the mismatch is real: many rejections, some accepts
 
 
+@pytest.mark.parametrize("ks", SWITCHING[:2])
+def test_switching_k_matches_exact_distribution(small_vocab_pair, ks):
+    """The same bound with k switching between steps (k = 0 then a chain, and a chain then k = 0: the draft's trunk
+    catches up over the autoregressive steps' taps). ~6 s each."""
+    policy, draft = small_vocab_pair
+    prompt, N, tau = torch.tensor([1, 4, 2]), 8000, 1.0
+    p = exact_first3(policy, prompt, tau)
+    bound = 0.5 * (p * (1 - p) / N).sqrt().sum().item() + math.sqrt(math.log(1e6) / (2 * N))
+    emp, stats = empirical_first3(policy, draft, prompt, tau, N, seed=11, adapt=KSchedule(ks))
+    assert 0.5 * (emp - p).abs().sum().item() < bound
+    assert 0 < stats.drafted < 2 * stats.row_steps  # both kinds of step ran (a chain step alone drafts 2 per row)
+
+
 def test_sampling_test_has_power(small_vocab_pair, monkeypatch):
     """The classic bug -- on rejection resample from p instead of norm(max(p - q, 0)) -- fails the bound above."""
     policy, draft = small_vocab_pair
@@ -170,13 +186,14 @@ def test_sampling_test_has_power(small_vocab_pair, monkeypatch):
     assert 0.5 * (emp - p).abs().sum().item() > 2 * bound
 
 
-@pytest.mark.parametrize("tau,k", [(1.0, 3), (0.7, 0), (0.0, 2)])
+@pytest.mark.parametrize("tau,k", [(1.0, 3), (0.7, 0), (0.0, 2), (1.0, SWITCHING[2])])
 def test_logprobs_equal_fresh_forward(pair, tau, k):
     policy, draft = pair[0], pair[1]
     prompts = ragged_prompts(torch.Generator().manual_seed(4), 4, policy.cfg.vocab_size)
-    kw = dict(max_new_tokens=12, num_draft_tokens=k, temperature=tau, eos_id=5)
-    r = generate(policy, draft, prompts, generator=torch.Generator().manual_seed(0), **kw)
-    again = generate(policy, draft, prompts, generator=torch.Generator().manual_seed(0), **kw)
+    kw = dict(max_new_tokens=12, num_draft_tokens=max(k) if isinstance(k, tuple) else k, temperature=tau, eos_id=5)
+    adapt = (lambda: KSchedule(k)) if isinstance(k, tuple) else (lambda: None)  # noqa: E731
+    r = generate(policy, draft, prompts, generator=torch.Generator().manual_seed(0), adapt=adapt(), **kw)
+    again = generate(policy, draft, prompts, generator=torch.Generator().manual_seed(0), adapt=adapt(), **kw)
     assert [t.tolist() for t in r.tokens] == [t.tolist() for t in again.tokens]  # seeded: reproducible
     tokens, cu = packed([torch.cat([p, t]) for p, t in zip(prompts, r.tokens)])
     with torch.no_grad():
@@ -217,6 +234,10 @@ def test_bad_input(pair):
         generate(policy, draft, ok, max_new_tokens=4, num_draft_tokens=2, temperature=-0.5)
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(policy, draft, ok, max_new_tokens=-1, num_draft_tokens=2)
+    with pytest.raises(ValueError, match="adapt: expected a chain draft"):
+        generate(policy, draft, ok, max_new_tokens=4, num_draft_tokens=2, tree=(2, 1), adapt=KSchedule((0, 2)))
+    with pytest.raises(ValueError, match="ceiling K=2"):
+        generate(policy, draft, ok, max_new_tokens=4, num_draft_tokens=3, adapt=KSchedule((0, 2)))
     other = Eagle3Draft.from_target(Transformer(ModelConfig.preset("tiny", vocab_size=50)).double())
     with pytest.raises(ValueError, match="vocab_size"):
         generate(policy, other, ok, max_new_tokens=4, num_draft_tokens=2)
@@ -256,17 +277,19 @@ def test_acceptance_hand_count():
     assert st.accept_per_position == pytest.approx([4 / 5, 2 / 3, 1 / 1])
 
 
-@pytest.mark.parametrize("k", [0, 2, 4])
+@pytest.mark.parametrize("k", [0, 2, 4, SWITCHING[2]])
 def test_acceptance_counts_only_kept_tokens(pair, k):
     """End to end with EOS and max_new_tokens cuts: the tokens returned are exactly one prefill token per row plus
-    the numerator of the acceptance length (each row's last forward counts only what it keeps)."""
+    the numerator of the acceptance length (each row's last forward counts only what it keeps). A tuple: k switches."""
     policy, draft = pair[0], pair[1]
+    ks, k = (k, max(k)) if isinstance(k, tuple) else (None, k)
     prompts = ragged_prompts(torch.Generator().manual_seed(2), 6, policy.cfg.vocab_size)
     eos = int(greedy_generate(policy, prompts, 24)[0][6])  # recurs inside accepted draft blocks
     for max_new in (4, 7, 24):
         for tau in (0.0, 1.0):
             r = generate(policy, draft, prompts, max_new_tokens=max_new, num_draft_tokens=k, temperature=tau,
-                         eos_id=eos, generator=torch.Generator().manual_seed(max_new))
+                         eos_id=eos, generator=torch.Generator().manual_seed(max_new),
+                         adapt=KSchedule(ks) if ks else None)
             st = r.stats
             assert sum(len(t) for t in r.tokens) == st.new_tokens == len(prompts) + st.kept
             assert 1.0 <= st.acceptance_length <= k + 1 and st.kept == st.row_steps + st.accepted

@@ -14,20 +14,23 @@ from dist_step import DistCotrainer
 from draft import Eagle3Draft
 from model import ModelConfig, Transformer
 from pipeline import Grid
+from decoding.adaptive_k import KSchedule
+from spec_cases import SWITCHING
 from rl_loop import DraftTrainer, GRPOConfig, RolloutBatch, cotrain_step, reference_logp, rollout_kl
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TAU = 0.7
 
 
-def setup():
+def setup(switching=False):
+    """switching: the rollout's k switches every step (k = 0 included), as --num_draft_tokens=auto may."""
     torch.manual_seed(0)
     policy = Transformer(ModelConfig.preset("tiny", num_hidden_layers=2)).double()
     draft = Eagle3Draft.from_target(policy)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(policy.cfg.vocab_size, (n,), generator=g) for n in (3, 5, 4, 2, 6, 3)]
     r = speculative.generate(policy, draft, prompts, max_new_tokens=10, num_draft_tokens=3, temperature=TAU,
-                             generator=g)
+                             generator=g, adapt=KSchedule(SWITCHING[2][:5]) if switching else None)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0], dtype=torch.float64)
     batch = RolloutBatch.from_rollouts(prompts, r.tokens, r.logprobs, adv, torch.ones(6, dtype=torch.bool))
     batch.old_logp = torch.cat([torch.cat([torch.zeros(p.numel(), dtype=torch.float64), lp])  # fp64 (from_rollouts
@@ -46,11 +49,11 @@ def opt(params):
     return torch.optim.AdamW(params, lr=1e-3)
 
 
-@pytest.mark.parametrize("path", ["single", "dist_1x1x1"])
+@pytest.mark.parametrize("path", ["single", "dist_1x1x1", "single_k_switching"])
 def test_on_policy_ratio_is_one_at_the_rollout_temperature(path):
-    policy, trainer, batch = setup()
+    policy, trainer, batch = setup(switching=path.endswith("switching"))
     assert rollout_kl(batch) == pytest.approx(0.0, abs=1e-9)  # reference == pi_old at tau
-    if path == "single":
+    if path.startswith("single"):
         st = cotrain_step(policy, opt(policy.parameters()), batch, grpo(TAU), [trainer])
     else:
         st = DistCotrainer(policy, [trainer], Grid(), opt).step(batch, grpo(TAU))

@@ -1,0 +1,149 @@
+"""decoding/adaptive_k.py: the cost fit against its written-out reference, the choice of k under injected costs (never
+the wall clock) with simulated and with real acceptance, and the --num_draft_tokens=auto flag. The lossless checks
+with k switching mid-generation sit with the others (test_speculative.py, test_temperature.py: spec_cases.SWITCHING).
+~12 s on 2 busy cores, most of it the end-to-end generate runs."""
+import math
+import random
+import re
+
+import pytest
+import torch
+
+from decoding.adaptive_k import AdaptiveK, expected_kept, step_costs_naive
+from harness.config import parse_args
+from spec_cases import make_small_vocab_pair
+from speculative import generate
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class Sim:
+    """Per-position Bernoulli acceptance (alphas) and a cost source: verify a + b r S, draft c_d per draft token."""
+
+    def __init__(self, alphas, a=1.0, b=0.0, cd=0.0, seed=0):
+        self.alphas, self.a, self.b, self.cd, self.rng = list(alphas), a, b, cd, random.Random(seed)
+
+    def costs(self, rows, k):
+        return self.cd * k, self.a + self.b * rows * (k + 1)
+
+    def run(self, ctl, rows, steps):
+        """`steps` steps at `rows` through ctl's hooks -> the k of each."""
+        K, ks = ctl.max_k, []
+        R, A = torch.zeros(K, dtype=torch.long), torch.zeros(K, dtype=torch.long)
+        ctl.begin(K)
+        for _ in range(steps):
+            k = ctl.choose(rows)
+            for _ in range(rows):
+                for j in range(k):
+                    R[j] += 1
+                    if self.rng.random() >= self.alphas[j]:
+                        break
+                    A[j] += 1
+            ctl.record(rows, k, 0.0, 0.0, R, A)
+            ks.append(k)
+        return ks
+
+
+def test_step_costs_equal_the_written_out_reference():
+    """The running sums (per batch size and k, lazily decayed) reproduce c(r, k) computed from the explicit list of
+    timed steps (fp64, 1e-9), at timed and untimed batch sizes; a k never timed is costed by the fit alone."""
+    rng, ctl, obs = random.Random(0), AdaptiveK(5, cost_memory=20.0, bandwidth=0.5), []
+    R = torch.zeros(5, dtype=torch.long)
+    for _ in range(80):
+        rows, k = rng.choice([3, 8, 12, 40]), rng.choice([0, 1, 2, 4])  # k = 3 and 5 never run
+        td, tv = 0.1 * k * (1 + rng.random()), 0.5 + 0.01 * rows * (k + 1) + rng.gauss(0, 0.05)
+        obs.append((rows, k, td, tv))
+        ctl.record(rows, k, td, tv, R, R)
+    for r in (3, 8, 20, 64):
+        assert ctl.costs_at(r) == pytest.approx(step_costs_naive(obs, r, 5, memory=20.0, h=0.5), rel=1e-9)
+    # two steps at one size: the line through them, and each k's own mean pulled towards it by m = 2 pseudo-steps
+    assert step_costs_naive([(8, 1, 0.0, 1.0), (8, 3, 0.0, 2.0)], 8, 3, 1e12, 0.5) == pytest.approx(
+        [0.5, (1.0 + 2 * 1.0) / 3, 1.5, (2.0 + 2 * 2.0) / 3])
+    assert expected_kept([0.5, 0.5, 1.0], 3) == 1 + 0.5 + 0.25 + 0.25 and expected_kept([0.9], 0) == 1.0
+
+
+@pytest.mark.parametrize("alphas, b, cd, want", [
+    ([0.95] * 6, 0.0, 0.01, {6}),  # a good draft, a flat verify (batch 1 on a CPU): the ceiling
+    ([0.3] * 6, 0.02, 0.1, {0}),  # a mismatched draft, verify cost per token: autoregressive
+    ([0.8] * 6, 0.02, 0.1, {2, 3}),  # in between, E / c peaks inside: k = 1..4 0.756, 0.782, 0.765, 0.731
+])
+def test_k_settles_where_the_cost_model_peaks(alphas, b, cd, want):
+    sim = Sim(alphas, b=b, cd=cd)
+    ctl = AdaptiveK(6, costs=sim.costs, explore_every=10 ** 6)
+    ks = sim.run(ctl, rows=32, steps=200)
+    assert set(ks[:6]) == {6, 0, 1}  # the probes first
+    assert set(ks[-50:]) <= want, ks[-50:]
+
+
+def test_k_follows_a_drifting_draft_and_k0_still_explores():
+    """The draft falls out of step mid-run (acceptance 0.95 -> 0.2): k drops from the ceiling to 0 within the
+    acceptance memory; while at 0 a step at k = 1 runs every explore_every steps; when the draft recovers, k rises."""
+    sim = Sim([0.95] * 4, b=0.03, cd=0.05)  # at 0.95: k = 4 (E / c = 1.26, k = 3: 1.21); at 0.2: k = 0 (0.68, k = 1: 0.60)
+    ctl = AdaptiveK(4, costs=sim.costs, accept_memory=200.0, explore_every=10)
+    assert sim.run(ctl, 16, 100)[-20:].count(4) >= 18  # one exploring step at k = 3 in every 10
+    sim.alphas = [0.2] * 4
+    ks = sim.run(ctl, 16, 200)
+    tail = ks[-90:]
+    assert tail.count(0) > 70 and 0 < sum(k > 0 for k in tail) <= 10  # mostly off, exploring now and then
+    sim.alphas = [0.95] * 4
+    assert sim.run(ctl, 16, 200)[-20:].count(4) >= 18
+
+
+def test_the_engine_times_steps_with_the_injected_clock(mismatched, monkeypatch):
+    """A counter for a clock (each reading 1 s later, no wall time): a chain step reads it 5 times, draft = propose +
+    extend = 2 s and the rest 2 s; a k = 0 step reads it twice, 1 s of verify and no draft. The fit sees those."""
+    policy, draft = mismatched
+    ticks, seen = iter(range(10 ** 6)), []
+    ctl = AdaptiveK(2, clock=lambda: float(next(ticks)))
+    record = ctl.record
+    monkeypatch.setattr(ctl, "record", lambda rows, k, td, tv, R, A: (seen.append((k, td, tv)),
+                                                                      record(rows, k, td, tv, R, A)))
+    generate(policy, draft, [torch.tensor([1, 4, 2])] * 3, max_new_tokens=12, num_draft_tokens=2, adapt=ctl,
+             generator=torch.Generator().manual_seed(0))
+    assert [k for k, _, _ in seen[:6]] == [2, 0, 1, 2, 0, 1]  # the probes
+    assert all((td, tv) == ((2.0, 2.0) if k else (0.0, 1.0)) for k, td, tv in seen)
+    for by_k in ctl.timed.values():  # what the fit holds: each k's weighted mean step, 4 s (k > 0) or 1 s (k = 0)
+        for k, (w, wv, wd, n) in by_k.items():
+            assert (wv + wd) / w == pytest.approx(4.0 if k else 1.0)
+    with pytest.raises(ValueError, match="ceiling K=2"):
+        ctl.begin(3)
+    with pytest.raises(ValueError, match="max_k"):
+        AdaptiveK(0)
+
+
+@pytest.fixture(scope="module")
+def mismatched():
+    return make_small_vocab_pair()
+
+
+@pytest.mark.parametrize("verify_per_token, draft_cost, want", [(1.0, 0.2, 0), (0.0, 0.0, 4)])
+def test_generate_with_a_mismatched_draft_moves_k_the_right_way(mismatched, verify_per_token, draft_cost, want):
+    """The real engine, the deliberately mismatched draft (most drafts rejected) and injected costs: when a verified
+    token costs as much as a step, k goes to 0 (autoregressive); when drafting and verifying more are free, to K."""
+    policy, draft = mismatched
+    costs = lambda rows, k: (draft_cost * k, 1.0 + verify_per_token * (k + 1))  # noqa: E731
+    ctl = AdaptiveK(4, costs=costs, explore_every=10 ** 6)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.tensor([1, 4, 2]), torch.tensor([3, 0]), torch.tensor([5, 5, 1, 2])] * 4
+    for _ in range(3):
+        r = generate(policy, draft, prompts, max_new_tokens=24, num_draft_tokens=4, temperature=1.0, generator=g,
+                     adapt=ctl)
+        assert sum(len(t) for t in r.tokens) == 12 * 24
+    alpha = ctl.alphas()
+    assert alpha[0] < 0.7  # mismatched indeed
+    assert ctl.best(12) == want and ctl.chosen[want] > sum(ctl.chosen) / 2
+    # the choice is the cost model's argmax with the measured acceptance
+    rates = [expected_kept(alpha, k) / (1.0 + verify_per_token * (k + 1) + draft_cost * k) for k in range(5)]
+    assert max(range(5), key=lambda k: rates[k]) == want and not math.isnan(sum(rates))
+
+
+def test_auto_flag():
+    c = parse_args(["--preset=test", "--num_draft_tokens=auto", "--max_draft_tokens=5"])
+    assert (c.num_draft_tokens, c.max_draft_tokens, c.eval_k) == ("auto", 5, 5)  # eval keeps a fixed k
+    assert parse_args(["--num_draft_tokens=auto", "--eval_draft_tokens=3"]).eval_k == 3
+    assert parse_args(["--num_draft_tokens=3"]).num_draft_tokens == 3
+    for bad, msg in ((["--num_draft_tokens=often"], "--num_draft_tokens=often: expected >= 1, or auto"),
+                     (["--max_draft_tokens=0"], "--max_draft_tokens=0: expected in [1, 16]"),
+                     (["--num_draft_tokens=auto", "--tree=2,1"], "--tree=2,1: expected")):
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            parse_args(bad)
