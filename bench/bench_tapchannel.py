@@ -4,7 +4,7 @@ PP = 4 gloo processes, 1F1B, M = 8 microbatches, a policy sized so that a step t
 only touches the taps (no draft model), so every difference below is the transport's:
 
   (a) no_taps      the plain pipeline step: no taps at all (the floor)
-  (b) tapchannel   TapChannel: async isend of detached taps on a group of their own, pre-posted ring on the last stage
+  (b) tapchannel   TapChannel: async isend of detached taps on a group of their own, received by the last stage at F(m)
   (c) piggyback    taps concatenated onto the activation each stage sends on: hop s -> s+1 carries every tap of
                    stages <= s, on the critical path (gradients are not inflated: taps carry none)
   (d) blocking     a blocking send of each tap to the last stage inside F(m), on the pipeline group, placed *after*
