@@ -255,7 +255,7 @@ def propose(draft, s: _Decode):
     """Step 1. d_j ~ q_j(. | x, d_<j), j = 1..k: k draft forwards from the state at the last verified position.
     Returns d (b, k) and q (b, k, V) (None at tau = 0). The draft's cache is rolled back: its branch entries are
     replaced by true trunk entries once the policy has verified them."""
-    L_d = s.dcache.lengths.clone()
+    L_d, bound = s.dcache.lengths.clone(), s.dcache.bound  # bound: the host's, restored with the lengths
     h, zq, ds, qs = s.h, s.zq, [], []
     for j in range(s.k):
         dj, qj = _sample(zq, s.temperature, s.generator)
@@ -263,7 +263,7 @@ def propose(draft, s: _Decode):
         qs.append(qj)
         if j < s.k - 1:
             h, zq = draft.step(s.dcache, dj, h)
-    s.dcache.rollback(L_d)
+    s.dcache.rollback(L_d, bound=bound)
     return torch.stack(ds, 1), (torch.stack(qs, 1) if s.temperature > 0 else None)
 
 
