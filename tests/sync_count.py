@@ -50,8 +50,9 @@ def syncing_op(func, args, kwargs) -> str | None:
         idx = args[1] if len(args) > 1 else kwargs.get("indices", ())
         if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in idx):
             return f"{packet.__name__} with a boolean mask"
-    if func in (aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor) and kwargs.get("output_size") is None:
-        return "repeat_interleave without output_size"  # output_size is keyword-only: always in kwargs
+    tensor_repeats = (aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor)
+    if func in tensor_repeats and kwargs.get("output_size") is None:  # output_size is keyword-only: in kwargs
+        return "repeat_interleave without output_size"
     return None
 
 
