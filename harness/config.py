@@ -108,7 +108,7 @@ class Config:
     schedule: str = "1f1b"  # parallel/pp_schedule.SCHEDULES
     activation_checkpointing: bool = False  # recompute each decoder layer in the update's backward (memory for time)
     # memory and kernels at scale: see README "Memory of the whole step"
-    attn_backend: str = "torch"  # block kernel of ring_branch_attention: torch | triton | flash (CUDA only)
+    attn_backend: str = "auto"  # auto (CUDA: fused triton; CPU: torch, the reference) | torch | triton | flash (CUDA)
     logprob_chunk: int = 0  # > 0: log-probs and the draft's teacher from the final hidden, that many rows at a time
     # checkpoints (checkpoint.py): every ckpt_every steps into <out>/ckpt (0: never); --resume continues the latest
     ckpt_every: int = 0  # steps between checkpoints into <out>/ckpt (0: never)
@@ -148,6 +148,16 @@ class Config:
     def eval_k(self) -> int:
         """Draft tokens per step at eval."""
         return self.eval_draft_tokens or self.num_draft_tokens
+
+    def attn_backend_on(self, device) -> str:
+        """--attn_backend as run on `device`: auto is the fused Triton kernel where the models live on CUDA (the torch
+        kernel, a Python loop over tiles, is launch-bound on a GPU; without triton installed, torch), and torch, the
+        reference, on CPU."""
+        if self.attn_backend != "auto":
+            return self.attn_backend
+        import importlib.util
+        cuda = torch.device(device).type == "cuda"
+        return "triton" if cuda and importlib.util.find_spec("triton") is not None else "torch"
 
     @property
     def hf_mode(self) -> bool:
@@ -257,7 +267,7 @@ CHECKS = {
     "dp":                 ((lambda v, c: v >= 0), ">= 0 (0 = world / (pp * cp))"),
     "schedule":           one_of(*SCHEDULES),
     "activation_checkpointing": FLAG,
-    "attn_backend":       one_of("torch", "triton", "flash"),
+    "attn_backend":       one_of("auto", "torch", "triton", "flash"),
     "logprob_chunk":      ((lambda v, c: v >= 0), ">= 0 (0 = unfused)"),
     "ckpt_every":         ((lambda v, c: v >= 0), ">= 0 (0 = never)"),
     "log":                ((lambda v, c: _parses(parse_backends, v)), f"a comma list of {', '.join(BACKENDS)}"),
