@@ -39,7 +39,9 @@ def ttt_forward(draft, taps: dict, tokens, cu_seqlens, num_passes: int, *, posit
 
     taps {layer: (T, H)} (detached here: no draft gradient reaches the policy) and tokens (T,) are the packed batch,
     or this rank's zigzag shard of it under CP; cu_seqlens (S+1) the global boundaries (CP-padded under CP;
-    without CP any lengths). group: None, a torch ProcessGroup or a ring.Ring. attn_fn defaults to
+    without CP any lengths). position_ids (T,): each row's position within its sequence (default: from cu_seqlens),
+    below the longest (CP-padded) sequence's length -- the RoPE table is sized from the host copy of cu_seqlens, so
+    no position is read back from the device. group: None, a torch ProcessGroup or a ring.Ring. attn_fn defaults to
     attention_cp.ring_branch_attention (tests pass the dense oracle).
 
     taps[EMBED_TAP] (T, H), if given, is the policy's own input embedding e(x_i) (its first stage's tap, carried by
@@ -144,7 +146,8 @@ def ttt_loss(draft, taps: dict, tokens, cu_seqlens, teacher_logits=None, *, teac
         full = draft.cfg.draft_vocab_size == draft.cfg.vocab_size
         loss, stats = streaming_pass_losses(hs, draft.norm, draft.lm_head.weight,
                                             None if full else draft.draft_to_target, teacher, valid, labels, count,
-                                            pass_weight=pass_weight, cp=ring.size, local_cu=cu_local(cu_seqlens, ring.size),
+                                            pass_weight=pass_weight, cp=ring.size,
+                                            local_cu=cu_local(cu_seqlens, ring.size),
                                             chunk=chunk)
     return loss, _metrics(ring_sum(stats, ring), count)
 

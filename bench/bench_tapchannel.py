@@ -183,8 +183,8 @@ def report(times, cpu, nbytes, taps, split, out_path):
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                     "load_avg_1m_at_end": os.getloadavg()[0]},
     }
-    rows = ["| transport | step, median s | vs no taps | paired ratio | paired q1..q3 | CPU-s, all ranks | vs no taps | "
-            "MiB sent per stage per step (s0..s3) |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| transport | step, median s | vs no taps | paired ratio | paired q1..q3 | CPU-s, all ranks | "
+            "vs no taps | MiB sent per stage per step (s0..s3) |", "|---|---|---|---|---|---|---|---|"]
     for k in MODES:
         mib = ", ".join(f"{b / 2**20:.1f}" for b in nbytes[k])
         q1, q3 = res["paired_overhead_q1_q3"][k]

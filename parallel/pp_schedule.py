@@ -13,7 +13,8 @@ Two orders of the same 2M actions (schedule_actions; picotron's pipeline_paralle
            same bubble (P-1)/(M+P-1), but stage s never holds more than P-s microbatches' activations
 
 p2p_plan turns an order into the batches of sends and receives that pipeline.PipelineSchedule issues; tap_depth counts
-the taps a source may have in flight to the last stage. Pure functions of (schedule, P, s, M): commcheck/ replays them without processes.
+the taps a source may have in flight to the last stage. Pure functions of (schedule, P, s, M): commcheck/ replays them
+without processes.
 
 Letters: P stages, s stage, M microbatches, m microbatch.
 """
