@@ -37,6 +37,7 @@ from parallel.consistency import check_same_cu_seqlens
 from backends.fused_logprob import token_logp as fused_token_logp
 from parallel.grid import Grid
 from model import EMBED_TAP
+from modeling.mixed_precision import clip_grads_, grads_of, master_optimizer
 from parallel.pp_schedule import split_layers
 from pipeline import Microbatch, PipelineSchedule, build_stage, shard_for_cp
 from rl_loop import GRPOConfig, RolloutBatch, aggregate, draft_mask, per_prediction, seq_ids, token_logp, token_losses
@@ -110,12 +111,14 @@ class DistCotrainer:
 
     def __init__(self, policy, drafts: list, grid: Grid, make_opt, *, grad_clip: float = 1.0, schedule: str = "1f1b",
                  attn_fn=None, attn_backend=None, logprob_chunk: int = 0, activation_checkpointing: bool = False,
-                 watch: tuple = ()):
+                 watch: tuple = (), zero1: bool = False):
         """attn_backend None: the policy uses attn_fn at cp = 1 (the ring otherwise) and each draft its trainer's
         attn_fn; "torch" / "triton" / "flash": every attention of the step, at any cp (a ring of one at cp = 1), is
         attention_cp.ring_branch_attention with that block kernel. logprob_chunk > 0: no (T, V) logits on the last
         stage: GRPO's log-probs come from the final hidden through fused_logprob.token_logp and the drafts' teacher is
-        the final hidden + LM head, streamed (draft_loss.Teacher). The drafts read e(x_{i+d}) from the embedding tap
+        the final hidden + LM head, streamed (draft_loss.Teacher), their loss in chunks of the same rows
+        (0: draft_loss.chunk_rows's default). zero1: the stage's optimizer state sharded over its
+        DP x CP ranks (parallel/zero1.py), the same update. The drafts read e(x_{i+d}) from the embedding tap
         (stage 0's, through TapChannel), never from the full policy copy, which serves the rollouts only.
         activation_checkpointing: each decoder layer of the stage is recomputed in backward. watch: drafts
         (Eagle3Draft) NOT trained on the rollouts whose teacher-forced acceptance on them is measured in the same draft
@@ -134,7 +137,8 @@ class DistCotrainer:
         self.stage = build_stage(cfg, self.split[grid.pp_rank], policy.state_dict(), next(policy.parameters()).dtype,
                                  activation_checkpointing=activation_checkpointing)  # recompute each layer in backward
         self.stage.to(next(policy.parameters()).device)
-        self.opt = make_opt(self.stage.parameters())
+        # fp32: make_opt (ZeRO-1: sharded over the stage group); bf16: fp32 masters, grads accumulated in fp32
+        self.opt = master_optimizer(self.stage.parameters(), make_opt, grid.stage_group if zero1 else None)
         self.last = self.stage.is_last
         taps = sorted({l for tr in self.drafts for l in tr.draft.tap_layers}
                       | {l for d in self.watch for l in d.tap_layers})
@@ -171,7 +175,8 @@ class DistCotrainer:
         def draft_hook(d):  # last stage, after F(m): every draft's TTT loss on the detached taps and logits
             mb, total = d.mb, 0.0
             teacher = self._teacher(d, cfg.temperature)  # softmax(z / tau): the rollout's temperature
-            backend = dict(backend=self.attn_backend or "torch", group=g.cp_group)
+            backend = dict(backend=self.attn_backend or "torch", group=g.cp_group,
+                           chunk=self.logprob_chunk or None)  # the draft loss's chunk: the log-probs' rows
             for k, tr in enumerate(self.drafts):
                 L, met = tr.draft.ttt_loss(d.taps, mb.tokens, mb.cu_seqlens, loss_mask=mb.extra["dmask"],
                                            num_passes=tr.num_passes, pass_weight=tr.pass_weight,
@@ -198,7 +203,7 @@ class DistCotrainer:
         self.opt.step()
         if self.last:
             for tr in self.drafts:
-                torch.nn.utils.clip_grad_norm_(tr.draft.parameters(), tr.grad_clip)
+                clip_grads_(list(tr.draft.parameters()), tr.grad_clip)
                 tr.opt.step()
         if self.last:
             acc[4] = (res.draft_seconds - float(acc[5])) / (g.cp * g.dp)  # summed below: the mean over the last stage
@@ -242,7 +247,7 @@ class DistCotrainer:
         a copy on the last stage, counted once). Grads are already equal across CP and DP ranks."""
         g, st = self.grid, self.stage
         skip = {id(st.embed.weight)} if (g.pp > 1 and self.last and st.cfg.tie_word_embeddings) else set()
-        grads = [p.grad for p in st.parameters() if p.grad is not None and id(p) not in skip]
+        grads = grads_of([p for p in st.parameters() if id(p) not in skip])  # fp32 .main_grad under bf16
         sq = torch.zeros((), dtype=torch.float64, device=next(st.parameters()).device)
         for gr in grads:
             sq = sq + gr.double().pow(2).sum()
@@ -250,9 +255,8 @@ class DistCotrainer:
             dist.all_reduce(sq, group=g.pp_group)
         total = float(sq.sqrt())
         coef = min(self.grad_clip / (total + 1e-6), 1.0)
-        for p in st.parameters():
-            if p.grad is not None:
-                p.grad.mul_(coef)
+        for gr in grads_of(st.parameters()):
+            gr.mul_(coef)
         return total
 
     # --------------------------------------------------------------------------------------------------- refit

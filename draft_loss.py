@@ -33,18 +33,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from backends.fused_logprob import DEFAULT_CHUNK_MIB, budget_rows
 from branch_mask import cp_shift, cu_local, host_cu, seq_lengths
 from modeling.layers import at_least_f32
 
 
-CHUNK_ELEMENTS = 1 << 21  # default chunk: 2M logits (8 MiB in fp32) whatever V is, i.e. 2^21 // V rows
-
-
-def chunk_rows(vocab_size: int, chunk=None) -> int:
-    """Rows per chunk: `chunk` when given (0 = the dense reference), else CHUNK_ELEMENTS // V (at least 8): the
-    (chunk, V) blocks then cost the same bytes at every vocabulary size."""
+def chunk_rows(vocab_size: int, chunk=None, *, chunk_mib: float = DEFAULT_CHUNK_MIB) -> int:
+    """Rows per chunk: `chunk` when given (0 = the dense reference), else the byte budget's (fused_logprob.budget_rows:
+    one (rows, V) fp32 block of chunk_mib MiB, the same bytes at every vocabulary size; chunk_mib = 0 -> 0, dense)."""
     if chunk is None:
-        return max(8, CHUNK_ELEMENTS // vocab_size)
+        return budget_rows(vocab_size, chunk_mib)
     if int(chunk) < 0:
         raise ValueError(f"chunk={chunk}: expected None (auto), 0 (dense reference) or >= 1 rows")
     return int(chunk)

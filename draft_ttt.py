@@ -114,8 +114,8 @@ def ttt_loss(draft, taps: dict, tokens, cu_seqlens, teacher_logits=None, *, teac
     loss_mask[i+d]. Under CP every (T, ...) input is this rank's zigzag shard and the returned loss is this rank's
     share: the sum over ranks is the global loss, so the draft's grads are summed over the CP group (as data
     parallelism does). Metrics are global floats. chunk: rows per chunk of the streamed loss
-    (draft_loss.StreamingSoftCE, O(chunk * V) memory; None: 2^21 // V rows); 0 runs the dense reference
-    (draft_loss.dense_pass_losses, every (T, V) tensor materialised)."""
+    (draft_loss.StreamingSoftCE, O(chunk * V) memory; None: one 256 MiB fp32 block, draft_loss.chunk_rows); 0 runs
+    the dense reference (draft_loss.dense_pass_losses, every (T, V) tensor materialised)."""
     ring = as_ring(group)
     T = tokens.shape[0]
     teacher = make_teacher(teacher_logits, teacher_hidden, teacher_head, T, draft.cfg.vocab_size, cu_seqlens,

@@ -219,6 +219,8 @@ class Transformer(nn.Module):
         if not self.is_last:
             return ModelOutput(None, h, taps)
         h = self.model.norm(h)
+        if isinstance(logits, torch.Tensor):  # (B,) one position per row: the head on those rows only -> (B, V)
+            return ModelOutput(self.head(h[torch.arange(h.shape[0], device=h.device), logits]), h, taps)
         return ModelOutput(self.head(h) if logits else None, h, taps)  # logits=False: no (T, V) tensor (fused_logprob)
 
     def forward(self, x, cu_seqlens, position_ids=None, *, attn_fn: Optional[Callable] = None, tap_layers=None,
@@ -252,20 +254,26 @@ class Transformer(nn.Module):
 
         return self._run(x, attend_for, tap_layers, position_ids, self.activation_checkpointing, logits)
 
-    def forward_cached(self, x, cache: KVCache, *, tap_layers=None, tree=None):
+    def forward_cached(self, x, cache: KVCache, *, tap_layers=None, tree=None, logits_at=None):
         """Append x (B, S) tokens (or (B, S, H) hidden on later stages) to every row of `cache` and return their
         outputs. Each row's new tokens sit at positions cache.lengths[b] + 0..S-1; lengths advance by S.
         tree: the S tokens are tree nodes instead, a kv_cache.TreeNodes or (depth, visible, base) (KVCache.begin:
-        positions base + depth, each node sees the prefix and its ancestors)."""
+        positions base + depth, each node sees the prefix and its ancestors).
+        logits_at (B,) long: the logits only at new token logits_at[b] of row b -> out.logits (B, V), not (B, S, V)
+        (a prefill samples from one position per row)."""
         self._check_input(x, 2, host=False)  # decoding: no host sync per forward
         if x.shape[0] != cache.batch:
             raise ValueError(f"x: batch {x.shape[0]} != cache batch {cache.batch}")
+        if logits_at is not None and (not isinstance(logits_at, torch.Tensor) or logits_at.shape != (x.shape[0],)):
+            raise ValueError(f"logits_at: expected a ({x.shape[0]},) tensor of positions, got "
+                             f"{getattr(logits_at, 'shape', logits_at)}")
         pos = cache.begin(x.shape[1], tree)  # (B, S)
 
         def attend_for(layer, key, cos, sin):
             return lambda hn: layer.self_attn.forward_cached(hn, cos, sin, cache, key)
 
-        out = self._run(x, attend_for, tap_layers, pos, pos_bound=cache.key_len)
+        out = self._run(x, attend_for, tap_layers, pos, logits=True if logits_at is None else logits_at.long(),
+                        pos_bound=cache.key_len)
         cache.commit()
         return out
 
@@ -295,9 +303,9 @@ def greedy_generate(model: Transformer, prompts: list, max_new_tokens: int) -> l
     x = torch.zeros(B, max(n), dtype=torch.long, device=dev)
     for b, p in enumerate(prompts):
         x[b, : p.numel()] = p
-    logits = model.forward_cached(x, cache).logits  # (B, S, V): right-padded prefill, then roll back the padding
-    cache.rollback(lens)
-    nxt = logits[torch.arange(B, device=dev), lens - 1].argmax(-1)
+    logits = model.forward_cached(x, cache, logits_at=lens - 1).logits  # (B, V) at each row's last prompt token
+    cache.rollback(lens)  # right-padded prefill: roll back the padding
+    nxt = logits.argmax(-1)
     out = [nxt]
     for _ in range(max_new_tokens - 1):
         nxt = model.forward_cached(nxt[:, None], cache).logits[:, -1].argmax(-1)

@@ -49,8 +49,10 @@ from typing import Optional
 
 import torch
 
+from backends import fused_logprob
 from branch_mask import cu_seqlens_from_lengths, seq_ids
 from modeling.layers import at_least_f32
+from modeling.mixed_precision import clip_grads_
 
 LOSS_NORMS: dict = {}  # --loss_norm NAME -> fn(l, mask, cu_seqlens, *, n_seqs, n_tokens, max_len, n_micro) -> ()
 
@@ -275,14 +277,30 @@ def draft_mask(mb: RolloutBatch) -> torch.Tensor:
     return per_prediction(mb.resp_mask, mb.cu_seqlens)
 
 
-def draft_loss(tr: DraftTrainer, taps: dict, logits, mb: RolloutBatch, temperature: float = 1.0):
+def draft_loss(tr: DraftTrainer, taps: dict, logits, mb: RolloutBatch, temperature: float = 1.0, *, hidden=None,
+               head=None, chunk=None):
     """L_draft: TTT loss on detached taps with the policy's detached logits as teacher, at the rollout temperature:
     the teacher is softmax(logits / tau), the distribution the draft's proposals are verified against. Returns (loss,
-    metrics)."""
+    metrics). logits None: the teacher is the policy's final normed hidden (T, H) with its LM head (V, H), its logits
+    formed `chunk` rows at a time inside the streamed loss (no (T, V) tensor). chunk: rows per chunk of the streamed
+    loss (None or 0: draft_loss.chunk_rows's default budget)."""
     taps = {l: taps[l].detach() for l in tr.draft.tap_layers}
-    teacher = logits.detach() if temperature == 1.0 else logits.detach() / temperature
-    return tr.draft.ttt_loss(taps, mb.tokens, mb.cu_seqlens, teacher, loss_mask=draft_mask(mb),
-                             num_passes=tr.num_passes, pass_weight=tr.pass_weight, attn_fn=tr.attn_fn)
+    if logits is not None:
+        teacher = dict(teacher_logits=logits.detach() if temperature == 1.0 else logits.detach() / temperature)
+    else:
+        teacher = dict(teacher_hidden=hidden.detach(),
+                       teacher_head=head.detach() if temperature == 1.0 else head.detach() / temperature)
+    return tr.draft.ttt_loss(taps, mb.tokens, mb.cu_seqlens, loss_mask=draft_mask(mb), num_passes=tr.num_passes,
+                             pass_weight=tr.pass_weight, attn_fn=tr.attn_fn, chunk=chunk or None, **teacher)
+
+
+def packed_logp(out, head, tokens, cu_seqlens, *, chunk: int, temperature: float = 1.0) -> torch.Tensor:
+    """next_token_logp of a packed forward's output `out` (model.ModelOutput): from its logits (T, V) when it has
+    them (chunk = 0, the unfused reference), else from its final hidden (T, H) and the LM head (V, H), `chunk` rows
+    at a time (fused_logprob.next_token_logp; gradients kept)."""
+    if out.logits is not None:
+        return next_token_logp(out.logits, tokens, cu_seqlens, temperature)
+    return fused_logprob.next_token_logp(out.hidden, head, tokens, cu_seqlens, chunk=chunk, temperature=temperature)
 
 
 def cotrain_step(policy, policy_opt, batch: RolloutBatch, cfg: GRPOConfig, drafts: list, *, micro_batches: int = 1,
@@ -327,7 +345,7 @@ def cotrain_step(policy, policy_opt, batch: RolloutBatch, cfg: GRPOConfig, draft
     policy_opt.step()
     t1 = time.perf_counter()
     for tr in drafts:
-        torch.nn.utils.clip_grad_norm_(tr.draft.parameters(), tr.grad_clip)
+        clip_grads_(list(tr.draft.parameters()), tr.grad_clip)
         tr.opt.step()
     timer["policy_train"] += t1 - t0
     timer["draft_train"] += time.perf_counter() - t1
@@ -348,19 +366,23 @@ def check_finite_weights(model: torch.nn.Module, what: str, hint: str = ""):
 
 
 @torch.no_grad()
-def reference_logp(ref, batch: RolloutBatch, *, attn_fn=None, temperature: float = 1.0,
-                   logprob_chunk: int = 0) -> torch.Tensor:
-    """log pi_ref(tokens[t] | prefix) per token (T,) from the frozen reference (one no-grad forward per batch), on
-    the batch's device; pi_ref = softmax(logits / tau) at the rollout's temperature, like pi_old and pi_theta.
-    logprob_chunk > 0: no (T, V) logits, the head applied that many rows at a time."""
-    b = batch.to(next(ref.parameters()).device)
-    if logprob_chunk > 0:
-        from backends.fused_logprob import next_token_logp as fused
-        h = ref(b.tokens, b.cu_seqlens, attn_fn=attn_fn, logits=False).hidden  # (T, H)
-        return fused(h, ref.head_weight, b.tokens, b.cu_seqlens, chunk=logprob_chunk,
-                     temperature=temperature).to(batch.tokens.device)
-    z = ref(b.tokens, b.cu_seqlens, attn_fn=attn_fn).logits  # (T, V)
-    return next_token_logp(z, b.tokens, b.cu_seqlens, temperature).to(batch.tokens.device)
+def reference_logp(ref, batch: RolloutBatch, *, attn_fn=None, temperature: float = 1.0, logprob_chunk=None,
+                   seqs: int = 0) -> torch.Tensor:
+    """log pi_ref(tokens[t] | prefix) per token (T,) from the frozen reference (no-grad forwards), on the batch's
+    device; pi_ref = softmax(logits / tau) at the rollout's temperature, like pi_old and pi_theta.
+    seqs > 0: `seqs` sequences per forward (the batch in slices, like the update's micro-batches); 0: one forward.
+    logprob_chunk: rows of the LM head per chunk from the final hidden (fused_logprob; None: the default byte budget,
+    fused_logprob.budget_rows); 0: the unfused reference, (T, V) logits per forward."""
+    dev = next(ref.parameters()).device
+    chunk = fused_logprob.budget_rows(ref.cfg.vocab_size) if logprob_chunk is None else int(logprob_chunk)
+    S = batch.num_seqs
+    step = S if seqs <= 0 else seqs
+    out = []
+    for a in range(0, S, step):
+        b = (batch if step >= S else batch.select(torch.arange(a, min(a + step, S)))).to(dev)
+        o = ref(b.tokens, b.cu_seqlens, attn_fn=attn_fn, logits=chunk == 0)  # logits (T, V) only unfused
+        out.append(packed_logp(o, ref.head_weight, b.tokens, b.cu_seqlens, chunk=chunk, temperature=temperature))
+    return torch.cat(out).to(batch.tokens.device)
 
 
 def rollout_kl(batch: RolloutBatch) -> float:

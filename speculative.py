@@ -214,9 +214,9 @@ def prefill(target, draft, prompts, k: int, temperature, eos_id, max_new_tokens,
     for b, p in enumerate(prompts):
         x[b, : p.numel()] = p.to(dev)
     pcache = target.new_cache(B, max_len)
-    out = target.forward_cached(x, pcache, tap_layers=draft.tap_layers if k else None)
+    out = target.forward_cached(x, pcache, tap_layers=draft.tap_layers if k else None, logits_at=lens - 1)
     pcache.rollback(lens)
-    z = out.logits[rows, lens - 1]  # (B, V)
+    z = out.logits  # (B, V) at each row's last prompt token only: no (B, S, V) logits
     y, _ = _sample(z, temperature, generator)
     width = max_new_tokens + 2 * (k + 1)
     s = _Decode(k, temperature, eos_id, max_new_tokens, generator,

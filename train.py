@@ -51,7 +51,7 @@ from serving.export import write_servables
 from harness.mesh import make_mesh
 from harness.report import HEADER, Report
 from checkpoints.resume import load_run, save_run
-from checkpoints.resume_policy import start_run
+from checkpoints.resume_policy import prepare_run, start_run
 from harness.rollout import rollout
 from harness.update import check_finite, update
 from parallel.cli import describe
@@ -65,13 +65,16 @@ def train(cfg: Config) -> dict:
     torch.set_num_threads(cfg.threads)
     mesh = make_mesh(cfg)
     out_dir = cfg.out or os.path.join("runs", cfg.name)
-    g = mesh.grid  # a resume continues only this run, on this mesh; a fresh run overwrites nothing (resume_policy.py)
-    resume_from, notes = start_run(out_dir, dataclasses.asdict(cfg), (g.pp, g.cp, g.dp), rank=mesh.rank)
+    g, say = mesh.grid, (print if mesh.main else (lambda *a, **k: None))
+    # a resume continues only this run, on this mesh and inputs; a fresh run overwrites nothing (resume_policy.py).
+    # Checked first, read-only: nothing in <out> changes before the build has loaded the data, model and caches
+    resume_from, notes = start_run(out_dir, dataclasses.asdict(cfg), (g.pp, g.cp, g.dp), rank=mesh.rank, prepare=False)
+    # ---- build: task, warm policy + reference, draft arms (warm-ups cached), this rank's pipeline stage + optimizer
+    s = build(cfg, mesh, log=lambda *a, **k: say(*a, **{"flush": True, **k}))
+    notes += prepare_run(out_dir, dataclasses.asdict(cfg), resume_from, rank=mesh.rank)  # now <out> may change
     rep = Report(cfg, out_dir, main=mesh.main)
     for note in notes:
         rep.print(note)
-    # ---- build: task, warm policy + reference, draft arms (warm-ups cached), this rank's pipeline stage + optimizer
-    s = build(cfg, mesh, log=rep.print)
     rep.print(mesh.describe() + f", {cfg.schedule} over layers {s.cotrainer.split}" * (mesh.world > 1))
     ckpt_dir, start = os.path.join(out_dir, "ckpt"), 0
     if resume_from is not None:
@@ -103,20 +106,21 @@ def train(cfg: Config) -> dict:
         rep.eval(ev)
         if cfg.ckpt_every and step % cfg.ckpt_every == 0:
             save_run(s, mesh, ckpt_dir, step, rep.records())
-            serve(s, mesh, out_dir, rep)
-    serve(s, mesh, out_dir, rep)
-    summary = rep.finish(s.warm_info, time.perf_counter() - t_start)
+            serve(s, mesh, out_dir, rep, step)
+    serve(s, mesh, out_dir, rep, cfg.steps)
+    summary = rep.finish(s.warm_info, time.perf_counter() - t_start, eval_prompts=len(s.eval_problems))
     mesh.close()
     return summary
 
 
-def serve(s, mesh, out_dir: str, rep: Report):
+def serve(s, mesh, out_dir: str, rep: Report, step: int):
     """<out>/policy (an HF checkpoint, with the tokenizer in HF mode) and <out>/draft (the EAGLE-3 export vLLM and
-    SGLang load) from rank 0's full copies: what an inference engine would serve next (export.py)."""
+    SGLang load) from rank 0's full copies after `step`: what an inference engine would serve next, as one pair
+    (export.py)."""
     if mesh.main:
         c = s.cfg
         w = write_servables(out_dir, s.policy, s.drafts["cotrained"].draft, c.model if c.hf_mode else None,
-                            require_draft=False)
+                            require_draft=False, step=step)
         rep.print(f"servable: {w['policy']}" + (f", {w['draft']}" if w["draft"] else f" (no draft: {w['skipped']})"))
 
 
@@ -127,5 +131,5 @@ if __name__ == "__main__":
         sys.exit(f"train.py: {e}")
     try:
         train(config)
-    except (FileExistsError, FileNotFoundError, ValueError) as e:  # a refused --out / --resume: one line, exit 1
-        sys.exit(f"train.py: {e}")
+    except (OSError, ValueError, FloatingPointError, ImportError) as e:  # a refused --out / --resume, bad input, a
+        sys.exit(f"train.py: {e}")  # full or read-only disk, a NaN loss: one line, exit 1 (what is left is consistent)

@@ -121,6 +121,10 @@ def check_tiles(name: str, tiles) -> tuple:
     return tiles
 
 
+def _tf32() -> bool:  # fp32 inputs on CUDA may use TF32 dots where torch's matmuls do (--dtype fp32 allows both)
+    return bool(torch.backends.cuda.matmul.allow_tf32)
+
+
 class TritonBlocks:
     """The block kernel protocol of attention_cp.TorchBlocks on Triton kernels. Inputs fp32/fp16/bf16 (fp32 uses
     exact-fp32 "ieee" dots, not TF32), accumulators (out, lse, dq, dk, dv) fp32.
@@ -164,7 +168,7 @@ class TritonBlocks:
         return {"fwd": (self.fwd_tiles or fwd[0], opt(fwd)), "dq": (self.bwd_tiles or dq[0], opt(dq)),
                 "dkdv": (dkdv_t, opt(dkdv)),
                 "branch": (self.branch_rows or br[0], dict(num_warps=br[1])),
-                "const": dict(BD=BD, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")}  # 16-bit: ignored
+                "const": dict(BD=BD, PRECISION="tf32" if q.dtype != torch.float32 or _tf32() else "ieee")}
 
     @staticmethod
     def _check(q, *accumulators):

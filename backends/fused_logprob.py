@@ -11,6 +11,10 @@ linear cross-entropy pattern of Liger-Kernel and Cut Your Losses; verl's and NeM
 it, and the draft's fused teacher (draft_loss.Teacher(hidden, head=W)), a training step holds no (T, V) tensor: its
 memory grows with V only through W, its gradient and one (chunk, V) block. `token_logp_dense` is the reference.
 
+The chunk is a byte budget, not a row count (`budget_rows`, --chunk_mib): rows = chunk_mib MiB / (4 V) fp32 logits,
+so every vocabulary gets blocks of the same size, and the head W is read once per chunk (T / rows times per pass):
+a fixed small row count would re-read it more often the larger V is.
+
     python -m backends.fused_logprob     # fused == dense (values, grads) on a small case
 
 Letters: T rows, H hidden, V vocab, c rows of one chunk, S sequences.
@@ -21,6 +25,16 @@ import torch
 import torch.nn.functional as F
 
 from modeling.layers import at_least_f32
+
+DEFAULT_CHUNK_MIB = 256.0  # one (rows, V) fp32 logits block per chunk: 441 rows at V = 151936, 2048 at V = 32768
+
+
+def budget_rows(vocab_size: int, chunk_mib: float = DEFAULT_CHUNK_MIB) -> int:
+    """Rows per chunk so that one (rows, V) fp32 block takes chunk_mib MiB (at least 1 row); chunk_mib = 0 -> 0, the
+    unfused reference (every (T, V) tensor at once)."""
+    if not chunk_mib >= 0 or vocab_size < 1:
+        raise ValueError(f"chunk_mib={chunk_mib}, vocab_size={vocab_size}: expected chunk_mib >= 0 and vocab_size >= 1")
+    return 0 if chunk_mib == 0 else max(1, int(chunk_mib * 2**20) // (4 * vocab_size))
 
 
 class FusedTokenLogp(torch.autograd.Function):

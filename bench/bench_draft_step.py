@@ -17,12 +17,17 @@ Memory = growth of the rank process's peak RSS during the step over what it held
 malloc_trim, VmHWM reset by `echo 5 > /proc/self/clear_refs`, VmRSS read); after the step, growth = VmHWM - baseline,
 max over ranks. glibc's mmap threshold is pinned at 128 KiB so RSS follows live tensors. `total` = VmHWM itself
 (inputs, model and gloo included). Inputs (teacher logits or hidden, taps) are not in the growth, as the issue defines.
-The chunk is 2^21 // V rows (the same bytes per chunk at every V). Seconds: wall time of the step, max over ranks.
+The chunk is the byte budget's (--chunk_mib, default 256: rows = 256 MiB / 4V, 441 at V = 151936, 2048 at V = 32768;
+fused_logprob.budget_rows), the same bytes per chunk at every V. Seconds: wall time of the step, max over ranks.
 
     python bench/bench_draft_step.py            # ~21 min on 2 shared cores; bench/results/draft_step.{json,md,png}
     python bench/bench_draft_step.py --quick    # ~1 min; bench/results/draft_step_quick.{json,md,png}
     python bench/bench_draft_step.py --replot   # table and plot again from the JSON
     python bench/bench_draft_step.py --long_vocab   # ~11 min: adds the T = 64K, V = 32K rows (cp 1 and 4) to the JSON
+    python bench/bench_draft_step.py --vocab_ratio --T 512 --repeats 2 [--chunk_mib 256]
+                                                # step_fused at V = 151936 and 32768, interleaved (a fresh pair of
+                                                # processes per repeat, the order alternating): seconds and their ratio
+                                                # -> bench/results/draft_step_vocab_ratio_<M>mib.json
 
 Letters: T tokens (all ranks), T_l = T / cp, H hidden, V vocabulary, P passes, cp CP size.
 """
@@ -33,6 +38,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -54,6 +60,7 @@ from parallel.cli import parser  # noqa: E402
 from parallel.ring import as_ring  # noqa: E402
 
 H, HEADS, HEAD_DIM, INTER, P, TAPS = 128, (2, 1), 32, 256, 3, (1, 2, 3)
+CHUNK_MIB = [256.0]  # the byte budget of one (rows, V) fp32 block (--chunk_mib); set in each rank from its arguments
 DRAFT_METHODS = ("old", "stream", "fused", "gather")
 
 
@@ -93,9 +100,11 @@ def build(T, V, seq_len, cp, rank, seed=0):
 def draft_step(x, group, method, teacher_logits=None):
     d, kw = x["draft"], dict(loss_mask=x["mask"], num_passes=P, group=group)
     if method in ("old", "stream"):
-        kw.update(teacher_logits=teacher_logits, chunk=0 if method == "old" else None)
+        kw.update(teacher_logits=teacher_logits, chunk=0 if method == "old" else chunk_rows(x["W"].shape[0],
+                                                                                             chunk_mib=CHUNK_MIB[0]))
     else:
-        kw.update(teacher_hidden=x["hidden"], teacher_head=x["W"])
+        kw.update(teacher_hidden=x["hidden"], teacher_head=x["W"], chunk=chunk_rows(x["W"].shape[0],
+                                                                                      chunk_mib=CHUNK_MIB[0]))
     loss, _ = d.ttt_loss(x["taps"], x["tokens"], x["cu"], **kw)
     loss.backward()
 
@@ -116,7 +125,7 @@ def gather_step(x, group, cp):
 def policy_step(x, fused):
     h = x["hidden"].detach().requires_grad_()  # stands in for the policy trunk's output (its grad flows back)
     if fused:
-        logp = token_logp(h, x["W"], x["tgt"], chunk=chunk_rows(x["W"].shape[0]))
+        logp = token_logp(h, x["W"], x["tgt"], chunk=chunk_rows(x["W"].shape[0], chunk_mib=CHUNK_MIB[0]))
     else:
         z = F.linear(h, x["W"])  # (T_l, V): the logits of today's path
         logp = z.gather(-1, x["tgt"][:, None])[:, 0] - torch.logsumexp(z, -1)
@@ -140,7 +149,7 @@ def loss_only(x, method, group, t):
         teacher = make_teacher(t, None, None, t.shape[0], t.shape[1], x["cu"], P, ring)
         loss, _ = streaming_pass_losses(hs, d.norm, d.lm_head.weight, None, teacher, valid, None, count,
                                         pass_weight=0.8, cp=ring.size, local_cu=x["cu"] // ring.size,
-                                        chunk=chunk_rows(t.shape[1]))
+                                        chunk=chunk_rows(t.shape[1], chunk_mib=CHUNK_MIB[0]))
     loss.backward()
     return base, t0
 
@@ -170,8 +179,9 @@ def run_method(x, method, group, cp):
     return dict(peak=_status("VmHWM:") - base, total=_status("VmHWM:"), seconds=time.perf_counter() - t0)
 
 
-def rank_main(rank, cp, store_path, jobs, q_out):
+def rank_main(rank, cp, store_path, jobs, q_out, chunk_mib=256.0):
     try:
+        CHUNK_MIB[0] = chunk_mib
         torch.set_num_threads(1)  # ranks share the cores
         dist.init_process_group("gloo", store=dist.FileStore(store_path, cp), rank=rank, world_size=cp)
         group = dist.group.WORLD
@@ -192,12 +202,13 @@ def rank_main(rank, cp, store_path, jobs, q_out):
         q_out.put((rank, None, traceback.format_exc()))
 
 
-def run_group(cp, jobs, timeout_s):
+def run_group(cp, jobs, timeout_s, chunk_mib=256.0):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=rank_main, args=(r, cp, os.path.join(tmp, "store"), jobs, q), daemon=True)
+        procs = [ctx.Process(target=rank_main, args=(r, cp, os.path.join(tmp, "store"), jobs, q, chunk_mib),
+                             daemon=True)
                  for r in range(cp)]
         for p in procs:
             p.start()
@@ -225,7 +236,8 @@ def run_group(cp, jobs, timeout_s):
         per = [got.get((r, (method, T, V))) for r in range(cp)]
         ok = all(p is not None and p["status"] == "ok" for p in per)
         rows[(method, T, V)] = dict(method=method, T=T, V=V, cp=cp, seq_len=seq_len, H=H, P=P,
-                                    chunk=chunk_rows(V) if method not in ("old", "loss_old", "policy") else 0,
+                                    chunk=chunk_rows(V, chunk_mib=chunk_mib)
+                                    if method not in ("old", "loss_old", "policy") else 0,
                                     growth_mib=round(max(p["peak"] for p in per) / 2**20, 1) if ok else None,
                                     total_mib=round(max(p["total"] for p in per) / 2**20, 1) if ok else None,
                                     seconds=round(max(p["seconds"] for p in per), 3) if ok else None,
@@ -321,18 +333,47 @@ def plot(rows, path):
     fig.savefig(path, dpi=110)
 
 
+def vocab_ratio(T: int, repeats: int, chunk_mib: float, machine: str):
+    """step_fused at V = 151936 and 32768 on the same T, cp = 1: one fresh pair of rank processes per repeat, the two
+    vocabularies interleaved inside it (their order alternating), so a change in the shared CPU's load hits both.
+    Writes bench/results/draft_step_vocab_ratio_<chunk_mib>mib.json; returns the per-repeat seconds and the median ratio."""
+    Vs, runs = (151936, 32768), []
+    for i in range(repeats):
+        jobs = [("step_fused", T, V, T) for V in (Vs if i % 2 == 0 else Vs[::-1])]
+        rows = run_group(1, jobs, timeout_s=3600, chunk_mib=chunk_mib)
+        sec = {V: rows[("step_fused", T, V)]["seconds"] for V in Vs}
+        runs.append(dict(seconds=sec, chunk={V: rows[("step_fused", T, V)]["chunk"] for V in Vs},
+                         ratio=None if None in sec.values() else round(sec[Vs[0]] / sec[Vs[1]], 2)))
+        print(f"repeat {i}: {runs[-1]}", flush=True)
+    ok = [r["ratio"] for r in runs if r["ratio"] is not None]
+    res = dict(cmd=f"python bench/bench_draft_step.py --vocab_ratio --T {T} --repeats {repeats} --chunk_mib "
+                   f"{chunk_mib}", machine=machine, T=T, chunk_mib=chunk_mib, V_ratio=round(Vs[0] / Vs[1], 2),
+               runs=runs, median_ratio=round(statistics.median(ok), 2) if ok else None)
+    with open(os.path.join(ROOT, "bench", "results", f"draft_step_vocab_ratio_{chunk_mib:g}mib.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    print(json.dumps(res, indent=1))
+    return res
+
+
 def main(argv):
     ap = parser(__doc__, __file__)
     ap.add_argument("--quick", action="store_true", help="the small grid (~1 min): draft_step_quick.{json,md,png}")
     ap.add_argument("--replot", action="store_true", help="only the table and plot again, from the JSON")
     ap.add_argument("--long_vocab", action="store_true", help="add the T = 64K, V = 32K rows to the full run's JSON")
+    ap.add_argument("--vocab_ratio", action="store_true", help="step_fused at V = 151936 vs 32768, interleaved")
+    ap.add_argument("--T", type=int, default=2048, help="--vocab_ratio: tokens of the step")
+    ap.add_argument("--repeats", type=int, default=2, help="--vocab_ratio: pairs of runs")
+    ap.add_argument("--chunk_mib", type=float, default=256.0, help="--vocab_ratio: MiB of fp32 logits per chunk")
     a = ap.parse_args(argv)
     quick, replot, long_vocab = a.quick, a.replot, a.long_vocab
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, gloo CPU processes"
+    if a.vocab_ratio:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 << 10)  # as below: inherited by the spawned ranks
+        return vocab_ratio(a.T, a.repeats, a.chunk_mib, machine)
     name = "draft_step_quick" if quick else "draft_step"
     out = os.path.join(ROOT, "bench", "results")
     os.makedirs(out, exist_ok=True)
     cmd = "python bench/bench_draft_step.py" + (" --quick" if quick else " (then --long_vocab)" if long_vocab else "")
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, gloo CPU processes"
     if replot or long_vocab:
         with open(os.path.join(out, name + ".json")) as f:
             rows = json.load(f)["rows"]

@@ -194,13 +194,15 @@ def _mesh(mesh, world: int) -> dict | None:
 
 def save_checkpoint(folder, step: int, *, states: dict[str, dict], rng: dict, metrics: list | None = None,
                     extra: dict | None = None, config: dict | None = None, mesh: tuple | None = None, rank: int = 0,
-                    world: int = 1, barrier: Callable[[], None] | None = None, keep_last: int | None = 3) -> Path:
+                    world: int = 1, barrier: Callable[[], None] | None = None, keep_last: int | None = 3,
+                    inputs: dict | None = None) -> Path:
     """Write this rank's part of checkpoint `step` in `folder`; return its path once it is complete for every rank.
 
     Collective when world > 1: all `world` ranks call it and `barrier()` must synchronise them (e.g. dist.barrier).
     states: the state dicts this rank alone holds, by name ({} for a replica); rng: this rank's `capture_rng(...)`;
     metrics, extra: taken from rank 0. config (a JSON-able dict, e.g. asdict(cfg)) and mesh (pp, cp, dp): recorded
-    in the manifest from rank 0, readable without unpickling anything, for resume_policy.check_resumable.
+    in the manifest from rank 0, readable without unpickling anything, for resume_policy.check_resumable; inputs (JSON,
+    e.g. inputs.input_fingerprints(config)): the content fingerprints of the run's input files, recorded likewise.
     keep_last: complete checkpoints kept, this one included (None: keep all). Checkpoints of later steps are deleted.
     If one rank raises in here the others wait at the next barrier: the process group's timeout bounds that wait.
     """
@@ -234,8 +236,8 @@ def save_checkpoint(folder, step: int, *, states: dict[str, dict], rng: dict, me
             raise FileNotFoundError(f"{tmp} lacks {missing}: is {folder} on a filesystem that every rank shares?")
         # hidden cost: rank 0 reads every shard back to hash it -- the bytes on disk, not the ones a rank meant to write
         files = {n: {"bytes": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)} for n in names}
-        manifest = {"format": FORMAT, "step": step, "world": world, "mesh": mesh, "config": config,
-                    "code": code_version(), "files": files}
+        manifest = seal({"format": FORMAT, "step": step, "world": world, "mesh": mesh, "config": config,
+                         "inputs": inputs, "code": code_version(), "files": files})
         _write(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
         _fsync_dir(tmp)
         if final.exists():  # an older save of this step, from a run that later resumed from an earlier checkpoint
@@ -285,11 +287,28 @@ def read_manifest(path) -> dict:
     return _manifest(path)
 
 
+def seal(manifest: dict) -> dict:
+    """`manifest` with "sha256": the hash of its own canonical JSON (every other field), so that an edit by hand (say
+    the config's lr) makes the checkpoint invalid instead of letting another run resume it."""
+    body = {k: v for k, v in manifest.items() if k != "sha256"}
+    blob = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return {**body, "sha256": hashlib.sha256(blob).hexdigest()}
+
+
+_FILE_NAME = re.compile(r"rank\d{5}\.pt|" + re.escape(META))  # what a manifest may list: files of the step directory
+
+
 def _manifest(path: Path) -> dict:
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         if manifest["format"] != FORMAT or not isinstance(manifest["files"], dict):
             raise ValueError(f"format {manifest['format']!r}, expected {FORMAT!r} (written by another version)")
+        if seal(manifest)["sha256"] != manifest.get("sha256"):
+            raise ValueError("its sha256 does not match its contents (edited by hand, or written by an older version)")
+        outside = [n for n in manifest["files"] if not (isinstance(n, str) and _FILE_NAME.fullmatch(n))]
+        if outside:
+            raise ValueError(f"it lists {outside[0]!r}: expected {META} and rank<NNNNN>.pt inside the checkpoint "
+                             "directory only")
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"unreadable {MANIFEST} ({type(e).__name__}: {e})") from e
     return manifest
@@ -348,6 +367,14 @@ def _read(path: Path, name: str, manifest: dict, map_location):
                          "plain values only; this file was tampered with or written by other code") from None
 
 
+def _non_finite(x, where: str = "") -> str | None:
+    """The first place in nested dicts / lists holding a floating tensor with a NaN or inf, as "['policy']['w']"."""
+    if isinstance(x, torch.Tensor):
+        return where if x.is_floating_point() and not bool(torch.isfinite(x).all()) else None
+    items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, (list, tuple)) else ()
+    return next((w for k, v in items if (w := _non_finite(v, f"{where}[{k!r}]")) is not None), None)
+
+
 def load_checkpoint(path, rank: int = 0, *, map_location="cpu") -> dict:
     """Rank `rank`'s part of the checkpoint at `path`: {"step", "world", "states", "rng", "metrics", "extra", "path",
     "mesh", "config", "code"} (the last three from the manifest).
@@ -362,6 +389,9 @@ def load_checkpoint(path, rank: int = 0, *, map_location="cpu") -> dict:
                          f"resume with the same world size and mesh")
     meta = _read(path, META, manifest, map_location)
     mine = _read(path, rank_file(rank), manifest, map_location)
+    bad = _non_finite(mine["states"])
+    if bad:  # a diverged run is never saved (train.py checks every step): these bytes were written by something else
+        raise ValueError(f"{path / rank_file(rank)}: the weights are not finite (states{bad}); refusing to load them")
     return {"step": meta["step"], "world": world, "states": mine["states"], "rng": mine["rng"],
             "metrics": meta["metrics"], "extra": meta["extra"], "path": path,
             "mesh": manifest.get("mesh"), "config": manifest.get("config"), "code": manifest.get("code")}

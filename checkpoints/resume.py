@@ -5,7 +5,8 @@
 
 A rank saves its pipeline stage and the stage's optimizer (the full rollout copy is re-assembled by refit), the drafts
 and their optimizers (the last stage trains them; every rank holds them after refit), the samplers' states (prompt
-sampler, rollout stream, minibatch shuffle) and the metric records so far. One process saves the same things: its
+sampler, rollout stream, minibatch shuffle) and the metric records so far; rank 0's manifest records the content
+fingerprints of the input files (inputs.py), which a resume must find unchanged. One process saves the same things: its
 "stage" is the whole policy.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from checkpoints.checkpoint import capture_rng, load_checkpoint, restore_rng, save_checkpoint
+from checkpoints.inputs import input_fingerprints
 
 if TYPE_CHECKING:
     from harness.experiment import Setup
@@ -34,10 +36,11 @@ def save_run(s: Setup, mesh: Mesh, folder: str, step: int, records: list):
     objs, gens = run_parts(s)
     states = {k: o.state_dict() for k, o in objs.items()}
     states["loop"] = {"source_rng": s.rng.getstate()}  # the prompt sampler (a python Random of its own)
-    g = mesh.grid
-    save_checkpoint(folder, step, states=states, rng=capture_rng(gens), metrics=records,
-                    config=dataclasses.asdict(s.cfg), mesh=(g.pp, g.cp, g.dp), rank=mesh.rank, world=mesh.world,
-                    barrier=mesh.barrier if mesh.world > 1 else None)
+    g, config = mesh.grid, dataclasses.asdict(s.cfg)
+    save_checkpoint(folder, step, states=states, rng=capture_rng(gens), metrics=records, config=config,
+                    mesh=(g.pp, g.cp, g.dp), rank=mesh.rank, world=mesh.world,
+                    barrier=mesh.barrier if mesh.world > 1 else None,
+                    inputs=input_fingerprints(config) if mesh.main else None)  # the bytes --model / --data held
 
 
 def load_run(s: Setup, mesh: Mesh, path) -> tuple[int, list]:

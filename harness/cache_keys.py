@@ -18,8 +18,8 @@ while an edit to the RL harness (config, experiment, dist_step, pipeline, train.
 than single functions: a helper a warm-up calls cannot be left out, at the price of retraining after an unrelated
 edit to one of these files.
 
-Left out on purpose: the device and the thread count (a warm-up trained on a CPU serves a GPU run; they change
-rounding, not what is trained), where the cache lives, and how often progress is logged.
+Left out on purpose: the device, the thread count and --chunk_mib (a warm-up trained on a CPU serves a GPU run; they
+change rounding, not what is trained), where the cache lives, and how often progress is logged.
 """
 from __future__ import annotations
 
@@ -180,12 +180,13 @@ class DraftSpec:
     draft_attn_fn: object = None  # the draft's attention in its TTT passes
     tap_layers: tuple = ()  # the policy layers the draft reads; (): model.default_tap_layers (its code is in the key)
     pass_weight: float = 0.8  # the TTT loss weighs pass d by pass_weight^(d-1)
+    rows: int = 256  # prompts per generate call when sampling the pool (--rollout_batch): it shapes the samples
 
     @classmethod
     def from_config(cls, cfg, tsk, policy_key: str, *, attn_fn=None, draft_attn_fn=None) -> DraftSpec:
         return cls(policy_key, tsk, cfg.draft_warmup_steps, cfg.draft_warmup_batch, cfg.draft_warmup_lr,
                    cfg.draft_warmup_pool, tsk.max_new_tokens, cfg.ttt_passes, cfg.seed, cfg.draft_vocab, attn_fn,
-                   draft_attn_fn, tuple(cfg.tap_layers), cfg.ttt_decay)
+                   draft_attn_fn, tuple(cfg.tap_layers), cfg.ttt_decay, cfg.rollout_batch)
 
     def key(self) -> str:
         return spec_key("draft", self)

@@ -107,14 +107,19 @@ class Config:
     dp: int = 0  # data-parallel replicas (0: world size / (pp * cp))
     schedule: str = "1f1b"  # parallel/pp_schedule.SCHEDULES
     activation_checkpointing: bool = False  # recompute each decoder layer in the update's backward (memory for time)
+    zero1: bool = False  # shard each stage's optimizer state (AdamW m, v + master slice) over its DP x CP ranks
     # memory and kernels at scale: see README "Memory of the whole step"
     attn_backend: str = "auto"  # auto (CUDA: fused triton; CPU: torch, the reference) | torch | triton | flash (CUDA)
-    logprob_chunk: int = 0  # > 0: log-probs and the draft's teacher from the final hidden, that many rows at a time
+    chunk_mib: float = 256.0  # MiB of fp32 logits per chunk of log-probs and draft loss (0: unfused (T, V) logits)
+    # precision: bf16 runs every forward (rollouts, reference, drafts, eval) and KV cache in bf16 and keeps the trained
+    # weights' fp32 masters, grads and AdamW state (modeling/mixed_precision.py); fp32 allows TF32 matmuls on CUDA
+    dtype: str = "auto"  # bf16 | fp32 | auto: bf16 on CUDA, fp32 on the CPU (where bf16 matmuls are far slower)
     # checkpoints (checkpoint.py): every ckpt_every steps into <out>/ckpt (0: never); --resume continues the latest
     ckpt_every: int = 0  # steps between checkpoints into <out>/ckpt (0: never)
     log: str = "jsonl"  # comma list: metrics.jsonl always, plus "tensorboard" (<out>/tb) and/or "wandb" (offline)
     resume: bool = False  # continue the latest checkpoint in <out>/ckpt (the same run only)
     overwrite: bool = False  # a fresh run into an <out> whose ckpt/ holds checkpoints deletes them (resume_policy.py)
+    resume_changed_inputs: bool = False  # --resume although --model / --data / --chat_template now hold other bytes
     dist_timeout: int = 1800  # seconds any collective may wait (a dead or stuck rank fails the job instead of hanging)
 
     def __post_init__(self):
@@ -182,10 +187,6 @@ def one_of(*choices):
     return (lambda v, c: v in choices), "one of " + ", ".join(choices)
 
 
-def a_dir_path(what):  # a path a directory may be created at: not an existing file
-    return (lambda v, c: v != "" and not os.path.isfile(v)), f"{what} (non-empty, not an existing file)"
-
-
 FLAG = (lambda v, c: True, "true or false")  # the type check is the whole check
 
 CHECKS = {
@@ -195,8 +196,10 @@ CHECKS = {
     "threads":            at_least(1),
     "warmup_threads":     at_least(1),
     "device":             one_of("auto", "cpu", "cuda"),
-    "out":                ((lambda v, c: not os.path.isfile(v)), "a directory ('' = runs/<name>), not a file"),
-    "cache_dir":          a_dir_path("a directory"),
+    "out":                ((lambda v, c: not os.path.isfile(v) and _writable_dir(v or os.path.join("runs", c.name))),
+                           "a directory ('' = runs/<name>) this process can write or create, not a file"),
+    "cache_dir":          ((lambda v, c: v != "" and _writable_dir(v)),
+                           "a directory this process can write or create (non-empty, not a file)"),
     "task":               ((lambda v, c: _parses(factory, v)),
                            f"one of {', '.join(TASKS)}, or an importable module:factory (factory(cfg) -> task)"),
     "min_steps":          ((lambda v, c: 1 <= v <= c.max_steps), "in [1, max_steps={max_steps}]"),
@@ -267,12 +270,17 @@ CHECKS = {
     "dp":                 ((lambda v, c: v >= 0), ">= 0 (0 = world / (pp * cp))"),
     "schedule":           one_of(*SCHEDULES),
     "activation_checkpointing": FLAG,
+    "zero1":              FLAG,
     "attn_backend":       one_of("auto", "torch", "triton", "flash"),
-    "logprob_chunk":      ((lambda v, c: v >= 0), ">= 0 (0 = unfused)"),
+    "dtype":              one_of("auto", "bf16", "fp32"),
+    "chunk_mib":          ((lambda v, c: v >= 0), ">= 0 (0 = the unfused (T, V) logits, the reference path)"),
     "ckpt_every":         ((lambda v, c: v >= 0), ">= 0 (0 = never)"),
-    "log":                ((lambda v, c: _parses(parse_backends, v)), f"a comma list of {', '.join(BACKENDS)}"),
+    "log":                ((lambda v, c: _parses(parse_backends, v) and _installed(parse_backends(v))),
+                           f"a comma list of {', '.join(BACKENDS)}, each installed (pip install -e \".[wandb]\", "
+                           "\".[tensorboard]\")"),
     "resume":             FLAG,
     "overwrite":          ((lambda v, c: not (v and c.resume)), "false with --resume (a resume keeps the run's files)"),
+    "resume_changed_inputs": FLAG,
     "dist_timeout":       at_least(1),
 }
 
@@ -284,6 +292,21 @@ def _parses(parse, value) -> bool:
         return True
     except ValueError:
         return False
+
+
+def _writable_dir(path: str) -> bool:
+    """`path` is a directory this process may write, or one it may create: its nearest existing ancestor is a
+    writable directory (no file in the way, no read-only mount). Read-only: nothing is created here."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    return os.path.isdir(p) and os.access(p, os.W_OK | os.X_OK)
+
+
+def _installed(backends) -> bool:
+    """Every --log backend's package is importable (tensorboard, wandb), found without importing it."""
+    import importlib.util
+    return all(importlib.util.find_spec(b) is not None for b in backends if b != "jsonl")
 
 
 def _policy_layers(c) -> int | None:

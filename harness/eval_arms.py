@@ -11,7 +11,8 @@ untrained start, evaluated only). k = cfg.eval_k draft tokens per step.
 
     acceptance length = sum kept / sum row_forwards     tokens kept per verification forward (up to EOS /
                                                         max_new_tokens), bonus included, prefill excluded
-                                                        (speculative.kept_tokens), pooled over the eval rows
+                                                        (speculative.kept_tokens), pooled over the eval rows; None
+                                                        when there was no verification forward (max_new_tokens 1)
     gain interval     = paired bootstrap over eval PROMPTS: resample prompts with replacement (each with all its
                         samples, in both arms), recompute both pooled ratios, take the 2.5 / 97.5 percentiles of
                         their difference (cfg.bootstrap resamples) [Efron & Tibshirani 1993, percentile interval]
@@ -82,10 +83,10 @@ def evaluate(s: Setup) -> dict:
     for name, t in tot.items():
         out[f"tok_s_{name}"] = t["new_tokens"] / max(t["seconds"], 1e-9)
         if name != "ar":
-            out[f"accept_{name}"] = t["kept"] / max(t["row_steps"], 1)
+            out[f"accept_{name}"] = t["kept"] / t["row_steps"] if t["row_steps"] else None  # no verification: none
             out[f"speedup_{name}"] = statistics.median(a / b for a, b in zip(chunk_tok_s[name], chunk_tok_s["ar"]))
     for other in ("frozen", "offline", "cold"):
-        if other in rows:
+        if other in rows and out[f"accept_{other}"] is not None and out["accept_cotrained"] is not None:
             a, b = rows["cotrained"], rows[other]
             out[f"accept_gain_vs_{other}_ci"] = paired_bootstrap(a["row_kept"], a["row_forwards"], b["row_kept"],
                                                                  b["row_forwards"], c.eval_samples, c.bootstrap, c.seed)

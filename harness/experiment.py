@@ -25,10 +25,13 @@ from tasks.protocol import Demonstrations, make_task
 from harness import warmup
 from harness.cache_keys import DraftSpec, PolicySpec, hf_policy_key
 from backends.attention_padded import padded_branch_attention, padded_causal_attention
+from backends.fused_logprob import budget_rows
 from dist_step import DistCotrainer
 from draft import Eagle3Draft
 from serving.hf_io import from_pretrained
+from harness.mesh import model_dtype
 from model import Transformer
+from modeling.mixed_precision import master_optimizer
 from harness.offline_arm import OfflineArm
 from rl_loop import DraftTrainer, GRPOConfig
 
@@ -80,7 +83,8 @@ def build_policy(cfg: Config, tsk, log=print, device=None) -> tuple[Transformer,
         return policy, key, True
     t0 = time.perf_counter()
     policy, key, loaded = warmup.warm_policy(PolicySpec.from_config(cfg, tsk), cache_dir=cfg.cache_dir,
-                                             log_every=max(cfg.sft_steps // 6, 1), device=device)
+                                             log_every=max(cfg.sft_steps // 6, 1), device=device,
+                                             chunk_mib=cfg.chunk_mib)
     done = ("loaded from cache" if loaded else "trained" if isinstance(tsk, Demonstrations)
             else "none (the task has no demonstrations)")
     log(f"policy SFT warm-up: {done} ({key}, {time.perf_counter() - t0:.0f}s)")
@@ -109,8 +113,9 @@ def build(cfg: Config, mesh: Mesh, log=print) -> Setup:
         s.policy, list(s.drafts.values()), mesh.grid,
         lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99)),
         grad_clip=cfg.grad_clip, schedule=cfg.schedule, attn_fn=padded_causal_attention,
-        attn_backend=cfg.attn_backend_on(mesh.device), logprob_chunk=cfg.logprob_chunk,
-        activation_checkpointing=cfg.activation_checkpointing,
+        attn_backend=cfg.attn_backend_on(mesh.device),
+        logprob_chunk=budget_rows(s.policy.cfg.vocab_size, cfg.chunk_mib),
+        activation_checkpointing=cfg.activation_checkpointing, zero1=cfg.zero1,
         watch=[d for _, d in watched(s)])  # frozen / offline-extended: teacher-forced acceptance, forward only
     return s
 
@@ -141,21 +146,25 @@ def build_models(cfg: Config, dev: torch.device, log=print) -> Setup:
         policy, pkey, loaded = build_policy(cfg, tsk, log, dev)
         t1 = time.perf_counter()
         warm, dloaded = warmup.warm_draft(policy, draft_spec(cfg, tsk, pkey), cache_dir=cfg.cache_dir,
-                                          log_every=max(cfg.draft_warmup_steps // 4, 1))
+                                          log_every=max(cfg.draft_warmup_steps // 4, 1), chunk_mib=cfg.chunk_mib)
         t2 = time.perf_counter()
     finally:
         torch.set_num_threads(threads)
     done = "none (an untrained draft)" if cfg.draft_warmup_steps == 0 else "loaded from cache" if dloaded else "trained"
     log(f"draft warm-up: {done} ({t2 - t1:.0f}s)")
+    dt = model_dtype(cfg, dev)  # the warm-ups train in fp32; from here on every copy runs in --dtype
+    if dt != next(policy.parameters()).dtype:
+        policy.to(dt)
+        warm.to(dt).attach(policy)  # the draft shares the (now bf16) embedding again
     ref = copy.deepcopy(policy).requires_grad_(False)
     warm_copy = copy.deepcopy(warm)  # the offline arm's start (the co-trained arm trains `warm` itself)
     frozen = copy.deepcopy(warm).requires_grad_(False)
     frozen.attach(policy)  # like the co-trained draft it reads the live policy's embedding; its own weights stay put
 
     def trainer(d):
-        return DraftTrainer(d, torch.optim.AdamW(d.parameters(), lr=cfg.draft_lr, weight_decay=0.0), lam=cfg.draft_lam,
-                            grad_clip=cfg.draft_grad_clip, num_passes=cfg.ttt_passes, pass_weight=cfg.ttt_decay,
-                            attn_fn=padded_branch_attention)
+        opt = master_optimizer(d.parameters(), lambda ps: torch.optim.AdamW(ps, lr=cfg.draft_lr, weight_decay=0.0))
+        return DraftTrainer(d, opt, lam=cfg.draft_lam, grad_clip=cfg.draft_grad_clip, num_passes=cfg.ttt_passes,
+                            pass_weight=cfg.ttt_decay, attn_fn=padded_branch_attention)
 
     torch.manual_seed(cfg.run_seed + 7)
     vocab = warm.draft_to_target if cfg.draft_vocab else None  # every arm names the same draft tokens

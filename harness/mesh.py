@@ -71,6 +71,17 @@ def pick_device(cfg: Config) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
+def model_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    """--dtype: "auto" is bf16 on CUDA and fp32 on the CPU (where bf16 matmuls are many times slower). Under fp32 on
+    CUDA, matmuls and the Triton kernel's dots may use TF32 (set here, process-wide)."""
+    dt = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(cfg.dtype)
+    dt = dt or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if dt == torch.float32 and device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return dt
+
+
 def make_mesh(cfg: Config) -> Mesh:
     """WORLD_SIZE 1 (or unset): the 1 x 1 x 1 mesh. Else torchrun's env contract (RANK, WORLD_SIZE, LOCAL_RANK,
     MASTER_ADDR/PORT) -> process group (gloo for CPU tensors, NCCL for CUDA ones) and the DP x PP x CP grid. Every

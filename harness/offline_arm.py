@@ -31,14 +31,16 @@ import torch.distributed as dist
 
 import speculative
 from backends.attention_padded import padded_branch_attention, padded_causal_attention
+from backends.fused_logprob import budget_rows
+from modeling.mixed_precision import clip_grads_, master_optimizer
 from rl_loop import DraftTrainer, RolloutBatch, draft_loss
 
 
 class OfflineArm:
     def __init__(self, cfg, tsk, ref, draft, *, seed: int):
         self.cfg, self.task, self.ref = cfg, tsk, ref
-        self.tr = DraftTrainer(draft, torch.optim.AdamW(draft.parameters(), lr=cfg.draft_lr, weight_decay=0.0),
-                               lam=cfg.draft_lam, grad_clip=cfg.draft_grad_clip, num_passes=cfg.ttt_passes,
+        opt = master_optimizer(draft.parameters(), lambda ps: torch.optim.AdamW(ps, lr=cfg.draft_lr, weight_decay=0.0))
+        self.tr = DraftTrainer(draft, opt, lam=cfg.draft_lam, grad_clip=cfg.draft_grad_clip, num_passes=cfg.ttt_passes,
                                pass_weight=cfg.ttt_decay, attn_fn=padded_branch_attention)
         dev = next(ref.parameters()).device
         self.rng = random.Random(seed + 555)  # its own prompt stream: fresh prompts, not the rollouts'
@@ -69,15 +71,17 @@ class OfflineArm:
         batch = self.sample()
         t1 = time.perf_counter()
         dev = next(self.ref.parameters()).device
+        chunk = budget_rows(self.ref.cfg.vocab_size, self.cfg.chunk_mib)  # rows of the teacher's logits per chunk
         for idx in torch.randperm(batch.num_seqs, generator=self.perm).chunk(self.cfg.updates):
             mb = batch.select(idx.sort().values).to(dev)
             with torch.no_grad():  # pi_0's taps and teacher: the distribution the warm-up draft was fitted to
                 out = self.ref(mb.tokens, mb.cu_seqlens, attn_fn=padded_causal_attention,
-                               tap_layers=self.draft.tap_layers)
-            loss, _ = draft_loss(self.tr, out.taps, out.logits, mb, self.cfg.temperature)
+                               tap_layers=self.draft.tap_layers, logits=chunk == 0)  # hidden (T, H): no (T, V)
+            loss, _ = draft_loss(self.tr, out.taps, out.logits, mb, self.cfg.temperature, hidden=out.hidden,
+                                 head=self.ref.head_weight, chunk=chunk)  # the update's streamed loss
             self.tr.opt.zero_grad(set_to_none=True)
             (self.tr.lam * loss).backward()
-            torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.tr.grad_clip)
+            clip_grads_(list(self.draft.parameters()), self.tr.grad_clip)
             self.tr.opt.step()
         self.steps_done += 1
         return {"offline_sample": t1 - t0, "offline_train": time.perf_counter() - t1}

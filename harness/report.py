@@ -58,7 +58,7 @@ class Report:
         t = row["time"]
         self.print(f"{row['step']:4d} {row['reward']:6.3f} {row['correct']:5.2f} {row['explicit']:5.2f} "
                    f"{row['resp_len']:5.1f} {row['kl']:6.3f} {row['zero_var_groups']:4d} {row['clip_frac']:5.3f} "
-                   f"{row['accept_len']:6.2f} {row['tau_hat_cotrained']:5.2f} {row.get('tau_hat_frozen', 0):5.2f} "
+                   f"{_num(row['accept_len'], 6)} {row['tau_hat_cotrained']:5.2f} {row.get('tau_hat_frozen', 0):5.2f} "
                    f"{row.get('tau_hat_offline', 0):5.2f} {row['rollout_tok_s']:6.0f} "
                    f"{t['rollout']:6.2f} {t['policy_train']:5.2f} {t['draft_train']:5.2f}")
 
@@ -67,22 +67,28 @@ class Report:
             return
         self.evals.append(ev)
         self._write(ev)
-        more = "".join(f" {a} {ev[f'accept_{a}']:.2f}" for a in ("offline", "cold") if f"accept_{a}" in ev)
+        more = "".join(f" {a} {_num(ev[f'accept_{a}'])}" for a in ("offline", "cold") if f"accept_{a}" in ev)
         ci = "".join(f" | c-{a[:3]} [{ev[k][0]:+.2f}, {ev[k][1]:+.2f}]" for a in ("frozen", "offline")
-                     if (k := f"accept_gain_vs_{a}_ci") in ev)
+                     if (k := f"accept_gain_vs_{a}_ci") in ev and ev[k] is not None)
         self.print(f"  eval @ {ev['step']}: held-out reward {ev['reward']:.3f} (acc {ev['correct']:.2f}, explicit "
                    f"{ev['explicit']:.2f}) | acceptance (k={ev.get('eval_k', '?')}) co-trained "
-                   f"{ev['accept_cotrained']:.2f} frozen {ev['accept_frozen']:.2f}{more}{ci} | spec "
+                   f"{_num(ev['accept_cotrained'])} frozen {_num(ev['accept_frozen'])}{more}{ci} | spec "
                    f"{ev['tok_s_cotrained']:.0f} vs AR {ev['tok_s_ar']:.0f} tok/s, speedup {ev['speedup']:.2f}x "
                    f"(frozen {ev['speedup_frozen']:.2f}x)")
 
-    def finish(self, warm: dict, wall_s: float) -> dict:
-        """summary.json and train.png (rank 0); returns the summary ({} on other ranks)."""
+    def finish(self, warm: dict, wall_s: float, eval_prompts: int | None = None) -> dict:
+        """summary.json and train.png (rank 0); returns the summary ({} on other ranks). eval_prompts: how many
+        held-out prompts the evals had (fewer than --eval_prompts when the task holds fewer: the summary says so)."""
         self.logger.close()
         if not self.main:
             return {}
         c = self.cfg
         summary = summarize(c, self.rows, self.evals, warm, wall_s)
+        if eval_prompts is not None:
+            summary["eval_prompts"] = eval_prompts
+            if eval_prompts < c.eval_prompts:
+                summary["eval_prompts_note"] = (f"--eval_prompts={c.eval_prompts} asked for more held-out prompts "
+                                                f"than the task holds: evaluated {eval_prompts}")
         with open(os.path.join(self.out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         plot_run(self.rows, self.evals, os.path.join(self.out_dir, "train.png"),
@@ -90,6 +96,11 @@ class Report:
         self.print(json.dumps(summary, indent=2))
         self.print(f"wrote {self.metrics_path}, summary.json, train.png")
         return summary
+
+
+def _num(v, width: int = 0) -> str:
+    """A metric for the console: two decimals, or "none" (an acceptance without any verification forward)."""
+    return f"{'none' if v is None else f'{v:.2f}':>{width}}"
 
 
 def summarize(cfg: Config, rows: list, evals: list, warm: dict, wall_s: float) -> dict:

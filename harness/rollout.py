@@ -7,7 +7,8 @@ then shared by every rank of the mesh.
                 responses for its share problems[r::dp] with its full policy + co-trained draft copy
                 (speculative.generate: lossless, so they are exact samples of pi_old and their log-probs are pi_old's);
   2. score      rewards from the task, GRPO group advantages (rl_loop.group_advantages);
-  3. reference  log pi_ref per token from the frozen reference (k3 penalty and the KL drift), one no-grad forward;
+  3. reference  log pi_ref per token from the frozen reference (k3 penalty and the KL drift): no-grad forwards of
+                rollout_batch sequences each, the LM head applied --chunk_mib at a time (no (T, V) logits);
   4. gather     every rank receives the whole batch (all_gather_object; GRPO groups stay whole). With one process
                 there is nothing to gather.
 
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 import speculative
 from backends.attention_padded import padded_causal_attention
+from backends.fused_logprob import budget_rows
 from branch_mask import cu_seqlens_from_lengths, seq_lengths
 from rl_loop import RolloutBatch, group_advantages, reference_logp
 
@@ -53,7 +55,8 @@ def generate(s: Setup, draft, prompts: list, seed=None, k=None):
         for key in rows:
             rows[key] += getattr(r.stats, key)
     st.update(rows)
-    st["accept_len"] = st["kept"] / max(st["row_steps"], 1)  # tokens kept per verification forward (speculative.py)
+    # tokens kept per verification forward (speculative.py); None: there was none (max_new_tokens 1)
+    st["accept_len"] = st["kept"] / st["row_steps"] if st["row_steps"] else None
     st["tok_s"] = st["new_tokens"] / max(st["seconds"], 1e-9)
     return toks, lps, st
 
@@ -67,7 +70,8 @@ def rollout_local(s: Setup, problems: list) -> tuple[RolloutBatch, dict]:
     adv, valid = group_advantages(R, c.group_size, std_norm=c.std_norm)
     batch = RolloutBatch.from_rollouts(prompts, toks, lps, adv, valid)
     batch.ref_logp = reference_logp(s.ref, batch, attn_fn=padded_causal_attention, temperature=c.temperature,
-                                    logprob_chunk=c.logprob_chunk)
+                                    logprob_chunk=budget_rows(s.ref.cfg.vocab_size, c.chunk_mib),
+                                    seqs=c.rollout_batch)  # rollout_batch sequences per forward, the head in chunks
     info = {"reward": float(R.mean()), "correct": float(parts["correct"].mean()),
             "explicit": explicit_share(parts), "resp_len": st["new_tokens"] / len(prompts),
             "zero_var_groups": int((~valid).sum()) // c.group_size,
@@ -89,9 +93,15 @@ def rollout(s: Setup, mesh: Mesh, problems: list) -> tuple[RolloutBatch, dict]:
     parts = [None] * mesh.world
     dist.all_gather_object(parts, part)  # sync point: tokens and per-token floats only, small next to the weights
     parts = sorted((p for p in parts if p is not None), key=lambda p: p[0])
-    info = {k: sum(p[2][k] for p in parts) / len(parts) for k in parts[0][2]}
+    info = {k: _mean([p[2][k] for p in parts]) for k in parts[0][2]}
     info["zero_var_groups"] = sum(p[2]["zero_var_groups"] for p in parts)
     return concat_batches([p[1] for p in parts]), info
+
+
+def _mean(xs: list):
+    """The replicas' mean of a stat; None where a replica has none (an acceptance without verification forwards)."""
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
 
 
 def concat_batches(parts: list) -> RolloutBatch:

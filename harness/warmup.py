@@ -6,11 +6,19 @@
      `cache/policy-<key>/`) and later runs load it. A task without demonstrations gets no SFT: the policy is its
      seeded random initialisation.
   2. Draft warm-up (EAGLE-3's offline stage): sample responses from the warm policy (temperature 1), run the policy's
-     packed forward to get taps and logits, and fit the draft's multi-pass TTT loss with the policy as teacher. Also
-     cached (`cache/draft-<key>/`, draft.py's save/load), keyed on the policy's key too.
+     packed forward to get taps and its final hidden, and fit the draft's multi-pass TTT loss with the policy as
+     teacher. Also cached (`cache/draft-<key>/`, draft.py's save/load), keyed on the policy's key too.
+Both train through the RL update's streamed losses: the LM head is applied --chunk_mib of logits at a time, so no
+(tokens, V) tensor forms (fused_logprob.py, draft_loss.py); sampling runs --rollout_batch prompts per generate call.
 
 Each warm-up reads its settings from one spec (cache_keys.PolicySpec / DraftSpec) and nothing else that shapes it; the
 key is the hash of the whole spec and of the warm-up's source code (cache_keys.py says which).
+
+An entry is complete once its config.json is there (written last, each file atomically). It is written under
+`<entry>.tmp<pid>` and renamed into place (publish): an incomplete entry there (an interrupted copy) is replaced, a
+complete one (a concurrent run finished first) is kept, and the temporary never stays behind, not even after a kill
+(the next run deletes those of processes that are gone). A cached entry that cannot be read, or holds NaN/inf
+weights, is a one-line error naming the file.
 
     python -m harness.warmup                   # SFT (or load) the default policy; report its held-out greedy / sampled reward
     python -m harness.warmup --preset smoke    # any train.py preset / --key=value: the same cache entries as train.py
@@ -19,9 +27,13 @@ Letters: T packed tokens, S sequences, V vocab.
 """
 from __future__ import annotations
 
+import dataclasses
+import glob
 import math
 import os
 import random
+import re
+import shutil
 import time
 
 import torch
@@ -29,12 +41,13 @@ import torch
 import speculative
 from tasks.protocol import Demonstrations, make_task
 from harness.cache_keys import DraftSpec, PolicySpec
-from draft import Eagle3Draft
-from serving.hf_io import from_pretrained, save_pretrained
+from draft import DraftConfig, Eagle3Draft
+from serving.hf_io import from_pretrained, read_json, save_pretrained
 from serving.draft_vocab import select_draft_vocab
 from model import Transformer
 from backends.attention_padded import padded_causal_attention
-from rl_loop import DraftTrainer, RolloutBatch, check_finite_weights, draft_loss, next_token_logp, pack
+from backends.fused_logprob import DEFAULT_CHUNK_MIB, budget_rows
+from rl_loop import DraftTrainer, RolloutBatch, check_finite_weights, draft_loss, pack, packed_logp
 
 
 HINT = "stopping, nothing cached. Try a lower --sft_lr / --draft_warmup_lr"
@@ -63,9 +76,11 @@ def sft_batch(tsk: Demonstrations, n: int, rng: random.Random):
 
 
 def sft_policy(policy: Transformer, tsk: Demonstrations, *, steps: int, batch: int, lr: float, seed: int,
-               log_every: int = 0) -> list:
-    """Supervised warm-up in place. Returns the loss per step."""
+               log_every: int = 0, chunk_mib: float = DEFAULT_CHUNK_MIB) -> list:
+    """Supervised warm-up in place. Returns the loss per step. The log-probs come from the final hidden through the
+    LM head chunk_mib MiB of logits at a time (rl_loop.packed_logp; 0: (T, V) logits), like the RL update's."""
     rng = random.Random(seed)
+    chunk = budget_rows(policy.cfg.vocab_size, chunk_mib)
     opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     losses, t0 = [], time.time()
     dev = next(policy.parameters()).device
@@ -74,8 +89,8 @@ def sft_policy(policy: Transformer, tsk: Demonstrations, *, steps: int, batch: i
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup=max(steps // 20, 1))
         tokens, cu, mask = (t.to(dev) for t in sft_batch(tsk, batch, rng))
-        logits = policy(tokens, cu, attn_fn=padded_causal_attention).logits  # (T, V)
-        loss = -(next_token_logp(logits, tokens, cu) * mask).sum() / mask.sum()
+        out = policy(tokens, cu, attn_fn=padded_causal_attention, logits=chunk == 0)  # hidden (T, H)
+        loss = -(packed_logp(out, policy.head_weight, tokens, cu, chunk=chunk) * mask).sum() / mask.sum()
         if not math.isfinite(loss.item()):
             raise FloatingPointError(f"SFT warm-up step {step}: loss = {loss.item()} (not finite); {HINT}")
         opt.zero_grad(set_to_none=True)
@@ -89,39 +104,102 @@ def sft_policy(policy: Transformer, tsk: Demonstrations, *, steps: int, batch: i
     return losses
 
 
-def warm_policy(spec: PolicySpec, *, cache_dir: str = "cache", log_every: int = 0,
-                device=None) -> tuple[Transformer, str, bool]:
+def warm_policy(spec: PolicySpec, *, cache_dir: str = "cache", log_every: int = 0, device=None,
+                chunk_mib: float = DEFAULT_CHUNK_MIB) -> tuple[Transformer, str, bool]:
     """The SFT'd policy on `device` (default CPU), from `cache_dir` when an identical warm-up was run before; a task
     without demonstrations (no encode_demo): the seeded random initialisation, nothing cached.
-    Returns (policy, key, loaded). Everything that shapes it comes from `spec` (its key: spec.key()); the device does
-    not: a CPU-trained policy serves a GPU run."""
+    Returns (policy, key, loaded). Everything that shapes it comes from `spec` (its key: spec.key()); the device and
+    chunk_mib (the log-probs' chunk) do not: they change rounding only, and a CPU-trained policy serves a GPU run."""
     key = spec.key()
     if not isinstance(spec.task, Demonstrations):
         torch.manual_seed(spec.seed)
         return Transformer(spec.model).to(device), key, False
     path = os.path.join(cache_dir, f"policy-{key}")
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return from_pretrained(path).to(device), key, True
+    clean_stale(path)
+    if complete(path):
+        return from_pretrained(path).to(device), key, True  # names the file of any unreadable or non-finite weight
     torch.manual_seed(spec.seed)
     policy = Transformer(spec.model).to(device)  # initialised on the CPU: the same weights on every device
     sft_policy(policy, spec.task, steps=spec.steps, batch=spec.batch, lr=spec.lr, seed=spec.seed,
-               log_every=log_every)
-    tmp = f"{path}.tmp{os.getpid()}"
-    save_pretrained(policy, tmp)
-    os.replace(tmp, path) if not os.path.exists(path) else None  # another run may have finished first: keep theirs
+               log_every=log_every, chunk_mib=chunk_mib)
+    publish(path, lambda tmp: save_pretrained(policy, tmp))
     return policy, key, False
 
 
-def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache",
-               log_every: int = 0) -> tuple[Eagle3Draft, bool]:
+def complete(path: str) -> bool:
+    """A cache entry is complete once its config.json is there (each file lands atomically, config.json last)."""
+    return os.path.isfile(os.path.join(path, "config.json"))
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def clean_stale(path: str):
+    """Delete `path`.tmp<pid> / .old<pid> left by processes that are gone (killed mid-save)."""
+    for p in glob.glob(f"{glob.escape(path)}.*"):
+        m = re.fullmatch(rf"{re.escape(path)}\.(?:tmp|old)(\d+)", p)
+        if m and _gone(int(m[1])):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def publish(path: str, save):
+    """save(tmp) into `path`.tmp<pid>, then into place: an incomplete entry at `path` is replaced (renamed away
+    first), a complete one (a concurrent run's) kept. The temporary is deleted whatever happens."""
+    tmp, old = f"{path}.tmp{os.getpid()}", f"{path}.old{os.getpid()}"
+    try:
+        save(tmp)
+        if os.path.isdir(path) and not complete(path):
+            os.replace(path, old)
+            shutil.rmtree(old)
+        try:
+            os.replace(tmp, path)
+        except OSError:  # a complete entry landed meanwhile (a concurrent run): theirs is as good
+            if not complete(path):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_draft(path: str, policy) -> Eagle3Draft:
+    """A cached draft (draft.py's save format); anything unreadable or non-finite is a ValueError naming the file."""
+    cfg_path, st = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
+    extra = sorted(set(read_json(cfg_path)) - {f.name for f in dataclasses.fields(DraftConfig)} - {"architectures"})
+    if extra:
+        raise ValueError(f"{cfg_path}: unknown key(s) {extra} (a cached draft holds DraftConfig's fields); delete "
+                         f"{path} to retrain it")
+    try:
+        draft = Eagle3Draft.load(path, policy)
+    except Exception as e:  # noqa: BLE001 -- SafetensorError, a missing or misshapen tensor, a bad config value
+        why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        raise ValueError(f"{st}: unreadable cached draft ({why}); truncated or not this draft? Delete {path} to "
+                         "retrain it") from None
+    bad = [n for n, p in draft.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise ValueError(f"{st}: the weights are not finite ({bad[0]}); delete {path} to retrain it")
+    return draft
+
+
+def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache", log_every: int = 0,
+               chunk_mib: float = DEFAULT_CHUNK_MIB) -> tuple[Eagle3Draft, bool]:
     """A draft fitted offline to the warm policy's own samples (cached). Returns (draft, loaded).
     policy: the model spec.policy_key names. Everything else that shapes the draft comes from `spec` (its key:
     spec.key()): the task (its train prompts and EOS), steps (0: an untrained draft), draft_vocab = N > 0 (the draft
     names only the N most frequent target tokens of the sampled responses, draft_vocab.py), tap_layers (the policy
     layers it reads; (): model.default_tap_layers), pass_weight (w_d = pass_weight^(d-1) in the TTT loss), ...
+    chunk_mib (rounding only, not in the key): the streamed loss's chunk, its teacher's logits formed from the policy's
+    final hidden chunk by chunk (0: the policy's (T, V) logits as the teacher).
 
-    1. sample `pool` responses from the policy (plain sampling at temperature 1: the distribution RL starts from);
-    2. each step: `batch` of them -> policy forward (no grad) for taps + logits -> TTT loss -> AdamW step."""
+    1. sample `pool` responses from the policy (plain sampling at temperature 1: the distribution RL starts from),
+       spec.rows prompts per generate call;
+    2. each step: `batch` of them -> policy forward (no grad) for taps + final hidden -> TTT loss, streamed -> AdamW
+       step."""
     tsk, steps, batch, lr, pool, seed, draft_vocab = (spec.task, spec.steps, spec.batch, spec.lr, spec.pool, spec.seed,
                                                       spec.draft_vocab)
     max_new_tokens, num_passes, attn_fn, draft_attn_fn = (spec.max_new_tokens, spec.num_passes, spec.attn_fn,
@@ -131,14 +209,15 @@ def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache"
         torch.manual_seed(seed)
         return Eagle3Draft.from_target(policy, tap_layers=taps), False
     path = os.path.join(cache_dir, f"draft-{spec.key()}")
-    if steps and os.path.isfile(os.path.join(path, "config.json")):
-        return Eagle3Draft.load(path, policy), True
+    clean_stale(path)
+    if steps and complete(path):
+        return load_draft(path, policy), True
     dev = next(policy.parameters()).device
     rng, g = random.Random(seed + 1), torch.Generator(device=dev).manual_seed(seed + 1)
     prompts = [tsk.encode_prompt(p) for p in tsk.sample(pool, rng, "train")]
     responses = []
-    for i in range(0, pool, 256):
-        responses += [r.cpu() for r in speculative.generate(policy, None, prompts[i: i + 256],
+    for i in range(0, pool, spec.rows):
+        responses += [r.cpu() for r in speculative.generate(policy, None, prompts[i: i + spec.rows],
                                                             max_new_tokens=max_new_tokens, temperature=1.0,
                                                             eos_id=tsk.tok.eos_id, generator=g).tokens]
     torch.manual_seed(seed)
@@ -148,7 +227,7 @@ def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache"
         return draft, False
     tr = DraftTrainer(draft, torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0), num_passes=num_passes,
                       pass_weight=spec.pass_weight, attn_fn=draft_attn_fn)
-    t0 = time.time()
+    t0, chunk = time.time(), budget_rows(policy.cfg.vocab_size, chunk_mib)
     for step in range(steps):
         for grp in tr.opt.param_groups:
             grp["lr"] = lr_at(step, steps, lr, warmup=max(steps // 20, 1))
@@ -157,8 +236,8 @@ def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache"
         mb = RolloutBatch.from_rollouts([prompts[i] for i in idx], [responses[i] for i in idx],
                                         [torch.zeros(responses[i].numel()) for i in idx], zeros, zeros.bool()).to(dev)
         with torch.no_grad():
-            out = policy(mb.tokens, mb.cu_seqlens, attn_fn=attn_fn, tap_layers=draft.tap_layers)
-        loss, m = draft_loss(tr, out.taps, out.logits, mb)
+            out = policy(mb.tokens, mb.cu_seqlens, attn_fn=attn_fn, tap_layers=draft.tap_layers, logits=chunk == 0)
+        loss, m = draft_loss(tr, out.taps, out.logits, mb, hidden=out.hidden, head=policy.head_weight, chunk=chunk)
         if not math.isfinite(loss.item()):
             raise FloatingPointError(f"draft warm-up step {step}: loss = {loss.item()} (not finite); {HINT}")
         tr.opt.zero_grad(set_to_none=True)
@@ -169,19 +248,22 @@ def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache"
             print(f"  draft step {step:4d}/{steps}  loss {loss.item():.4f}  tau_hat {m['tau_hat']:.2f}  "
                   f"{time.time() - t0:5.1f}s", flush=True)
     check_finite_weights(draft, f"draft warm-up, after {steps} steps, the draft", HINT)
-    tmp = f"{path}.tmp{os.getpid()}"
-    draft.save(tmp)
-    os.replace(tmp, path) if not os.path.exists(path) else None
+    publish(path, draft.save)
     return draft, False
 
 
 @torch.no_grad()
-def evaluate_policy(policy, tsk, problems, max_new_tokens: int, *, temperature: float, seed: int = 0) -> dict:
-    """Mean reward, accuracy, explicit-step fraction (0 for a task without one) and response length on `problems`."""
+def evaluate_policy(policy, tsk, problems, max_new_tokens: int, *, temperature: float, seed: int = 0,
+                    rows: int = 32) -> dict:
+    """Mean reward, accuracy, explicit-step fraction (0 for a task without one) and response length on `problems`,
+    sampled `rows` prompts per generate call (the rollout engine's batch, --rollout_batch)."""
     g = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
     prompts = [tsk.encode_prompt(p) for p in problems]
-    resp = [r.cpu() for r in speculative.generate(policy, None, prompts, max_new_tokens=max_new_tokens,
-                                                  temperature=temperature, eos_id=tsk.tok.eos_id, generator=g).tokens]
+    resp = []
+    for i in range(0, len(prompts), rows):
+        resp += [r.cpu() for r in speculative.generate(policy, None, prompts[i: i + rows],
+                                                       max_new_tokens=max_new_tokens, temperature=temperature,
+                                                       eos_id=tsk.tok.eos_id, generator=g).tokens]
     R, parts = tsk.score(problems, resp)
     return {"reward": float(R.mean()), "correct": float(parts["correct"].mean()),
             "explicit": float(parts["explicit"].mean()) if "explicit" in parts else 0.0,
@@ -201,8 +283,8 @@ if __name__ == "__main__":
     tsk.max_new_tokens = c.max_new_tokens or tsk.max_new_tokens
     t0 = time.time()
     policy, key, loaded = warm_policy(PolicySpec.from_config(c, tsk), cache_dir=c.cache_dir,
-                                      log_every=max(c.sft_steps // 12, 1))
+                                      log_every=max(c.sft_steps // 12, 1), chunk_mib=c.chunk_mib)
     print(f"policy {key} ({'loaded' if loaded else 'trained'}) in {time.time() - t0:.0f}s")
     for T in (0.0, 1.0):
         print(f"held-out, temperature {T}:", evaluate_policy(policy, tsk, tsk.eval_set(256), tsk.max_new_tokens,
-                                                            temperature=T))
+                                                            temperature=T, rows=c.rollout_batch))

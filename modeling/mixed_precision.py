@@ -18,53 +18,89 @@ embedding group when a parameter has one.
     loss = loss_fn(stage(x, cu).logits); loss.backward()                    # or PipelineSchedule.step(...)
     mp.step(grad_clip=1.0)                                                  # fp32 update, bf16 copy refreshed
 
+The training path (--dtype bf16) uses the pieces directly: `master_optimizer` gives a module's trainable parameters
+the optimizer they need -- for 16-bit ones parallel/zero1.ShardedOptimizer with fp32 masters (over a group: ZeRO-1,
+else the whole vector on this rank) after `use_main_grads` -- and `clip_grads_` clips whichever gradient a parameter
+accumulates into. For fp32 parameters both reduce to the plain optimizer and torch's clipping.
+
 Letters: w32 / w16 master and working weights, g32 the fp32 gradient, M microbatches.
 """
 from __future__ import annotations
 
 import torch
 
+from parallel.zero1 import ShardedOptimizer
 
-class MixedPrecision:
-    """Owns the fp32 master copy and optimizer of `module`'s trainable parameters, whose data become `dtype`."""
+HALF = (torch.bfloat16, torch.float16)
 
-    def __init__(self, module: torch.nn.Module, make_opt, dtype: torch.dtype = torch.bfloat16):
-        if dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"dtype={dtype}: expected torch.bfloat16 or torch.float16 for the working copy")
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        if not self.params:
-            raise ValueError("module: no trainable parameters to keep master copies of")
-        self.master = []
-        for p in self.params:
-            w32 = p.detach().to(torch.float32).clone().requires_grad_()
-            self.master.append(w32)
-            p.data = p.data.to(dtype)  # step 1: the module now computes in dtype
-            p.main_grad = torch.zeros_like(w32)  # step 2's accumulator, read by PipelineSchedule's reductions
+
+def use_main_grads(params) -> None:
+    """Step 2: an fp32 .main_grad accumulator on each 16-bit parameter, filled after every backward (once)."""
+    for p in params:
+        if p.dtype in HALF and not hasattr(p, "main_grad"):
+            p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
             p.register_post_accumulate_grad_hook(_accumulate)
-        module.to(dtype)  # buffers too (the parameters already are)
-        self.opt = make_opt(self.master)
-
-    def zero_grad(self):
-        for p in self.params:
-            p.grad = None
-            p.main_grad.zero_()
-
-    @torch.no_grad()
-    def step(self, grad_clip: float = 0.0) -> float:
-        """Step 3 on the masters (gradient norm clipped in fp32 if grad_clip > 0), then step 1 again; returns the
-        gradient norm. Zeroes the accumulators for the next step."""
-        for p, w32 in zip(self.params, self.master):
-            w32.grad = p.main_grad
-        norm = torch.nn.utils.clip_grad_norm_(self.master, grad_clip if grad_clip > 0 else float("inf"))
-        self.opt.step()
-        for p, w32 in zip(self.params, self.master):
-            p.copy_(w32)  # round to the working dtype
-            w32.grad = None
-        self.zero_grad()
-        return float(norm)
 
 
 def _accumulate(p: torch.Tensor):
     """After each backward into a working parameter: add its 16-bit gradient to the fp32 accumulator, drop it."""
     p.main_grad.add_(p.grad)
     p.grad = None
+
+
+def grads_of(params) -> list:
+    """The gradient each parameter accumulates into: its fp32 .main_grad, else .grad (None: left out)."""
+    return [g for g in (getattr(p, "main_grad", p.grad) for p in params) if g is not None]
+
+
+@torch.no_grad()
+def clip_grads_(params, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_ over grads_of(params) (fp32 accumulators included); returns the total norm."""
+    grads = grads_of(params)
+    if not grads:
+        return 0.0
+    norm = torch.nn.utils.get_total_norm(grads)
+    torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm)
+    return float(norm)
+
+
+def master_optimizer(params, make_opt, group=None, dtype=None):
+    """The optimizer `params` need, their working dtype becoming `dtype` (None: as they are). fp32: make_opt(params)
+    (or, over a group, ZeRO-1). 16-bit: fp32 master weights (taken before the cast) and optimizer state
+    (ShardedOptimizer(master_dtype=float32), sharded over `group` if given), gradients accumulated in fp32 .main_grad."""
+    params = [p for p in params if p.requires_grad]
+    dtype = dtype or (params[0].dtype if params else None)
+    if dtype in HALF:
+        opt = ShardedOptimizer(params, make_opt, group, master_dtype=torch.float32, dtype=dtype)
+        use_main_grads(params)
+        return opt
+    return ShardedOptimizer(params, make_opt, group) if group is not None else make_opt(params)
+
+
+class MixedPrecision:
+    """Turns `module` into a 16-bit working copy and owns the fp32 master weights and optimizer of its trainable
+    parameters (steps 1-3 above)."""
+
+    def __init__(self, module: torch.nn.Module, make_opt, dtype: torch.dtype = torch.bfloat16, group=None):
+        if dtype not in HALF:
+            raise ValueError(f"dtype={dtype}: expected torch.bfloat16 or torch.float16 for the working copy")
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("module: no trainable parameters to keep master copies of")
+        self.opt = master_optimizer(self.params, make_opt, group, dtype)  # masters from the fp32 values
+        module.to(dtype)  # step 1: the module now computes in dtype (the buffers too; the parameters already do)
+
+    @property
+    def master(self) -> torch.Tensor:  # (N,) this rank's fp32 master weights, the parameters end to end
+        return self.opt.master
+
+    def zero_grad(self):
+        self.opt.zero_grad()
+
+    def step(self, grad_clip: float = 0.0) -> float:
+        """Step 3 on the masters (gradient norm clipped in fp32 if grad_clip > 0), then step 1 again; returns the
+        gradient norm. Zeroes the accumulators for the next step."""
+        norm = clip_grads_(self.params, grad_clip if grad_clip > 0 else float("inf"))
+        self.opt.step()
+        self.zero_grad()
+        return norm

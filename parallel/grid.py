@@ -4,8 +4,9 @@
     rank = (dp_rank * pp + pp_rank) * cp + cp_rank          (CP neighbours are adjacent ranks: the fastest links)
 
 Groups, in creation order: pp (each pipeline: the schedule's batched P2P), tap (the same members, a second
-communicator: TapChannel's single P2P), embed (first + last stage: tied embeddings), cp, dp. A group of one rank is
-None and its collectives are skipped.
+communicator: TapChannel's single P2P), embed (first + last stage: tied embeddings), cp, dp, and -- where dp > 1 and
+cp > 1 -- shard (the DP x CP ranks of a stage, over which ZeRO-1 shards its optimizer state; otherwise the cp or dp
+group is that set). A group of one rank is None and its collectives are skipped.
 
 Why a warm-up (the NCCL rules nccl_check.py simulates): NCCL creates a communicator lazily, on first use, and blocks
 until every member has joined -- the group's communicator for collectives and batched P2P, one per (group, pair) for a
@@ -34,7 +35,10 @@ def mesh_groups(pp: int, cp: int, dp: int) -> list:
     pipes = [[at(d_, s, c_) for s in range(pp)] for d_ in range(dp) for c_ in range(cp)]
     lists = [("pp", pipes), ("tap", pipes), ("embed", [[r[0], r[-1]] for r in pipes] if pp > 1 else []),
              ("cp", [[at(d_, p_, c_) for c_ in range(cp)] for d_ in range(dp) for p_ in range(pp)]),
-             ("dp", [[at(d_, p_, c_) for d_ in range(dp)] for p_ in range(pp) for c_ in range(cp)])]
+             ("dp", [[at(d_, p_, c_) for d_ in range(dp)] for p_ in range(pp) for c_ in range(cp)]),
+             # the DP x CP ranks of one stage (ZeRO-1's shards); only when neither the cp nor the dp group is it
+             ("shard", [[at(d_, p_, c_) for d_ in range(dp) for c_ in range(cp)] for p_ in range(pp)]
+              if dp > 1 and cp > 1 else [])]
     return [(name, list(ranks)) for name, rank_lists in lists for ranks in rank_lists if len(ranks) > 1]
 
 
@@ -66,7 +70,14 @@ class Grid:
     embed_group: Optional[object] = None  # first + last stage of my pipeline (tied embeddings)
     cp_group: Optional[object] = None
     dp_group: Optional[object] = None
+    shard_group: Optional[object] = None  # dp > 1 and cp > 1: the DP x CP ranks of my stage; read `stage_group`
     handles: dict = field(default_factory=dict)  # (name, tuple(ranks)) -> process group, for my groups
+
+    @property
+    def stage_group(self):
+        """Every rank holding my pipeline stage (dp x cp of them, ordered dp_rank * cp + cp_rank): ZeRO-1 shards the
+        stage's optimizer state over it. It is the cp group when dp = 1, the dp group when cp = 1."""
+        return self.shard_group if self.dp > 1 and self.cp > 1 else (self.cp_group if self.dp == 1 else self.dp_group)
 
     @classmethod
     def build(cls, pp: int = 1, cp: int = 1, dp: int = 1, warm_up: bool = True, device=None) -> "Grid":

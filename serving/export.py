@@ -16,18 +16,27 @@ commits in the README): vLLM's top-level `eagle_aux_hidden_state_layer_ids` = ta
 eagle_aux_hidden_state_layer_ids` = tap (it adds the one itself). cospec's tap t is the output of layer t (0-indexed).
 
     draft.export(path)                                    # the draft alone (Eagle3Draft.export calls export_draft)
-    write_servables(out, policy, draft, tokenizer_dir)    # <out>/policy/ (HF checkpoint) + <out>/draft/ (this export)
+    write_servables(out, policy, draft, tokenizer_dir, step=s)   # <out>/policy/ (HF checkpoint) + <out>/draft/ (export)
     python -m serving.export runs/default/draft                   # reads an export back and checks it as the engines load it
 
 Each directory lands atomically: written under a temporary sibling name, then renamed into place (a reader sees the
-old directory or the new one, never half of one; between the two renames the path is briefly absent).
+old directory or the new one, never half of one; between the two renames the path is briefly absent, and a kill there
+leaves <path>.old<pid> / <path>.tmp<pid>, which recover_swaps puts right at the next start).
+
+The two servables are a pair: each holds servable.json (PAIR_FILE) with the step it comes from, and the draft's records
+the sha256 of the policy's weights it was exported beside; check_export refuses a draft whose sibling policy/ is
+another (a kill between the two exports, or an older run's draft). A policy whose draft cannot be exported removes
+the old draft/ instead of leaving it beside the new policy.
 
 Letters: H hidden, V target vocab, Vd draft vocab.
 """
 from __future__ import annotations
 
+import glob
+import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -44,6 +53,7 @@ WEIGHTS = ("fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt",
                    "added_tokens.json")
+PAIR_FILE = "servable.json"  # {"step", "weights_sha256"} in policy/, {"step", "policy_sha256"} in draft/
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32", torch.float64: "float64"}
 
 
@@ -96,8 +106,10 @@ def eagle3_state_dict(draft, *, dtype=torch.bfloat16) -> dict:
     return {k: sd[k].detach().to(device="cpu", dtype=cast.get(k, dtype)).contiguous() for k in WEIGHTS}
 
 
-def export_draft(draft, path: str, *, dtype=torch.bfloat16, max_position_embeddings: int | None = None):
-    """config.json + model.safetensors that vLLM's and SGLang's LlamaForCausalLMEagle3 load, written atomically."""
+def export_draft(draft, path: str, *, dtype=torch.bfloat16, max_position_embeddings: int | None = None,
+                 pair: dict | None = None):
+    """config.json + model.safetensors that vLLM's and SGLang's LlamaForCausalLMEagle3 load, written atomically;
+    pair ({"step", "policy_sha256"}, from write_servables): also PAIR_FILE."""
     cfg = eagle3_config(draft, dtype=dtype, max_position_embeddings=max_position_embeddings)
     sd = eagle3_state_dict(draft, dtype=dtype)
 
@@ -105,17 +117,44 @@ def export_draft(draft, path: str, *, dtype=torch.bfloat16, max_position_embeddi
         save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(cfg, f, indent=2)
+        if pair is not None:
+            _write_json(os.path.join(tmp, PAIR_FILE), pair)
     atomic_dir(path, write)
 
 
+def _write_json(path: str, obj: dict):
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+
+
+def weights_sha256(folder: str) -> str:
+    """sha256 over the *.safetensors files of `folder`, by name order: what identifies a policy export."""
+    h = hashlib.sha256()
+    for name in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
+        h.update(name.encode() + b"\0")
+        with open(os.path.join(folder, name), "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def remove_dir(path: str):
+    """Delete a directory so that no reader sees half of it: renamed away first, then removed."""
+    if os.path.exists(path):
+        trash = f"{os.path.abspath(path)}.old{os.getpid()}"
+        os.rename(path, trash)
+        shutil.rmtree(trash)
+
+
 def write_servables(out_dir: str, policy, draft, tokenizer_dir: str | None = None, *, dtype=torch.bfloat16,
-                    require_draft: bool = True) -> dict:
+                    require_draft: bool = True, step: int | None = None) -> dict:
     """<out_dir>/policy/: the policy as an HF checkpoint (hf_io.save_pretrained, the policy's own dtype) plus, in HF
     mode, the tokenizer files of `tokenizer_dir` (the checkpoint the run started from); <out_dir>/draft/: the export.
     `policy` must be whole (re-assembled from the pipeline stages) and `draft` the rollout draft. Call on one rank.
     A draft the engines cannot load (a policy under 4 layers: fewer than 3 taps) is an error, or with
-    require_draft=False is skipped (no draft/ directory). Returns {"policy": path, "draft": path or None, "skipped":
-    None or why}."""
+    require_draft=False is skipped: an earlier draft/ is removed, so no draft of another policy stays beside this one.
+    Both directories record `step` and the pair (PAIR_FILE). Returns {"policy": path, "draft": path or None,
+    "skipped": None or why}."""
     from serving.hf_io import save_pretrained  # here, not at the top: the draft export needs no policy code
     try:
         check_exportable(draft.cfg.tap_layers, draft.cfg.target_num_layers)
@@ -133,17 +172,22 @@ def write_servables(out_dir: str, policy, draft, tokenizer_dir: str | None = Non
     if tokenizer_dir is not None and not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
         raise ValueError(f"tokenizer_dir={tokenizer_dir!r}: no tokenizer.json there (expected the HF checkpoint)")
     os.makedirs(out_dir, exist_ok=True)
+    pair = {}
 
     def write_policy(tmp):
         save_pretrained(policy, tmp)
         for name in TOKENIZER_FILES if tokenizer_dir else ():
             if os.path.isfile(os.path.join(tokenizer_dir, name)):
                 shutil.copy2(os.path.join(tokenizer_dir, name), os.path.join(tmp, name))
+        pair.update(step=step, policy_sha256=weights_sha256(tmp))
+        _write_json(os.path.join(tmp, PAIR_FILE), {"step": step, "weights_sha256": pair["policy_sha256"]})
+    if skipped:  # first, so that no moment sees the new policy beside the old draft
+        remove_dir(os.path.join(out_dir, "draft"))
     atomic_dir(os.path.join(out_dir, "policy"), write_policy)
     if skipped:
         return {"policy": os.path.join(out_dir, "policy"), "draft": None, "skipped": skipped}
     export_draft(draft, os.path.join(out_dir, "draft"), dtype=dtype,
-                 max_position_embeddings=policy.cfg.max_position_embeddings)
+                 max_position_embeddings=policy.cfg.max_position_embeddings, pair=pair)
     return {"policy": os.path.join(out_dir, "policy"), "draft": os.path.join(out_dir, "draft"), "skipped": None}
 
 
@@ -164,10 +208,59 @@ def atomic_dir(path: str, write):
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def recover_swaps(out_dir: str, names=("policy", "draft")) -> list[str]:
+    """Finish what a kill inside atomic_dir left, for each servable directory: <name> absent beside <name>.old<pid>
+    (killed between the two renames: <name>.tmp<pid> is the complete new export, else the old one is put back); any
+    other .old / .tmp of a process that is gone is a leftover and is deleted. -> one note per action."""
+    notes = []
+    for name in names:
+        path = os.path.abspath(os.path.join(out_dir, name))
+        left = {kind: sorted(p for p in glob.glob(f"{glob.escape(path)}.{kind}*")
+                             if (m := re.fullmatch(rf"{re.escape(path)}\.{kind}(\d+)", p)) and not _alive(int(m[1])))
+                for kind in ("old", "tmp")}
+        if not os.path.exists(path) and left["old"]:
+            src = left["tmp"][-1] if left["tmp"] else left["old"][-1]
+            os.rename(src, path)
+            notes.append(f"recovered {path} from {src}, left by an interrupted export")
+        for p in left["old"] + left["tmp"]:
+            if os.path.exists(p):
+                shutil.rmtree(p)
+                notes.append(f"deleted {p}, left by an interrupted export")
+    return notes
+
+
+def check_pair(path: str) -> list[str]:
+    """Problems of the draft export at `path` as one half of a servable pair with the policy/ beside it."""
+    policy = os.path.join(os.path.dirname(os.path.abspath(path)), "policy")
+    mine, theirs = os.path.join(path, PAIR_FILE), os.path.join(policy, PAIR_FILE)
+    if not os.path.isfile(mine) and not os.path.isdir(policy):
+        return []  # a draft exported alone (Eagle3Draft.export): no pair to check
+    if not os.path.isfile(mine) or not os.path.isfile(theirs):
+        missing = mine if not os.path.isfile(mine) else theirs
+        return [f"{missing} is missing: {path} and {policy} do not come from one export (write_servables)"]
+    with open(mine) as f, open(theirs) as g:
+        d, p = json.load(f), json.load(g)
+    if d.get("policy_sha256") != weights_sha256(policy):
+        return [f"the draft (step {d.get('step')}) was exported beside another policy than {policy} (step "
+                f"{p.get('step')}): the pair does not match (an interrupted export, or another run's draft)"]
+    return []
+
+
 def check_export(path: str) -> dict:
     """Read an exported draft back and check it the way the engines will load it: the architecture, exactly the
     WEIGHTS names with their shapes, bf16/fp floats, int64 d2t mapping into the target vocabulary, t2d its image, 3 aux
-    ids in both conventions. Returns the config."""
+    ids in both conventions; and beside a policy/ (write_servables), that the two are one pair (check_pair). Returns
+    the config."""
     from safetensors.torch import load_file
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
@@ -191,6 +284,7 @@ def check_export(path: str) -> dict:
         "eagle_aux_hidden_state_layer_ids")
     if not (isinstance(s_ids, list) and len(s_ids) == NUM_AUX and v_ids == vllm_aux_ids(s_ids)):
         problems.append(f"aux ids: vLLM {v_ids} must be SGLang's {s_ids} + 1, {NUM_AUX} of them")
+    problems += check_pair(path)
     if problems:
         raise ValueError(f"{path}: not a servable EAGLE-3 draft: " + "; ".join(problems))
     return cfg

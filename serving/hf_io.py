@@ -2,7 +2,8 @@
 
 Parameter names are already HF's (model.embed_tokens, model.layers.{i}.self_attn.q_proj, ..., lm_head), so loading is
 a config translation plus a name filter; a pipeline-stage slice takes only its own layers. Every error names the file
-(and the key) it is about: a truncated safetensors file, a config.json that is not JSON, a missing config key.
+(and the key) it is about: a truncated safetensors file, a config.json that is not JSON, a missing config key, a
+tensor holding NaN or inf.
 
     python -m serving.hf_io PATH      # prints the translated config and the parameter count of a local HF checkpoint
 """
@@ -118,10 +119,14 @@ def read_hf_state_dict(path: str) -> dict:
         if not os.path.isfile(shard):
             raise ValueError(f"{shard}: missing (listed in {index})")
         try:
-            sd.update(load_file(shard))
+            part = load_file(shard)
         except (SafetensorError, OSError) as e:  # e.g. a truncated download: "incomplete metadata", no path
             raise ValueError(f"{shard}: unreadable safetensors file ({e}); truncated or not a safetensors file?") \
                 from None
+        bad = next((k for k, v in part.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
+        if bad is not None:  # would load fine and fail much later, deep in sampling
+            raise ValueError(f"{shard}: tensor {bad!r} holds NaN or inf; these weights cannot be used")
+        sd.update(part)
     return sd
 
 

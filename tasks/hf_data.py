@@ -20,8 +20,10 @@ prompt has to be rendered; parquet needs pyarrow (or pandas with a parquet engin
 from __future__ import annotations
 
 import datetime
+import gzip
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -36,21 +38,32 @@ class Example:
 
 # ------------------------------------------------------------------------------------------------------ the rows
 def read_rows(path: str) -> list:
-    """[(line, row)] from a jsonl file (blank lines skipped) or a .parquet file; anything malformed names the line."""
+    """[(line, row)] from a jsonl file (blank lines skipped; gzip-compressed too, whatever its name) or a .parquet
+    file; anything malformed names the line, text that is not UTF-8 too."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data={path!r}: no such file (expected jsonl or parquet with a prompt and an answer "
                                 "per row)")
     if path.endswith(".parquet"):
         return list(enumerate(_read_parquet(path), 1))
+    with open(path, "rb") as f:
+        gz = f.read(2) == b"\x1f\x8b"  # gzip's magic number
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append((n, json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: invalid JSON ({e.msg} at column {e.colno})") from None
+    with (gzip.open if gz else open)(path, "rb") as f:
+        try:
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                                     "expected UTF-8 jsonl (re-encode it, e.g. iconv -f latin1 -t utf-8)") from None
+                if not line.strip():
+                    continue
+                try:
+                    rows.append((n, json.loads(line)))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: invalid JSON ({e.msg} at column {e.colno})") from None
+        except (OSError, EOFError) as e:  # gzip.BadGzipFile, a truncated archive
+            raise ValueError(f"{path}: unreadable gzip file ({type(e).__name__}: {e})") from None
     return rows
 
 
@@ -89,11 +102,15 @@ def file_sha256(path: str) -> str | None:
 
 
 def _get(row: dict, key: str, where: str, flag: str):
+    """row[key] when the row has a field of that very name (a literal "a.b"), else the dotted path a -> b."""
+    if key in row:
+        return row[key]
     v = row
-    for part in key.split("."):
+    for i, part in enumerate(key.split(".")):
         if not isinstance(v, dict) or part not in v:
             fields = sorted(row) if isinstance(row, dict) else []
-            raise ValueError(f"{where}: missing field {key!r} (--{flag}; fields: {fields})")
+            inside = "" if i == 0 else f"; reaching in, {'.'.join(key.split('.')[:i])!r} has no field {part!r}"
+            raise ValueError(f"{where}: missing field {key!r} (--{flag}; the row's fields: {fields}{inside})")
         v = v[part]
     return v
 
@@ -108,6 +125,9 @@ def load_examples(path: str, *, prompt_key: str = "prompt", answer_key: str = "a
         prompt, answer = _get(row, prompt_key, where, "prompt_key"), _get(row, answer_key, where, "answer_key")
         if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
             raise ValueError(f"{where}: {answer_key!r} must be a non-empty string or a number, got {answer!r:.60}")
+        if isinstance(answer, float) and not math.isfinite(answer):
+            raise ValueError(f"{where}: {answer_key!r} is {answer}: expected a finite number (no response can equal "
+                             "it)")
         if isinstance(prompt, list):
             if template is None:
                 raise ValueError(f"{where}: {prompt_key!r} is a chat (a list of messages) but there is no chat "

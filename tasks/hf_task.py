@@ -9,7 +9,9 @@ is fed as plain text, a chat prompt ([{"role": ..., "content": ...}]) is rendere
 The reward is R = 1[extract(response) == answer], with the final answer taken, in order of preference, from the last
 \\boxed{...}, the last "#### x", the last "answer: x" / "the answer is x", else the last number in the text. Numbers are
 compared as exact fractions (1/2 == 0.5 == \\frac{1}{2}, 3.0 == 3, 1,000 == 1000, $5 == 5), anything else as normalised
-strings. The reference may be a bare answer or a GSM8K-style solution ending in "#### x".
+strings; a number may carry an exponent (1e-6 == 0.000001, so a JSON answer 1e-06 or 1e+20 can be matched). The
+reference may be a bare answer or a GSM8K-style solution ending in "#### x". The data must mean one answer per
+prompt: the same prompt twice with answers that do not compare equal is an error at load time.
 
     python -m tasks.hf_task MODEL_DIR prompts.jsonl     # prints the split sizes, special tokens and a few encoded prompts
 
@@ -45,8 +47,8 @@ def _braced(text: str, start: int) -> str | None:
     return None
 
 
-# 12, -3.5, 1,234, .5, 3/4; a minus only as a sign (not the one in "10-3")
-_NUM = r"(?:(?<![\w)])-)?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)(?:/\d+)?"
+# 12, -3.5, 1,234, .5, 3/4, 1e-6, 2.5E+20; a minus only as a sign (not the one in "10-3")
+_NUM = r"(?:(?<![\w)])-)?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+(?![\w.]))?(?:/\d+)?"
 _HASHES = re.compile(r"####\s*([^\n]*)")
 _PHRASE = re.compile(r"\banswer\s*(?:is\s*:?|:)\s*([^\n]*)", re.IGNORECASE)
 _LEADING_NUM = re.compile(r"[\s*:$]*(" + _NUM + r")(?![\w/^])")  # "**$18** dollars." -> 18
@@ -80,8 +82,9 @@ def _normalise(s: str) -> str:
 
 
 def _number(s: str) -> Fraction | None:
-    """A normalised string as an exact number: '3', '-0.5', '1/2', '(3)/(4)', '50%' (the same as 50); else None."""
-    m = re.fullmatch(r"\(?(-?[\d.]+)\)?(?:/\(?(-?[\d.]+)\)?)?%?", s)
+    """A normalised string as an exact number: '3', '-0.5', '1/2', '(3)/(4)', '50%' (the same as 50), '1e-06'; else
+    None."""
+    m = re.fullmatch(r"\(?(-?[\d.]+(?:e[-+]?\d+)?)\)?(?:/\(?(-?[\d.]+)\)?)?%?", s)
     if m is None:
         return None
     try:
@@ -89,6 +92,21 @@ def _number(s: str) -> Fraction | None:
         return num / Fraction(m.group(2)) if m.group(2) else num
     except (ValueError, ZeroDivisionError):
         return None
+
+
+def same_answer(a: str, b: str) -> bool:
+    """Two reference answers mean the same (compared as the reward compares a response with one)."""
+    return math_answer_reward(f"\\boxed{{{a}}}", b) == 1.0 or _normalise(a) == _normalise(b)
+
+
+def check_one_answer(examples: list, path: str):
+    """ValueError naming both lines when one prompt comes with two answers that differ (which one would be right?)."""
+    first = {}
+    for e in examples:
+        seen = first.setdefault(e.prompt, e)
+        if seen is not e and not same_answer(seen.answer, e.answer):
+            raise ValueError(f"{path}:{e.line}: the same prompt as line {seen.line} with another answer ({e.answer!r:.40}"
+                             f" vs {seen.answer!r:.40}): expected one answer per prompt")
 
 
 def math_answer_reward(response_text: str, answer) -> float:
@@ -201,6 +219,7 @@ class HFTask:
         self.max_prompt_tokens = max_prompt_tokens
         self.template = ChatTemplate.for_checkpoint(model_dir, chat_template)  # None: no template (or disabled)
         examples = load_examples(data_path, prompt_key=prompt_key, answer_key=answer_key, template=self.template)
+        check_one_answer(examples, data_path)
         self._selection = {"data_sha256": file_sha256(data_path), "prompt_key": prompt_key, "answer_key": answer_key,
                            "eval_fraction": eval_fraction, "seed": seed, "max_prompt_tokens": max_prompt_tokens,
                            "checkpoint_files_sha256": {n: file_sha256(os.path.join(model_dir, n)) for n in

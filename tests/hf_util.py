@@ -61,3 +61,18 @@ def write_tiny_llama(path, extra_vocab: int = 3, seed: int = 0, num_hidden_layer
 def write_jsonl(path, rows) -> str:
     path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
     return str(path)
+
+
+def write_tiny_qwen3(path, words, vocab_size: int = 151936, seed: int = 0):
+    """A random Qwen3ForCausalLM (hidden 32, 2 layers, tied embeddings) at Qwen's vocabulary size with the word-level
+    tokenizer over `words` (ids past the tokenizer's are sampled too and decode to nothing), saved as an HF checkpoint
+    directory."""
+    import transformers
+    write_word_tokenizer(path, words)
+    torch.manual_seed(seed)
+    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=512, tie_word_embeddings=True,
+        bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD))
+    hf.save_pretrained(path)
+    return path

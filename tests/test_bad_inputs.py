@@ -52,9 +52,9 @@ BAD_VALUE = {
     "eps_high": "-0.1", "beta": "-1", "loss_norm": "mean", "eval_every": "0", "eval_prompts": "0", "eval_samples": "0",
     "pp": "0", "cp": "0", "dp": "-1", "schedule": "gpipe", "ckpt_every": "-1", "dist_timeout": "0",
     "prompt_key": "", "answer_key": "", "chat_template": "nope.jinja", "draft_vocab": "-1", "log": "csv", "tree": "2,0,1",
-    "attn_backend": "cuda", "logprob_chunk": "-1",
+    "attn_backend": "cuda", "chunk_mib": "-1",
     "rl_seed": "-2", "eval_draft_tokens": "-1", "bootstrap": "0", "task": "nope",
-    "ttt_decay": "1.5", "tap_layers": "0,1",
+    "ttt_decay": "1.5", "tap_layers": "0,1", "dtype": "fp16",
 }
 FIELDS = {f.name: f.type for f in dataclasses.fields(Config)}
 
@@ -119,7 +119,7 @@ def _rehash(path):
     m = json.loads((path / "MANIFEST.json").read_text())
     for name, entry in m["files"].items():
         entry.update(bytes=(path / name).stat().st_size, sha256=checkpoint._sha256(path / name))
-    (path / "MANIFEST.json").write_text(json.dumps(m))
+    (path / "MANIFEST.json").write_text(json.dumps(checkpoint.seal(m)))  # and reseals the manifest
 
 
 def test_a_pickle_payload_with_a_rehashed_manifest_is_refused_without_running(tmp_path):
@@ -222,7 +222,7 @@ def test_resume_allows_run_length_and_housekeeping_to_change(tmp_path):
     check_resumable(path, {**CFG, **allowed}, (1, 1, 1))  # pp/dp fields only matter as the resolved mesh
     m = json.loads((path / "MANIFEST.json").read_text())
     m["code"] = {"version": "0.0.1", "commit": "abc", "dirty": False}
-    (path / "MANIFEST.json").write_text(json.dumps(m))
+    (path / "MANIFEST.json").write_text(json.dumps(checkpoint.seal(m)))
     with pytest.warns(UserWarning, match=r"written by cospec 0.0.1 at commit abc, this is .*resuming with the new"):
         check_resumable(path, CFG, (1, 1, 1))
 

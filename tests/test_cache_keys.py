@@ -62,7 +62,8 @@ def reads(cfg) -> tuple[set, set]:
 
 
 DRAFT_CHANGES = {"draft_warmup_steps": 3, "draft_warmup_batch": 5, "draft_warmup_lr": 2e-3, "draft_warmup_pool": 9,
-                 "ttt_passes": 2, "draft_vocab": 6, "seed": 1, "tap_layers": (0, 1, 2), "ttt_decay": 0.5}
+                 "ttt_passes": 2, "draft_vocab": 6, "seed": 1, "tap_layers": (0, 1, 2), "ttt_decay": 0.5,
+                 "rollout_batch": 5}
 BUILTIN_CHANGES = {"model": "mini", "min_steps": 2, "max_steps": 3, "p_explicit": 0.5, "format_weight": 1.0,
                    "max_new_tokens": 7, "sft_steps": 4, "sft_batch": 9, "sft_lr": 2e-2,
                    "task": "docs.examples.parity_task:ParityTask", **DRAFT_CHANGES}
@@ -70,7 +71,8 @@ HF_CHANGES = {"model": "<other checkpoint>", "data": "<other data>", "prompt_key
               "chat_template": "<other template>", "eval_fraction": 0.4, "max_prompt_tokens": 50, "max_new_tokens": 11,
               **DRAFT_CHANGES}
 UNREAD = {"name": "other", "out": "elsewhere", "cache_dir": "other_cache", "threads": 2, "warmup_threads": 1,
-          "device": "cpu", "lr": 1e-4, "steps": 5, "rl_seed": 3, "draft_lr": 1e-4, "temperature": 0.5}
+          "device": "cpu", "lr": 1e-4, "steps": 5, "rl_seed": 3, "draft_lr": 1e-4, "temperature": 0.5,
+          "chunk_mib": 1.5}  # chunk_mib: rounding only, passed beside the spec
 
 
 def write_checkpoint(path, words="What is + ? 0 1 2 3 4 5 6".split()) -> str:
@@ -202,8 +204,10 @@ def test_the_code_in_the_key_is_the_warmups_not_the_harness():
 
 def test_the_warmups_take_nothing_that_shapes_them_beside_their_spec():
     """Anything else a warm-up took as an argument would shape it without being in the key."""
-    assert list(inspect.signature(warmup.warm_policy).parameters) == ["spec", "cache_dir", "log_every", "device"]
-    assert list(inspect.signature(warmup.warm_draft).parameters) == ["policy", "spec", "cache_dir", "log_every"]
+    assert list(inspect.signature(warmup.warm_policy).parameters) == ["spec", "cache_dir", "log_every", "device",
+                                                                      "chunk_mib"]  # rounding only, like device
+    assert list(inspect.signature(warmup.warm_draft).parameters) == ["policy", "spec", "cache_dir", "log_every",
+                                                                     "chunk_mib"]
 
 
 def test_cache_key_refuses_what_it_cannot_key_stably():

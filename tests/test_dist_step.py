@@ -1,7 +1,8 @@
 """dist_step.py on real gloo processes: one GRPO + co-training step under (dp, pp, cp) equals rl_loop.cotrain_step.
 
 The single-process step runs here (the oracle); one 4-process spawn then runs the five layouts one after another, and
-three more loss normalisations and two --logprob_chunk layouts (no (T, V) logits; spawning costs seconds on 2 cores).
+three more loss normalisations, two --logprob_chunk layouts (no (T, V) logits) and two --zero1 layouts (the optimizer
+state sharded; spawning costs seconds on 2 cores).
 The drafts' shared embedding is NaN in every case: the update path must read e(x) from the embedding tap (stage 0's,
 carried by TapChannel), not from a full policy copy. Every rank checks, after DistCotrainer.step + refit,
 that its FULL policy and drafts (re-assembled for rollouts), the policy loss, both draft losses and the GRPO statistics
@@ -26,7 +27,9 @@ LAYOUTS = [(1, 2, 2), (2, 2, 1), (2, 1, 2), (1, 4, 1), (1, 1, 4)]  # (dp, pp, cp
 NORMS = [("token-mean", (2, 2, 1)), ("constant", (1, 2, 2)), ("seq-mean", (2, 1, 2))]
 # --logprob_chunk: GRPO's log-probs and the drafts' teacher from the final hidden, no (T, V) logits (pp and cp both)
 FUSED = [("global-token", (1, 2, 2), {"logprob_chunk": 3}), ("token-mean", (2, 1, 2), {"logprob_chunk": 5})]
-CASES = [("global-token", lay, {}) for lay in LAYOUTS] + [(n, lay, {}) for n, lay in NORMS] + FUSED
+# --zero1: the stage's AdamW state sharded over its DP x CP ranks (the shard group; the cp group alone)
+ZERO1 = [("global-token", (2, 1, 2), {"zero1": True}), ("token-mean", (1, 2, 2), {"zero1": True})]
+CASES = [("global-token", lay, {}) for lay in LAYOUTS] + [(n, lay, {}) for n, lay in NORMS] + FUSED + ZERO1
 MICRO = 4
 
 
@@ -168,7 +171,7 @@ def test_activation_checkpointing_leaves_the_step_unchanged(reference):
     assert all(v <= TOL for v in diff.values()), diff
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{n}-dp{d}-pp{p}-cp{c}{'-fused' if kw else ''}"
+@pytest.mark.parametrize("case", CASES, ids=[f"{n}-dp{d}-pp{p}-cp{c}{''.join('-' + k for k in kw)}"
                                              for n, (d, p, c), kw in CASES])
 def test_step_matches_single_process(world4, case):
     i = CASES.index(case)

@@ -1,11 +1,12 @@
 """fused_logprob.py: chunked log-probs from the final hidden == the dense (T, V) reference in fp64 (values and grads
 to 1e-10, any chunk, temperature, a weighted backward); next_token_logp == rl_loop's on the policy's logits; the
-policy's forward with logits=False; nothing of size T x V saved for backward; clear errors."""
+policy's forward with logits=False; the reference log-probs in slices of sequences through the fused path == one
+unfused forward; the byte budget's rows; nothing of size T x V saved for backward; clear errors."""
 import pytest
 import torch
 
 import rl_loop
-from backends.fused_logprob import next_token_logp, token_logp, token_logp_dense
+from backends.fused_logprob import budget_rows, next_token_logp, token_logp, token_logp_dense
 from model import ModelConfig, Transformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -50,6 +51,29 @@ def test_next_token_logp_from_hidden_equals_rl_loop():
     torch.testing.assert_close(got, ref, **TOL)
     for n, p in policy.named_parameters():
         torch.testing.assert_close(p.grad, g_ref[n], **TOL)
+
+
+@pytest.mark.parametrize("seqs,chunk,tau", [(2, 3, 1.0), (3, 1, 0.7), (0, None, 1.3)])
+def test_reference_logp_sliced_and_fused_equals_one_unfused_forward(seqs, chunk, tau):
+    """rl_loop.reference_logp: `seqs` sequences per forward, the head `chunk` rows at a time (None: the byte budget)
+    == the unfused reference (logprob_chunk=0, one forward over the batch, (T, V) logits), fp64 to 1e-10."""
+    torch.manual_seed(0)
+    ref = Transformer(ModelConfig.preset("tiny")).double()
+    lens = [5, 1, 8, 3, 6]
+    seqs_ = [torch.randint(ref.cfg.vocab_size, (n,)) for n in lens]
+    batch = rl_loop.RolloutBatch.from_rollouts([s[:1] for s in seqs_], [s[1:] for s in seqs_],
+                                               [torch.zeros(n - 1) for n in lens], torch.zeros(5), torch.ones(5).bool())
+    want = rl_loop.reference_logp(ref, batch, temperature=tau, logprob_chunk=0)
+    got = rl_loop.reference_logp(ref, batch, temperature=tau, logprob_chunk=chunk, seqs=seqs)
+    assert want.shape == got.shape == (sum(lens),) and want.dtype == torch.float64
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_budget_rows():
+    assert budget_rows(151936, 256) == 441 and budget_rows(32768, 256) == 2048  # one 256 MiB fp32 block
+    assert budget_rows(151936, 1) == 1 and budget_rows(97, 0) == 0  # at least a row; 0: the unfused path
+    with pytest.raises(ValueError, match="chunk_mib"):
+        budget_rows(97, -1)
 
 
 def test_saves_nothing_of_size_T_by_V():

@@ -129,7 +129,7 @@ def test_split_sampling_and_prompt_length(tok_dir, data, tmp_path):
     with pytest.raises(ValueError, match="split='test'"):
         t.sample(1, random.Random(0), "test")
     # duplicates of a prompt land on one side
-    dup = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"q{i % 4}", "answer": i} for i in range(40)])
+    dup = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"q{i % 4}", "answer": i % 4} for i in range(40)])
     t = HFTask(str(tok_dir), dup, eval_fraction=0.25)
     assert len(t.splits["eval"]) == 10 and len({e.prompt for e in t.splits["eval"]}) == 1
     assert HFTask(str(tok_dir), dup, eval_fraction=0.0).splits["eval"] == []

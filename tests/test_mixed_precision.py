@@ -50,7 +50,10 @@ def test_bf16_step_matches_fp32_step():
     assert abs(loss - ref_loss) <= 0.01 * abs(ref_loss)
     mp.step()
     want = dict(ref.named_parameters())
-    for (name, p), w32 in zip(model.named_parameters(), mp.master):
+    at = 0
+    for name, p in model.named_parameters():
+        w32 = mp.master[at:at + p.numel()].view_as(p)  # the masters, parameter after parameter
+        at += p.numel()
         assert p.dtype == torch.bfloat16 and w32.dtype == torch.float32 and torch.equal(p, w32.detach().bfloat16())
         d_ref, d_mp = want[name].detach() - w0[name], w32.detach() - w0[name]
         err = float((d_mp - d_ref).abs().max() / d_ref.abs().max())

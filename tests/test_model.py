@@ -170,6 +170,20 @@ def test_cache_equals_recompute(lens, steps, seed):
     assert cache.lengths.tolist() == [s.numel() for s in seqs]
 
 
+def test_logits_at_one_position_per_row():
+    """forward_cached(logits_at=): (B, V) logits at one new position per row == those rows of the full (B, S, V)."""
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig.preset("tiny")).double()
+    x = torch.randint(m.cfg.vocab_size, (3, 6))
+    full = m.forward_cached(x, m.new_cache(3, 8)).logits  # (3, 6, V)
+    at = torch.tensor([5, 0, 3])
+    out = m.forward_cached(x, m.new_cache(3, 8), logits_at=at)
+    assert out.logits.shape == (3, m.cfg.vocab_size) and out.hidden.shape == (3, 6, m.cfg.hidden_size)
+    torch.testing.assert_close(out.logits, full[torch.arange(3), at], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="logits_at"):
+        m.forward_cached(x, m.new_cache(3, 8), logits_at=at[:2])
+
+
 def test_per_row_rollback():
     """Rows advance by different amounts: append 4, keep 1 / 3 / 4, then continue — equals the kept prefixes."""
     m = tiny(3)
