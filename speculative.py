@@ -182,7 +182,7 @@ def generate(target: Transformer, draft=None, prompts=(), *, max_new_tokens: int
         return Rollout(empty, [torch.zeros(0, device=dev)] * len(prompts), SpecStats())
     s = prefill(target, draft if k else None, prompts, k, temperature, eos_id, max_new_tokens, generator,
                 span=1 + tree.num_nodes if tree is not None else 0)
-    while (n_done := int(s.done.sum())) < s.live.numel():  # sync point: one per step
+    while (n_done := poll(s)) < s.live.numel():  # sync point: one per step
         compact(s, n_done)
         if k == 0:
             z = target.forward_cached(s.y[:, None], s.pcache).logits  # (b, 1, V)
@@ -236,6 +236,16 @@ def prefill(target, draft, prompts, k: int, temperature, eos_id, max_new_tokens,
         nxt[rows, lens - 1] = y
         s.h, s.zq = draft.extend(s.dcache, nxt, out.taps, lens - 1)
     return s
+
+
+def poll(s: _Decode) -> int:
+    """The step's one host sync: the number of finished rows, and in the same read each KV cache's longest row, so
+    that the step's forwards attend exactly as far as they need (kv_cache.KVCache.bound) at no extra sync."""
+    caches = [s.pcache] + ([s.dcache] if s.k else [])
+    n_done, *longest = torch.stack([s.done.sum()] + [c.lengths.max() for c in caches]).tolist()
+    for c, L in zip(caches, longest):
+        c.bound = min(c.bound, L)
+    return n_done
 
 
 def compact(s: _Decode, n_done: int):

@@ -7,10 +7,11 @@ finished rows from the batch. model.Transformer.forward_cached drives it: begin(
 
 No host sync: the lengths live on the device, and a forward attends over the first Lk = min(bound + S, max_len) slots,
 where `bound` is a host int >= every row's length that the cache keeps without reading the lengths (it grows by S at
-each commit and shrinks only when the caller passes rollback a bound it knows, e.g. a step's starting bound). Reading
-max(lengths) instead would stall the GPU once per forward; the price is attending to a few slots past the longest row,
-which the causal mask hides. The range checks are device-side asserts (torch._assert_async: an error on CPU, a device
-assert on GPU), not host reads.
+each commit and shrinks only when the caller knows a tighter one: rollback(bound=), speculative.poll). Reading
+max(lengths) instead would stall the GPU once per forward; the price is attending to slots past the longest row (the
+causal mask hides them), which speculative.poll avoids by tightening the bound in the decode loop's one sync per step.
+The range checks are device-side asserts (torch._assert_async: an error on CPU, a device assert on GPU), not host
+reads.
 
 Tree drafts (speculative_tree.py) append tree nodes instead of a chain: a `TreeLayout`, built once per step, gives
 node s the position base + depth[s] and lets it see the rows' committed prefix plus its own ancestors; `begin_nodes`
