@@ -62,7 +62,7 @@ class Padded:
     lengths: torch.Tensor  # int64 (S,) real lengths (the shift's validity uses them)
 
     def pad(self, x: torch.Tensor, fill=0) -> torch.Tensor:  # (T_real, ...) -> (T_pad, ...)
-        out = x.new_full((int(self.cu_seqlens[-1]),) + tuple(x.shape[1:]), fill)
+        out = x.new_full((host_cu(self.cu_seqlens)[-1],) + tuple(x.shape[1:]), fill)
         return out.index_copy(0, self.index, x)
 
     def unpad(self, x: torch.Tensor) -> torch.Tensor:  # (T_pad, ...) -> (T_real, ...)
@@ -74,10 +74,16 @@ def pad_for_cp(cu_seqlens: torch.Tensor, cp: int) -> Padded:
     after the real ones, so causal masking already hides them from every real query."""
     if cp < 1:
         raise ValueError(f"cp={cp}: expected >= 1")
-    lengths = seq_lengths(cu_seqlens)
+    lengths, cu = seq_lengths(cu_seqlens), host_cu(cu_seqlens)
+    if any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens: must be non-decreasing, got {list(cu)}")
     padded = (lengths + 2 * cp - 1) // (2 * cp) * (2 * cp)
-    cu_pad = cu_seqlens_from_lengths(padded)
-    index = torch.repeat_interleave(cu_pad[:-1].long(), lengths) + position_ids(cu_seqlens)
+    cu_pad = torch.cat([padded.new_zeros(1), padded.cumsum(0)]).to(torch.int32)  # on the device, no host read ...
+    host = [0]
+    for a, b in zip(cu, cu[1:]):
+        host.append(host[-1] + (b - a + 2 * cp - 1) // (2 * cp) * (2 * cp))
+    cu_pad._cospec_host = (cu_pad._version, tuple(host))  # ... and its host copy, from the host copy of cu_seqlens
+    index = torch.repeat_interleave(cu_pad[:-1].long(), lengths, output_size=cu[-1]) + position_ids(cu_seqlens)
     return Padded(cu_pad, index, lengths)
 
 
@@ -89,7 +95,8 @@ def pad_ring_of_one(cu_seqlens: torch.Tensor) -> Padded | None:
     2·cp equal chunks and check it (check_cp_padded), so the draft's TTT and, with an attention backend, the policy
     run the same code on the same padded shapes at every cp; at cp = 1 that needs even lengths. The padding rows
     follow the real ones (causal masking hides them from real queries) and carry no loss."""
-    if not bool((seq_lengths(cu_seqlens) % 2).any()):
+    cu = host_cu(cu_seqlens)  # the host copy: no device read
+    if not any((b - a) % 2 for a, b in zip(cu, cu[1:])):
         return None
     return pad_for_cp(cu_seqlens, 1)
 
@@ -111,6 +118,15 @@ def cu_to(cu_seqlens: torch.Tensor, device) -> torch.Tensor:
     """cu_seqlens on `device`, carrying its host copy (host_cu) so that no later step reads it back."""
     host = host_cu(cu_seqlens)
     out = cu_seqlens.to(device)
+    out._cospec_host = (out._version, host)
+    return out
+
+
+def cu_local(cu_seqlens: torch.Tensor, cp: int) -> torch.Tensor:
+    """cu_seqlens // cp (a CP rank's local boundaries when every length is a multiple of 2·cp), carrying its host
+    copy (host_cu) so that no later step reads it back."""
+    host = tuple(c // cp for c in host_cu(cu_seqlens))
+    out = cu_seqlens // cp
     out._cospec_host = (out._version, host)
     return out
 
@@ -139,8 +155,8 @@ def zigzag_index(cu_seqlens: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
     check_cp_padded(cu_seqlens, cp)
     if not 0 <= rank < cp:
         raise ValueError(f"rank={rank}: expected 0 <= rank < cp={cp}")
-    parts = []
-    for start, L in zip(cu_seqlens[:-1].tolist(), seq_lengths(cu_seqlens).tolist()):
+    parts, cu = [], host_cu(cu_seqlens)  # the host copy: no device read
+    for start, L in zip(cu[:-1], (b - a for a, b in zip(cu, cu[1:]))):
         C = L // (2 * cp)
         for c in (rank, 2 * cp - 1 - rank):
             parts.append(torch.arange(start + c * C, start + (c + 1) * C))
@@ -150,7 +166,9 @@ def zigzag_index(cu_seqlens: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=64)
 def _zigzag_index_cached(cu: tuple, cp: int, rank: int, device) -> torch.Tensor:  # cp_shift's: once per layout
-    return zigzag_index(torch.tensor(cu, dtype=torch.int64), cp, rank).to(device)
+    host = torch.tensor(cu, dtype=torch.int64)
+    host._cospec_host = (host._version, cu)  # a host tensor: its copy is itself
+    return zigzag_index(host, cp, rank).to(device)
 
 
 def zigzag_shard(x: torch.Tensor, cu_seqlens: torch.Tensor, cp: int, rank: int) -> torch.Tensor:

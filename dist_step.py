@@ -32,7 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from branch_mask import pad_ring_of_one, position_ids
+from branch_mask import cu_to, pad_ring_of_one, position_ids
 from parallel.consistency import check_same_cu_seqlens
 from backends.fused_logprob import token_logp as fused_token_logp
 from parallel.grid import Grid
@@ -155,7 +155,7 @@ class DistCotrainer:
                            pad_even=self.attn_backend is not None)
         check_same_cu_seqlens([mb.cu_seqlens for mb in mbs], g.cp_group)  # once per step: 8 bytes, no per-call sync
         dev = next(self.stage.parameters()).device
-        mbs = [Microbatch(mb.tokens.to(dev), mb.cu_seqlens.to(dev),
+        mbs = [Microbatch(mb.tokens.to(dev), cu_to(mb.cu_seqlens, dev),  # with its host copy
                           None if mb.position_ids is None else mb.position_ids.to(dev),
                           {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in mb.extra.items()})
                for mb in mbs]

@@ -193,7 +193,7 @@ class Eagle3Draft(nn.Module):
     def _cached(self, cache: KVCache, e, h, tree=None):  # e, h (B, N, H) -> (B, N, H), N entries appended per row
         N = e.shape[1]
         pos = cache.begin(N, tree)  # (B, N)
-        cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+        cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, h.dtype, bound=cache.key_len)
         attn = self.midlayer.self_attn
         h = self.midlayer(e, h, lambda x: attn.forward_cached(x, cos, sin, cache, 0))
         cache.commit()

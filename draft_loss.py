@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from backends.fused_logprob import DEFAULT_CHUNK_MIB, budget_rows
-from branch_mask import cp_shift, seq_lengths
+from branch_mask import cp_shift, cu_local, host_cu, seq_lengths
 from modeling.layers import at_least_f32
 
 
@@ -57,7 +57,8 @@ def halo_rows(x, local_cu, n: int, ring):
     chunk 2cp-1-r is chunk 2cp-r (rank r-1's second; none for r = 0). A hop sends each chunk's first n rows, completed
     by its own halo, to the owner of the chunk before it: ceil(n / min C) hops, 2 * S * n rows each."""
     S, r, cp = local_cu.numel() - 1, ring.rank, ring.size
-    offs, Cs = local_cu[:-1].tolist(), (seq_lengths(local_cu) // 2).tolist()
+    cu = host_cu(local_cu)  # the host copy (branch_mask.cu_local): no device read
+    offs, Cs = list(cu[:-1]), [(b - a) // 2 for a, b in zip(cu, cu[1:])]
     halo = x.new_zeros((S, 2, n) + tuple(x.shape[1:]))
     if not any(Cs) or n == 0:
         return halo
@@ -82,12 +83,12 @@ def halo_rows(x, local_cu, n: int, ring):
 def teacher_index(local_cu, d: int, n: int, cp: int) -> torch.Tensor:
     """(T_local,) int64: where row i+d lives, as an index into [local rows (T_local) ; halo rows (S * 2 * n)].
     Rows whose i+d lies past their sequence get an arbitrary in-range index (the loss masks them)."""
-    T = int(local_cu[-1])
+    T = host_cu(local_cu)[-1]  # the host copy (branch_mask.cu_local): no device read
     j = torch.arange(T, device=local_cu.device)
     if cp == 1:  # both chunks of a sequence are contiguous on the only rank: row i+d is row j+d
         return (j + d).clamp(max=max(T - 1, 0))
     lengths = seq_lengths(local_cu)
-    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=j.device), lengths)
+    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=j.device), lengths, output_size=T)
     C = (lengths // 2)[seq]
     o = j - local_cu[:-1].long()[seq]  # offset within the sequence's two local chunks
     k = (o >= C).long()
@@ -137,7 +138,7 @@ def make_teacher(teacher_logits, teacher_hidden, teacher_head, T: int, V: int, c
             raise ValueError(f"teacher_hidden: expected ({T}, {teacher_head.shape[1]}), got "
                              f"{tuple(teacher_hidden.shape)}")
         x, head = teacher_hidden.detach(), teacher_head.detach()
-    halo = None if ring.size == 1 else halo_rows(x, cu_seqlens // ring.size, num_passes, ring).flatten(0, 2)
+    halo = None if ring.size == 1 else halo_rows(x, cu_local(cu_seqlens, ring.size), num_passes, ring).flatten(0, 2)
     return Teacher(x, head=head, halo=halo)
 
 

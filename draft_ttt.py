@@ -26,7 +26,7 @@ import math
 import torch
 
 import branch_mask
-from branch_mask import cp_shift, pad_ring_of_one, shift_packed, zigzag_shard
+from branch_mask import cp_shift, cu_local, host_cu, pad_ring_of_one, shift_packed, zigzag_shard
 from draft_loss import chunk_rows, dense_pass_losses, make_teacher, pass_targets, ring_sum, streaming_pass_losses
 from model import EMBED_TAP
 from modeling.layers import rope_cos_sin
@@ -39,7 +39,9 @@ def ttt_forward(draft, taps: dict, tokens, cu_seqlens, num_passes: int, *, posit
 
     taps {layer: (T, H)} (detached here: no draft gradient reaches the policy) and tokens (T,) are the packed batch,
     or this rank's zigzag shard of it under CP; cu_seqlens (S+1) the global boundaries (CP-padded under CP;
-    without CP any lengths). group: None, a torch ProcessGroup or a ring.Ring. attn_fn defaults to
+    without CP any lengths). position_ids (T,): each row's position within its sequence (default: from cu_seqlens),
+    below the longest (CP-padded) sequence's length -- the RoPE table is sized from the host copy of cu_seqlens, so
+    no position is read back from the device. group: None, a torch ProcessGroup or a ring.Ring. attn_fn defaults to
     attention_cp.ring_branch_attention (tests pass the dense oracle).
 
     taps[EMBED_TAP] (T, H), if given, is the policy's own input embedding e(x_i) (its first stage's tap, carried by
@@ -62,6 +64,8 @@ def ttt_forward(draft, taps: dict, tokens, cu_seqlens, num_passes: int, *, posit
     attn = draft.midlayer.self_attn
     scale = 1.0 / math.sqrt(draft.cfg.head_dim)
     pos = _local_positions(cu_seqlens, ring) if position_ids is None else position_ids.long()  # (T,)
+    cu = host_cu(cu_seqlens)
+    longest = max(b - a for a, b in zip(cu, cu[1:]))  # positions < longest (global, CP-padded): no device read
     h = draft.features(taps)  # h^0 (T, H)
     emb = taps[EMBED_TAP].to(h.dtype) if EMBED_TAP in taps else None  # (T, H) e(x_i), or None: look tokens up
     k1 = v1 = None
@@ -70,7 +74,8 @@ def ttt_forward(draft, taps: dict, tokens, cu_seqlens, num_passes: int, *, posit
         # 1. inputs: the token d positions ahead (CP-aware shift; past a sequence end -> id 0, masked in the loss)
         e = (draft.embed(cp_shift(tokens, cu_seqlens, d, group=ring, fill=0)[0]) if emb is None
              else cp_shift(emb, cu_seqlens, d, group=ring, fill=0)[0])  # (T, H) e(x_{i+d})
-        cos, sin = rope_cos_sin(pos + (d - 1), draft.cfg.head_dim, draft.cfg.rope_theta, h.dtype)
+        cos, sin = rope_cos_sin(pos + (d - 1), draft.cfg.head_dim, draft.cfg.rope_theta, h.dtype,
+                                bound=longest + d - 1)
         x = torch.cat([draft.midlayer.input_layernorm(e), draft.midlayer.hidden_norm(h)], dim=-1)  # (T, 2H)
         q, k, v = attn.qkv(x, cos, sin)  # (T, Hq, D), (T, Hkv, D) x2
         # 2. trunk = pass-1 K/V; branch = K/V of passes 2..d at the same anchor (P = d-1, own key included)
@@ -141,7 +146,8 @@ def ttt_loss(draft, taps: dict, tokens, cu_seqlens, teacher_logits=None, *, teac
         full = draft.cfg.draft_vocab_size == draft.cfg.vocab_size
         loss, stats = streaming_pass_losses(hs, draft.norm, draft.lm_head.weight,
                                             None if full else draft.draft_to_target, teacher, valid, labels, count,
-                                            pass_weight=pass_weight, cp=ring.size, local_cu=cu_seqlens // ring.size,
+                                            pass_weight=pass_weight, cp=ring.size,
+                                            local_cu=cu_local(cu_seqlens, ring.size),
                                             chunk=chunk)
     return loss, _metrics(ring_sum(stats, ring), count)
 
@@ -156,15 +162,17 @@ def _to_draft_id(draft, y):  # (T,) target ids -> draft ids (0 where outside the
 
 def _metrics(stats, count) -> dict:
     """stats (P, 5) summed over valid anchors: ce, agree, agree & all earlier agreed, all earlier agreed, alpha."""
+    stats, count = stats.double(), count.double()  # counts stay exact below 2^53
     n = count.clamp_min(1)
-    alpha = (stats[:, 4] / n).tolist()
+    per_pass = torch.stack([stats[:, 0] / n, stats[:, 1] / n, stats[:, 2] / stats[:, 3].clamp_min(1), stats[:, 4] / n,
+                            count])  # (5, P)
+    loss, acc, acc_cond, alpha, count = per_pass.tolist()  # the one host sync of the metrics
     tau, run = 1.0, 1.0
     for a in alpha:  # tau_hat = 1 + sum_k prod_{j<=k} alpha_j
         run *= a
         tau += run
-    return {"loss_per_pass": (stats[:, 0] / n).tolist(), "acc": (stats[:, 1] / n).tolist(),
-            "acc_cond": (stats[:, 2] / stats[:, 3].clamp_min(1)).tolist(), "alpha": alpha, "tau_hat": tau,
-            "count": [int(c) for c in count.tolist()]}
+    return {"loss_per_pass": loss, "acc": acc, "acc_cond": acc_cond, "alpha": alpha, "tau_hat": tau,
+            "count": [int(c) for c in count]}
 
 
 def _local_positions(cu_seqlens, ring):  # (T_local,) RoPE position of this rank's tokens

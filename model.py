@@ -174,7 +174,9 @@ class Transformer(nn.Module):
         return F.linear(h, self.head_weight)
 
     # -- input checks: loud and naming the argument ---------------------------------------------------------------
-    def _check_input(self, x, batch_dims: int):
+    def _check_input(self, x, batch_dims: int, host: bool = True):
+        """host=False: the token range is checked by a device-side assert (no host sync; on a GPU a bad id stops the
+        stream with a device assert instead of raising here)."""
         want = batch_dims if self.is_first else batch_dims + 1
         if self.is_first and (x.dtype not in (torch.int32, torch.int64)):
             raise TypeError(f"tokens: expected an int32/int64 tensor on the first stage, got {x.dtype}")
@@ -186,21 +188,25 @@ class Transformer(nn.Module):
         if not self.is_first and x.shape[-1] != self.cfg.hidden_size:
             raise ValueError(f"hidden: last dim {x.shape[-1]} != hidden_size={self.cfg.hidden_size}")
         if self.is_first and x.numel():
-            lo, hi = torch.aminmax(x)  # one pass, one host sync
-            if int(lo) < 0 or int(hi) >= self.cfg.vocab_size:
+            lo, hi = torch.aminmax(x)  # one pass
+            if not host:
+                torch._assert_async((lo >= 0) & (hi < self.cfg.vocab_size),
+                                    f"tokens: ids must lie in [0, vocab_size={self.cfg.vocab_size})")
+            elif int(lo) < 0 or int(hi) >= self.cfg.vocab_size:  # one host sync
                 raise ValueError(f"tokens: ids must lie in [0, vocab_size={self.cfg.vocab_size})")
 
     def _taps(self, tap_layers):
         return () if tap_layers is None else check_tap_layers(tap_layers, self.cfg.num_hidden_layers)
 
-    def _run(self, x, attend_for, tap_layers, pos, checkpointing=False, logits=True):
-        """Shared body: embed (first stage) -> layers -> norm + head (last stage), collecting taps."""
+    def _run(self, x, attend_for, tap_layers, pos, checkpointing=False, logits=True, pos_bound=None):
+        """Shared body: embed (first stage) -> layers -> norm + head (last stage), collecting taps. pos_bound: a host
+        int > every position (rope_cos_sin then reads no maximum)."""
         taps_wanted = self._taps(tap_layers)
         h = self.embed(x) if self.is_first else x
         taps = {}
         if self.is_first and EMBED_TAP in taps_wanted:
             taps[EMBED_TAP] = h
-        cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+        cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, h.dtype, bound=pos_bound)
         ckpt = checkpointing and torch.is_grad_enabled()  # packed forward only: a recompute would re-fill a KV cache
         for key, layer in self.model.layers.items():
             attend = attend_for(layer, int(key), cos, sin)
@@ -255,7 +261,7 @@ class Transformer(nn.Module):
         positions base + depth, each node sees the prefix and its ancestors).
         logits_at (B,) long: the logits only at new token logits_at[b] of row b -> out.logits (B, V), not (B, S, V)
         (a prefill samples from one position per row)."""
-        self._check_input(x, 2)
+        self._check_input(x, 2, host=False)  # decoding: no host sync per forward
         if x.shape[0] != cache.batch:
             raise ValueError(f"x: batch {x.shape[0]} != cache batch {cache.batch}")
         if logits_at is not None and (not isinstance(logits_at, torch.Tensor) or logits_at.shape != (x.shape[0],)):
@@ -266,7 +272,8 @@ class Transformer(nn.Module):
         def attend_for(layer, key, cos, sin):
             return lambda hn: layer.self_attn.forward_cached(hn, cos, sin, cache, key)
 
-        out = self._run(x, attend_for, tap_layers, pos, logits=True if logits_at is None else logits_at.long())
+        out = self._run(x, attend_for, tap_layers, pos, logits=True if logits_at is None else logits_at.long(),
+                        pos_bound=cache.key_len)
         cache.commit()
         return out
 

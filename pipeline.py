@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from branch_mask import cu_seqlens_from_lengths
 from parallel.grid import Grid
-from parallel.pp_schedule import SCHEDULES, p2p_plan, schedule_actions, split_layers, tap_depth
+from parallel.pp_schedule import SCHEDULES, p2p_plan, schedule_actions, split_layers
 from model import EMBED_TAP, ModelConfig, Transformer, check_tap_layers
 from tapchannel import TapChannel
 
@@ -171,8 +171,7 @@ class PipelineSchedule:
             if hasattr(prm, "main_grad"):  # mixed_precision.py: the fp32 accumulator the bf16 grads land in
                 prm.main_grad.zero_()
         if self.channel is not None and self.last:
-            self.channel.begin([mb.tokens.shape[0] for mb in mbs], self.H, self.dtype, self.device,
-                               tap_depth(self.schedule, self.grid.pp, M))
+            self.channel.begin([mb.tokens.shape[0] for mb in mbs], self.H, self.dtype, self.device)
         acts = schedule_actions(self.schedule, self.grid.pp, self.grid.pp_rank, M)
         plan = p2p_plan(acts, self.grid.pp_rank, self.grid.pp)
         pending = self._exchange(plan[0], None)
@@ -194,6 +193,8 @@ class PipelineSchedule:
     def _forward(self, m: int, got):
         """F(m); returns the stage output to send on (None on the last stage)."""
         mb = self._mbs[m]
+        if self.last:
+            self._post_taps(m)  # every source has sent m's taps by now: a device sync cannot wait on a later send
         x = mb.tokens if self.first else self._input(m, got)
         out = self.stage(x, mb.cu_seqlens, mb.position_ids, attn_fn=self.attn_fn, tap_layers=self.local_taps,
                          logits=self.logits)
@@ -225,7 +226,7 @@ class PipelineSchedule:
         return None if self.first else x.grad
 
     # -- transports: the schedule's batches on the pipeline group, taps on TapChannel. bench_tapchannel.py overrides
-    # -- the hooks _recv_shape, _input, _payload, _send_taps and _gather_taps ------------------------------------------
+    # -- the hooks _recv_shape, _input, _payload, _send_taps, _post_taps and _gather_taps -----------------------------
     def _exchange(self, ops, payload) -> "_Batch":
         """Issue one plan entry as one batch_isend_irecv: `payload` for its send, a fresh buffer for its receive."""
         p2p, buf = [], None
@@ -252,6 +253,10 @@ class PipelineSchedule:
     def _send_taps(self, m: int, out):
         if self.channel is not None:
             self.channel.send(m, out.taps)
+
+    def _post_taps(self, m: int):
+        if self.channel is not None:
+            self.channel.post(m)
 
     def _gather_taps(self, m: int, out) -> dict:
         if self.channel is None:

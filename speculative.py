@@ -196,7 +196,7 @@ def generate(target: Transformer, draft=None, prompts=(), *, max_new_tokens: int
                 span=1 + tree.num_nodes if tree is not None else 0)
     if adapt is not None:
         adapt.begin(k)
-    while (n_done := int(s.done.sum())) < s.live.numel():  # sync point: one per step
+    while (n_done := poll(s)) < s.live.numel():  # sync point: one per step
         compact(s, n_done)
         if k == 0:
             z = target.forward_cached(s.y[:, None], s.pcache).logits  # (b, 1, V)
@@ -282,6 +282,16 @@ def prefill(target, draft, prompts, k: int, temperature, eos_id, max_new_tokens,
     return s
 
 
+def poll(s: _Decode) -> int:
+    """The step's one host sync: the number of finished rows, and in the same read each KV cache's longest row, so
+    that the step's forwards attend exactly as far as they need (kv_cache.KVCache.bound) at no extra sync."""
+    caches = [s.pcache] + ([s.dcache] if s.k else [])
+    n_done, *longest = torch.stack([s.done.sum()] + [c.lengths.max() for c in caches]).tolist()
+    for c, L in zip(caches, longest):
+        c.bound = min(c.bound, L)
+    return n_done
+
+
 def compact(s: _Decode, n_done: int):
     """Drop the finished rows once they are a quarter of the batch: O(log B) cache copies in all. Until then they
     ride along; nothing they compute is kept."""
@@ -302,7 +312,7 @@ def propose(draft, s: _Decode):
     """Step 1. d_j ~ q_j(. | x, d_<j), j = 1..k: k draft forwards from the state at the last verified position.
     Returns d (b, k) and q (b, k, V) (None at tau = 0). The draft's cache is rolled back: its branch entries are
     replaced by true trunk entries once the policy has verified them."""
-    L_d = s.dcache.lengths.clone()
+    L_d, bound = s.dcache.lengths.clone(), s.dcache.bound  # bound: the host's, restored with the lengths
     h, zq, ds, qs = s.h, s.zq, [], []
     for j in range(s.k):
         dj, qj = _sample(zq, s.temperature, s.generator)
@@ -310,7 +320,7 @@ def propose(draft, s: _Decode):
         qs.append(qj)
         if j < s.k - 1:
             h, zq = draft.step(s.dcache, dj, h)
-    s.dcache.rollback(L_d)
+    s.dcache.rollback(L_d, bound=bound)
     return torch.stack(ds, 1), (torch.stack(qs, 1) if s.temperature > 0 else None)
 
 

@@ -16,25 +16,28 @@ get tap h_l(m) of microbatch m from stage s to the last stage:
      stream), so no tap message is ever matched against, or queued behind, a schedule message. Each tap crosses once,
      straight from the stage that made it to the last stage:
        source, right after F(m):   isend(h_l(m).detach())     for each tap l it owns; never waits on it until finish()
-       last stage, at begin():      irecv into a ring of `depth` landing slots per source, microbatches 0..depth-1
-       last stage, draft needs m:   recv(m) waits for m's messages   -- the only wait on the channel
-       last stage, after the draft: release(m) re-posts the slot for microbatch m + depth
+       last stage, F(m) starts:    post(m): irecv into one landing slot per source  -- every source has sent m by now
+       last stage, draft needs m:  recv(m) waits for m's messages   -- the only wait on the channel
+       last stage, after the draft: release(m) frees the slot for m + 1
      Taps produced on the last stage itself are used in place. No gradient crosses stages: the draft learns from the
      policy's features, it does not train the policy.
 
 Why it cannot deadlock: a source's isend never blocks, and a source waits on its sends only in finish(), after its
-last schedule action. The last stage waits in recv(m) only after its own F(m) has started, i.e. after every stage's
-F(m) ran (F(m) on stage s+1 needs stage s's activation of m), so every tap of m has been posted. All receives are
-posted by the time the last stage finishes its schedule, so finish() on a source returns. That is gloo's argument;
-under NCCL a send may also wait for its receive and communicators are created lazily, so the mesh creates them all up
-front (grid.warm_up_links) and nccl_check.py replays the whole step under NCCL's rules for every layout.
+last schedule action. The last stage posts m's receives when its own F(m) starts, i.e. after every stage's F(m) ran
+(F(m) on stage s+1 needs stage s's activation of m, sent before s's taps of m), so every receive it ever has posted
+has its send already issued. That is the point of posting late rather than ahead: a device-wide synchronisation on
+the last stage (cudaDeviceSynchronize, or the caching allocator's retry after an out-of-memory, in the memory-tight
+regime of a real run) waits for every receive the rank has posted. A receive posted for m + depth ahead of time has
+its send only after the source's B(m + depth - (P - s)), which needs this stage's gradient: a sync in between would
+hang until the watchdog fires. Posted at F(m), a receive's send is already in flight, so any sync completes. Under
+NCCL a send may also wait for its receive and communicators are created lazily, so the mesh creates them all up front
+(grid.warm_up_links) and nccl_check.py replays the whole step under NCCL's rules, device syncs included, for every
+layout.
 
-Ring depth = microbatches in flight. Under 1F1B stage s runs F(m') only after B(m' - (P-s)), hence at most P - s
-taps of a source are outstanding when the last stage is at F(m): depth = min(M, P). Under AFAB every source may
-finish all M forwards first: depth = M. (A smaller ring stays correct -- the extra isends just stay pending until
-their slot is re-posted, holding their buffers -- it only delays deliveries.) Receives are posted in ascending
-microbatch order across all sources, which is what an in-order NCCL stream needs: the recv the draft waits for is
-never queued behind a recv of a later microbatch.
+Sources may run ahead of the last stage by up to pp_schedule.tap_depth microbatches (1F1B: min(M, P); AFAB: M); their
+pending isends hold their tensors until the last stage posts the matching receive. At most one microbatch is posted
+on the last stage at a time, so one landing slot per source is enough. Receives are posted in ascending microbatch
+order across all sources, which is what an in-order NCCL stream needs.
 
 Under context parallelism the channel's group joins the same CP rank of every stage (the members of the pipeline
 group, in a second communicator), so each CP rank delivers its own zigzag shard to the same CP rank of the last stage,
@@ -80,8 +83,9 @@ class TapChannel:
         self._n_layers = split[-1][1]
         self.bytes_sent = 0  # this rank's tap traffic since construction (the benchmark reads it)
         self._sends = []  # [(work, tensor)]: a tensor must stay alive until its isend completes
-        self._slots = {}  # source stage -> [depth flat buffers], reused across steps while large enough
-        self._posted = {}  # microbatch -> [(layer, work, view into its landing slot)]
+        self._slots = {}  # source stage -> one flat landing buffer, reused across steps while large enough
+        self._posted = {}  # microbatch -> [(layer, work, view into its landing slot)]; at most one at a time
+        self._held = None  # the microbatch received and not yet released (its taps are views into the slots)
 
     def _tag(self, m: int, layer: int) -> int:  # gloo matches (peer, tag); NCCL ignores tags and relies on issue order
         return m * (self._n_layers + 1) + layer + 1
@@ -97,50 +101,55 @@ class TapChannel:
         self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]  # free what has left
 
     # ------------------------------------------------------------------------------------------------ last stage
-    def begin(self, sizes, hidden_size: int, dtype, device, depth: int):
+    def begin(self, sizes, hidden_size: int, dtype, device):
         """Last stage, at the start of a step: sizes[m] = tokens of microbatch m on this rank (every stage has the
-        batch's metadata). Allocates the ring (depth slots per source) and pre-posts microbatches 0..depth-1."""
-        if self._posted:
-            raise RuntimeError(f"TapChannel.begin: microbatches {sorted(self._posted)} of the last step never received")
-        self._sizes, self._H = [int(t) for t in sizes], int(hidden_size)
-        self.depth = max(1, min(int(depth), len(self._sizes)))
+        batch's metadata). Allocates one landing slot per source (reused across steps while large enough); posts
+        nothing: post(m) does, when F(m) starts."""
+        if self._posted or self._held is not None:
+            raise RuntimeError(f"TapChannel.begin: microbatch {sorted(self._posted) or self._held} of the last step "
+                               f"never received or released")
+        self._sizes, self._H, self._next = [int(t) for t in sizes], int(hidden_size), 0
         cap = max(self._sizes) * self._H
         for s in self.sources:
             need = len(self.layers_of[s]) * cap
-            ring = self._slots.get(s)
-            if ring is None or len(ring) < self.depth or ring[0].numel() < need or ring[0].dtype != dtype:
-                self._slots[s] = [torch.empty(need, dtype=dtype, device=device) for _ in range(self.depth)]
-        for m in range(self.depth):
-            self._post(m)
+            slot = self._slots.get(s)
+            if slot is None or slot.numel() < need or slot.dtype != dtype:
+                self._slots[s] = torch.empty(need, dtype=dtype, device=device)
 
-    def _post(self, m: int):
-        T, slot, posted = self._sizes[m], m % self.depth, []
+    def post(self, m: int):
+        """Last stage, as F(m) starts (every source has issued its sends of m): post m's receives, in source and
+        layer order. Microbatches are posted in order, each once the previous one is released."""
+        if m != self._next or self._held is not None or self._posted:
+            raise RuntimeError(f"TapChannel.post({m}): expected microbatch {self._next}, posted once the previous one "
+                               f"is released (posted {sorted(self._posted)}, held {self._held})")
+        T, posted = self._sizes[m], []
         n = T * self._H
         for s in self.sources:
-            buf = self._slots[s][slot]
             for i, layer in enumerate(self.layers_of[s]):
-                view = buf[i * n:(i + 1) * n].view(T, self._H)  # (T, H), contiguous
+                view = self._slots[s][i * n:(i + 1) * n].view(T, self._H)  # (T, H), contiguous
                 posted.append((layer, dist.irecv(view, src=self.ranks[s], group=self.group,
                                                   tag=self._tag(m, layer)), view))
-        self._posted[m] = posted
+        self._posted[m], self._next = posted, m + 1
 
     def recv(self, m: int, local_taps: dict) -> dict:
-        """Last stage, when the draft needs microbatch m: the channel's only wait. Returns {layer: (T, H)} for every
-        tap, in layer order: remote taps are views into m's landing slot (valid until release(m); clone to keep),
-        local ones (produced on this stage) are used in place, detached."""
-        if m not in self._posted or m != min(self._posted):
-            raise RuntimeError(f"TapChannel.recv({m}): microbatches must be received in order; posted "
+        """Last stage, when the draft needs microbatch m (after post(m)): the channel's only wait. Returns
+        {layer: (T, H)} for every tap, in layer order: remote taps are views into the landing slots (valid until
+        release(m); clone to keep), local ones (produced on this stage) are used in place, detached."""
+        if m not in self._posted:
+            raise RuntimeError(f"TapChannel.recv({m}): microbatches must be posted, then received, in order; posted "
                                f"{sorted(self._posted)}")
         taps = {layer: t.detach() for layer, t in local_taps.items()}
         for layer, work, view in self._posted.pop(m):
             work.wait()  # sync point: m's taps have landed
             taps[layer] = view
+        self._held = m
         return dict(sorted(taps.items()))
 
     def release(self, m: int):
-        """Last stage, once the draft is done with m: its slot takes microbatch m + depth."""
-        if m + self.depth < len(self._sizes):
-            self._post(m + self.depth)
+        """Last stage, once the draft is done with m: the slots may take microbatch m + 1."""
+        if self._held != m:
+            raise RuntimeError(f"TapChannel.release({m}): the slots hold microbatch {self._held}")
+        self._held = None
 
     # ------------------------------------------------------------------------------------------------------ both
     def finish(self):
@@ -148,5 +157,6 @@ class TapChannel:
         for w, _ in self._sends:
             w.wait()
         self._sends = []
-        if self._posted:
-            raise RuntimeError(f"TapChannel.finish: microbatches {sorted(self._posted)} were posted but never received")
+        if self._posted or self._held is not None:
+            raise RuntimeError(f"TapChannel.finish: microbatch {sorted(self._posted) or self._held} was posted but "
+                               f"never received or released")

@@ -4,7 +4,7 @@ PP = 4 gloo processes, 1F1B, M = 8 microbatches, a policy sized so that a step t
 only touches the taps (no draft model), so every difference below is the transport's:
 
   (a) no_taps      the plain pipeline step: no taps at all (the floor)
-  (b) tapchannel   TapChannel: async isend of detached taps on a group of their own, pre-posted ring on the last stage
+  (b) tapchannel   TapChannel: async isend of detached taps on a group of their own, received by the last stage at F(m)
   (c) piggyback    taps concatenated onto the activation each stage sends on: hop s -> s+1 carries every tap of
                    stages <= s, on the critical path (gradients are not inflated: taps carry none)
   (d) blocking     a blocking send of each tap to the last stage inside F(m), on the pipeline group, placed *after*
@@ -169,6 +169,8 @@ def report(times, cpu, nbytes, taps, split, out_path):
         "overhead_blocking": med["blocking"] / med["no_taps"],
         # the same ratios from the steps run back to back (a_i, b_i, c_i, d_i): less sensitive to slow drifts in load
         "paired_overhead": {k: statistics.median(x / y for x, y in zip(times[k], times["no_taps"])) for k in MODES},
+        # their spread: the quartiles of the back-to-back ratios (a noisy shared machine moves single steps a lot)
+        "paired_overhead_q1_q3": {k: _quartiles([x / y for x, y in zip(times[k], times["no_taps"])]) for k in MODES},
         "bytes_per_stage_per_step": nbytes,
         "tap_bytes_per_step": {k: sum(v) - sum(nbytes["no_taps"]) for k, v in nbytes.items()},
         "step_times_s": times,
@@ -181,11 +183,13 @@ def report(times, cpu, nbytes, taps, split, out_path):
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                     "load_avg_1m_at_end": os.getloadavg()[0]},
     }
-    rows = ["| transport | step, median s | vs no taps | paired ratio | CPU-s, all ranks | vs no taps | "
-            "MiB sent per stage per step (s0..s3) |", "|---|---|---|---|---|---|---|"]
+    rows = ["| transport | step, median s | vs no taps | paired ratio | paired q1..q3 | CPU-s, all ranks | "
+            "vs no taps | MiB sent per stage per step (s0..s3) |", "|---|---|---|---|---|---|---|---|"]
     for k in MODES:
         mib = ", ".join(f"{b / 2**20:.1f}" for b in nbytes[k])
+        q1, q3 = res["paired_overhead_q1_q3"][k]
         rows.append(f"| {k} | {med[k]:.3f} | {med[k] / med['no_taps']:.3f} | {res['paired_overhead'][k]:.3f} | "
+                    f"{q1:.3f}..{q3:.3f} | "
                     f"{res['cpu_s_median'][k]:.2f} | {res['cpu_overhead'][k]:.3f} | {mib} |")
     table = "\n".join(rows)
     print(table)
@@ -199,6 +203,11 @@ def report(times, cpu, nbytes, taps, split, out_path):
         f.write(f"`python bench/bench_tapchannel.py` -- PP={PP} gloo processes on {os.cpu_count()} CPUs, 1F1B, "
                 f"M={M}, T={SEQS * SEQ_LEN} tokens/microbatch, H={CFG.hidden_size}, {CFG.num_hidden_layers} layers, "
                 f"taps {list(taps)}, median of {len(times['no_taps'])} interleaved steps\n\n{table}\n")
+
+
+def _quartiles(xs):
+    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+    return q[0], q[2]
 
 
 def plot(times, path):

@@ -1,75 +1,154 @@
 #!/usr/bin/env bash
-# The first thing to run on a lent GPU (about 10 minutes at most): each step under `timeout`, a failing step does not
-# stop the others, and everything lands in bench/results/gpu_smoke.md (command, exit code, seconds, output tail).
+# What a first real run does, on a lent GPU node, in about 8 minutes: a random Qwen3 checkpoint at the real vocabulary
+# (151,936 ids; a word-level tokenizer of that size, nothing downloaded), then train.py in HF mode under torchrun over
+# the node's GPUs -- pp x cp where there are several (NCCL: the pipeline, TapChannel, the zigzag ring) -- for 2 RL steps
+# with --attn_backend=triton, then again with flash (skipped, with a line saying so, if flash-attn is not installed);
+# bf16 if train.py offers --dtype. One line per stage on stdout; a failure names its stage; the output tails go to
+# bench/results/gpu_smoke.md.
 #
 #   bash bench/gpu_smoke.sh                  # from the repository root, on a machine with one or more NVIDIA GPUs
 #
-# Steps: versions; the compiled Triton kernels against the torch kernel (tests/test_attention_triton.py, compiled when
-# CUDA is present); the bf16 GPU tests (tests/test_attention_gpu.py, cp = 1 and 2 on one GPU); one bf16 forward at
-# T = 262144, Hq 64, D 128 (int64 offsets) checked on sampled rows against SDPA; a short bench_attention_gpu.py; the
-# single-process CUDA training test, and the loop with --attn_backend triton once that flag exists.
+# GPUs -> layout: >= 4 (a multiple of 4): pp=2 x cp=2 x dp=n/4; 2 or 3: pp=2 over 2 of them; 1: world size 1 (it says
+# what that leaves unchecked). Dry run of the same stages on CPU (gloo, the torch kernel, a small vocabulary):
+#   SMOKE_DEVICE=cpu SMOKE_NPROC=4 SMOKE_VOCAB=2000 SMOKE_BACKENDS=torch bash bench/gpu_smoke.sh
+# The kernel benchmarks stay separate: bench/bench_attention_gpu.py, bench/gpu_long_forward.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=bench/results/gpu_smoke.md
-mkdir -p bench/results
+WORK=${SMOKE_WORK:-/tmp/cospec_gpu_smoke}
+DEVICE=${SMOKE_DEVICE:-cuda}
+VOCAB=${SMOKE_VOCAB:-151936}  # Qwen3's
+BACKENDS=${SMOKE_BACKENDS:-triton flash}
+mkdir -p bench/results "$WORK"
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 unset TRITON_INTERPRET  # compiled kernels, not the CPU interpreter
 FAILED=0
-{
-  echo "# GPU smoke run"
-  echo
-  echo "$(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname); commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
-  echo
-} > "$OUT"
+printf '# GPU smoke run\n\n%s on %s; commit %s\n\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$(hostname)" \
+  "$(git rev-parse --short HEAD 2>/dev/null || echo '?')" > "$OUT"
 
-step() {  # step NAME SECONDS COMMAND...: run under timeout, append the result to the report
-  local name=$1 limit=$2
+stage() {  # stage NAME SECONDS COMMAND...: one line on stdout; the command and its output tail in the report
+  local name=$1 limit=$2 log t0 rc dt verdict
   shift 2
-  local log t0 rc
   log=$(mktemp)
   t0=$(date +%s)
-  echo ">>> $name (limit ${limit}s): $*"
   timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
   rc=$?
-  local dt=$(( $(date +%s) - t0 ))
-  local verdict=ok
-  [ $rc -eq 124 ] || [ $rc -eq 137 ] && verdict="TIMEOUT after ${limit}s"
-  [ $rc -ne 0 ] && [ "$verdict" = ok ] && verdict="FAILED (exit $rc)"
+  dt=$(( $(date +%s) - t0 ))
+  verdict=ok
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then verdict="FAILED: timeout after ${limit}s"
+  elif [ $rc -ne 0 ]; then verdict="FAILED (exit $rc)"; fi
   [ $rc -ne 0 ] && FAILED=$((FAILED + 1))
-  echo "    $verdict in ${dt}s"
-  {
-    echo "## $name: $verdict (${dt} s)"
-    echo
-    echo '```'
-    echo "\$ $*"
-    tail -n 40 "$log"
-    echo '```'
-    echo
-  } >> "$OUT"
+  echo "[$name] $verdict in ${dt}s$( [ $rc -ne 0 ] && echo ": $(grep -v '^\s*$' "$log" | tail -n 1 | cut -c1-160)")"
+  printf '## %s: %s (%s s)\n\n```\n$ %s\n%s\n```\n\n' "$name" "$verdict" "$dt" "$*" "$(tail -n 80 "$log")" >> "$OUT"
   rm -f "$log"
+  return $rc
 }
 
-step "versions" 30 bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python -c "
-import torch, platform
-print(\"python\", platform.python_version(), \"torch\", torch.__version__, \"cuda\", torch.version.cuda)
-print(\"device\", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, \"count\", torch.cuda.device_count())
-for m in (\"triton\", \"flash_attn\", \"transformers\"):
+note() {  # a line on stdout and in the report
+  echo "$*"
+  printf '%s\n\n' "$*" >> "$OUT"
+}
+
+# ---------------------------------------------------------------------------------------------------- the machine
+if [ "$DEVICE" = cuda ]; then
+  NGPU=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+else
+  NGPU=${SMOKE_NPROC:-1}
+fi
+stage "versions" 60 python -c "
+import platform, torch
+print('python', platform.python_version(), 'torch', torch.__version__, 'cuda', torch.version.cuda)
+if '$DEVICE' == 'cuda':
+    assert torch.cuda.is_available(), 'CUDA is not available'
+    print('devices', [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
+for m in ('triton', 'flash_attn', 'transformers', 'tokenizers'):
     try:
         print(m, __import__(m).__version__)
     except ImportError as e:
-        print(m, \"missing:\", e)
-"'
-step "compiled Triton kernels vs the torch kernel" 200 python -m pytest -q -x tests/test_attention_triton.py
-step "bf16 GPU tests (triton, flash; cp 1 and 2)" 180 python -m pytest -q tests/test_attention_gpu.py
-step "bf16 forward T=262144 Hq=64 D=128 (int64 offsets) vs SDPA" 120 python bench/gpu_long_forward.py
-step "short bench_attention_gpu.py" 150 python bench/bench_attention_gpu.py --lengths=4096,16384,65536 --repeats=1 \
-  --budget_s=100 --out=bench/results/attention_gpu_smoke.json
-step "single-process CUDA training test" 150 python -m pytest -q tests/test_train.py -k cuda
-if grep -q "attn_backend" harness/config.py 2>/dev/null; then
-  step "training loop, --attn_backend triton" 150 python train.py --preset=test --device=cuda --attn_backend=triton \
-    --out=/tmp/cospec_smoke_triton
+        print(m, 'missing:', e)
+" || { echo "no usable $DEVICE; stopping"; exit 1; }
+
+if [ "$NGPU" -ge 4 ] && [ $((NGPU % 4)) -eq 0 ]; then NPROC=$NGPU; MESH="--pp=2 --cp=2"
+elif [ "$NGPU" -ge 2 ]; then NPROC=2; MESH="--pp=2 --cp=1"
+else NPROC=1; MESH="--pp=1 --cp=1"; fi
+note "layout: $NPROC process(es) of $NGPU $DEVICE device(s), $MESH"
+if [ "$NPROC" -lt 4 ]; then
+  MISSING="the zigzag ring across devices (cp > 1)"
+  [ "$NPROC" -lt 2 ] && MISSING="the pipeline and TapChannel over NCCL (pp > 1), $MISSING"
+  [ "$NGPU" -ge 4 ] && MISSING="$MISSING: $NGPU devices are not a multiple of 4"
+  note "not checked with $NPROC process(es): $MISSING"
 fi
 
-echo "steps failed: $FAILED" >> "$OUT"
-echo "report: $OUT (steps failed: $FAILED)"
+DTYPE=()
+if HELP=$(python train.py --help 2>/dev/null) && grep -q -- "--dtype" <<<"$HELP"; then
+  for d in bf16 bfloat16; do
+    if grep -A0 -- "--dtype" <<<"$HELP" | grep -qw "$d"; then DTYPE=("--dtype=$d"); break; fi
+  done
+  note "precision: ${DTYPE[*]:-train.py has --dtype but lists neither bf16 nor bfloat16: its default}"
+else
+  note "precision: train.py has no --dtype flag: its default (fp32)"
+fi
+
+# ---------------------------------------------------------------------------------------------- the checkpoint
+stage "random Qwen3 checkpoint, vocab $VOCAB" 180 python - "$WORK" "$VOCAB" <<'EOF'
+import json, os, sys
+import torch, transformers
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+work, V = sys.argv[1], int(sys.argv[2])
+words = "What is + ? 0 1 2 3 4 5 6 7 8 9".split()
+specials = ["<pad>", "<s>", "</s>", "<unk>"]
+vocab = {w: i for i, w in enumerate(specials + words + [f"w{i}" for i in range(V - len(specials) - len(words))])}
+assert len(vocab) == V, (len(vocab), V)
+tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+tk.add_special_tokens(specials)
+tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+path = os.path.join(work, "qwen3")
+os.makedirs(path, exist_ok=True)
+tk.save(os.path.join(path, "tokenizer.json"))
+with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+    json.dump({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "add_bos_token": True}, f)
+torch.manual_seed(0)
+cfg = transformers.Qwen3Config(vocab_size=V, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                               num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=4096,
+                               tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+transformers.Qwen3ForCausalLM(cfg).save_pretrained(path)
+with open(os.path.join(work, "prompts.jsonl"), "w") as f:
+    for a in range(10):
+        for b in range(10):
+            f.write(json.dumps({"prompt": f"What is {a} + {b} ?", "answer": a + b}) + "\n")
+print(path, sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)) >> 20, "MiB")
+EOF
+CKPT_OK=$?
+
+# ---------------------------------------------------------------------------------------------- the training runs
+train_stage() {  # train_stage BACKEND: 2 RL steps in HF mode under torchrun
+  local backend=$1
+  if [ "$backend" = flash ] && ! python -c "import flash_attn" >/dev/null 2>&1; then
+    note "[train, --attn_backend=flash] skipped: flash-attn is not installed"
+    return 0
+  fi
+  if [ $CKPT_OK -ne 0 ]; then
+    note "[train, --attn_backend=$backend] skipped: no checkpoint (its stage failed)"
+    FAILED=$((FAILED + 1))
+    return 1
+  fi
+  stage "train, torchrun x$NPROC $MESH, --attn_backend=$backend, 2 RL steps" 240 \
+    python -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train.py --preset=test \
+      --model="$WORK/qwen3" --data="$WORK/prompts.jsonl" --max_new_tokens=32 --eval_fraction=0.2 --steps=2 \
+      --device="$DEVICE" --attn_backend="$backend" $MESH "${DTYPE[@]}" \
+      --cache_dir="$WORK/cache_$backend" --out="$WORK/run_$backend" --overwrite \
+  && stage "summary of the $backend run" 30 python -c "
+import json, math
+s = json.load(open('$WORK/run_$backend/summary.json'))
+bad = [k for k in ('reward_last', 'kl_last', 'accept_len_cotrained') if not math.isfinite(s[k])]
+assert s['steps'] == 2 and not bad, ('steps', s['steps'], 'not finite', bad)
+print({k: s[k] for k in ('steps', 'reward_last', 'kl_last', 'accept_len_cotrained')})"
+}
+for backend in $BACKENDS; do
+  train_stage "$backend"
+done
+
+note "stages failed: $FAILED"
+echo "report: $OUT"
 exit $(( FAILED > 0 ))

@@ -7,6 +7,8 @@ A trace is a list of events per rank:
                                       or "coll"; group = (name, ranks); ops = ((op, peer, bytes), ...), op "send" or
                                       "recv" with a global peer, or a collective's name with peer None
     ("wait", id)                      the host (and so the compute stream) waits for that call
+    ("sync",)                         a device-wide synchronisation (cudaDeviceSynchronize; the caching allocator's
+                                      retry after an out-of-memory): waits for every call this rank has issued
 
 Under CP the ring attention's exchanges inside one action are written as one "batch" on the cp group: all of them are
 batched, and every CP rank of a stage issues the same ones at the same point; `comparable` folds the recorded runs
@@ -44,17 +46,22 @@ class _Trace:
         if cid is not None:
             self.events.append(("wait", cid))
 
+    def sync(self):
+        self.events.append(("sync",))
+
 
 def layout_traces(pp, cp, dp, schedule, M, *, taps=(), n_layers=None, draft_cp=False, tied=True, warm=True,
-                  fused=True, tokens=None, hidden=8, itemsize=8) -> dict:
+                  fused=True, tokens=None, hidden=8, itemsize=8, device_sync=False, post_ahead=False) -> dict:
     """{global rank: events} of one training step (after the mesh warm-up if warm) on every rank of the layout.
     fused=False replays the old schedule (single blocking recv, single isend per action, pair communicators; warm-up
     then covers its pipeline links too). tokens[m]: rows of microbatch m on a rank (the same on every CP rank);
-    bytes = rows * hidden * itemsize."""
+    bytes = rows * hidden * itemsize. device_sync: a device-wide sync inside every action on every rank (where the
+    stage's forward or backward allocates) and after the draft. post_ahead replays the old TapChannel, whose last
+    stage pre-posted the receives of microbatches 0..depth-1 and re-posted m + depth when done with m."""
     n_layers = n_layers or 2 * pp
     tokens = tokens or [4] * M
     return {(d * pp + s) * cp + c: step_trace(pp, cp, dp, d, s, c, schedule, M, taps, n_layers, draft_cp, tied,
-                                              warm, fused, tokens, hidden * itemsize)
+                                              warm, fused, tokens, hidden * itemsize, (device_sync, post_ahead))
             for d in range(dp) for s in range(pp) for c in range(cp)}
 
 
@@ -82,13 +89,15 @@ def _warm_up(t, pp, cp, dp, fused, pipe, G):
             t.wait(t.call("p2p", (name, tuple(pipe)), [op]))
 
 
-def step_trace(pp, cp, dp, d, s, c, schedule, M, taps, n_layers, draft_cp, tied, warm, fused, tokens, row_bytes):
-    """The events of rank (d, s, c), in the order of PipelineSchedule.step, TapChannel and the reductions."""
+def step_trace(pp, cp, dp, d, s, c, schedule, M, taps, n_layers, draft_cp, tied, warm, fused, tokens, row_bytes,
+               tap_flags=(False, False)):
+    """The events of rank (d, s, c), in the order of PipelineSchedule.step, TapChannel and the reductions;
+    tap_flags = (device_sync, post_ahead) as in layout_traces."""
     pipe, G = _groups(pp, cp, dp, d, s, c)
     t = _Trace(pipe[s])
     if warm and pp * cp * dp > 1:
         _warm_up(t, pp, cp, dp, fused, pipe, G)
-    g = _StepGen(t, pp, cp, s, c, schedule, M, taps, n_layers, draft_cp, pipe, G, tokens, row_bytes)
+    g = _StepGen(t, pp, cp, s, c, schedule, M, taps, n_layers, draft_cp, pipe, G, tokens, row_bytes, *tap_flags)
     g.run_fused() if fused else g.run_old()
     for cid in g.tap_sends:
         t.wait(cid)  # TapChannel.finish
@@ -106,7 +115,8 @@ def step_trace(pp, cp, dp, d, s, c, schedule, M, taps, n_layers, draft_cp, tied,
 class _StepGen:
     """One rank's pipeline step as events: the schedule's actions, its P2P, TapChannel's ring, the CP exchanges."""
 
-    def __init__(self, t, pp, cp, s, c, schedule, M, taps, n_layers, draft_cp, pipe, G, tokens, row_bytes):
+    def __init__(self, t, pp, cp, s, c, schedule, M, taps, n_layers, draft_cp, pipe, G, tokens, row_bytes,
+                 device_sync=False, post_ahead=False):
         self.t, self.pp, self.cp, self.s, self.c, self.M, self.pipe, self.G = t, pp, cp, s, c, M, pipe, G
         self.tokens, self.row_bytes, self.last = tokens, row_bytes, pp - 1
         self.acts = schedule_actions(schedule, pp, s, M)
@@ -116,9 +126,9 @@ class _StepGen:
         self.sources = [s_ for s_ in range(self.last) if self.layers_of[s_]]
         self.depth = max(1, min(tap_depth(schedule, pp, M), M))
         self.draft_ring = draft_cp and bool(taps) and cp > 1
-        self.posted, self.tap_sends = {}, []
-        if self.channel and s == self.last:
-            for m in range(self.depth):  # TapChannel.begin
+        self.posted, self.tap_sends, self.device_sync, self.post_ahead = {}, [], device_sync, post_ahead
+        if self.channel and s == self.last and post_ahead:
+            for m in range(self.depth):  # the old TapChannel.begin
                 self.post(m)
 
     def bytes(self, m):
@@ -135,13 +145,20 @@ class _StepGen:
             self.t.wait(self.t.call("batch", self.G["cp"], [("send", nxt, None), ("recv", prv, None)]))
 
     def compute(self, kind, m):  # the action itself: stage forward/backward; on the last stage F(m)'s taps + draft
+        tapped = kind == "F" and self.s == self.last and self.channel
+        if tapped and not self.post_ahead:
+            self.post(m)  # TapChannel.post(m), as F(m) starts
         self.ring()
-        if kind == "F" and self.s == self.last and self.channel:
+        if self.device_sync:
+            self.t.sync()  # e.g. an out-of-memory retry while the stage's forward or backward allocates
+        if tapped:
             for cid in self.posted.pop(m):  # TapChannel.recv(m)
                 self.t.wait(cid)
             if self.draft_ring:
                 self.ring()
-            if m + self.depth < self.M:  # TapChannel.release(m)
+            if self.device_sync:
+                self.t.sync()  # ... or while the draft's loss and backward allocate
+            if self.post_ahead and m + self.depth < self.M:  # the old TapChannel.release(m)
                 self.post(m + self.depth)
 
     def send_taps(self, kind, m):  # TapChannel.send after F(m) on a source
@@ -274,7 +291,9 @@ def comparable(events) -> list:
     tap_sends = {ev[1] for ev in events if ev[0] == "call" and ev[3][0] == "tap" and ev[4][0][0] == "send"
                  and ev[2] == "p2p"}
     for ev in events:
-        if ev[0] == "call" and ev[3][0] == "cp" and ev[2] == "batch":
+        if ev[0] == "sync":
+            item = ev
+        elif ev[0] == "call" and ev[3][0] == "cp" and ev[2] == "batch":
             cp_calls.add(ev[1])
             item = ("cp",)
         elif ev[0] == "wait":

@@ -11,7 +11,10 @@ gloo forgives what NCCL does not: it connects every group at new_group and buffe
        a batch (one NCCL group) runs all its ops at once and completes when all have matched; a collective
        completes when every member runs it;
     4. a rank's later ops wait for what it has waited on (host wait = the compute stream waits), so an op issued
-       after wait(x) starts only once x is complete.
+       after wait(x) starts only once x is complete;
+    5. a device-wide synchronisation (cudaDeviceSynchronize; the caching allocator's retry after an out-of-memory,
+       which can strike wherever a rank allocates) waits for every call the rank has issued, its receives included:
+       nothing after it is issued until all of them are complete.
 
 simulate() runs these rules to a fixed point; ranks left blocked are a deadlock, reported with the ops that wait on
 each other. Traces come from two places that the tests show equal: comm_trace.CommRecorder logs what the real code
@@ -20,7 +23,8 @@ issues under gloo (torch.distributed patched), and comm_trace.layout_traces gene
 
 The trace format (("call", id, kind, group, ops) and ("wait", id) per rank) is comm_trace.py's.
 
-    python -m commcheck.nccl_check            # sweep pp 2-4 x M 1-8 x cp 1-2 x dp 1-2 x drafts, then the two old bugs
+    python -m commcheck.nccl_check   # sweep pp 2-4 x M 1-8 x cp 1-2 x dp 1-2 x drafts (with device syncs too), then
+                                     # the old bugs
 """
 from __future__ import annotations
 
@@ -42,6 +46,8 @@ def comm_of(rank: int, kind: str, group, ops):
 def _describe(ev):
     if ev[0] == "wait":
         return f"wait #{ev[1]}"
+    if ev[0] == "sync":
+        return "device sync"
     _, cid, kind, (name, ranks), ops = ev
     body = ", ".join(f"{op} {'->' if op == 'send' else '<-' if op == 'recv' else ''}"
                      f"{'' if peer is None else f' rank {peer}'}".strip() for op, peer, _ in ops)
@@ -67,6 +73,9 @@ def simulate(traces: dict) -> list:
                 if ev[0] == "wait":
                     if (r, ev[1]) not in done:
                         break  # rule 4: nothing after a wait is issued before it returns
+                elif ev[0] == "sync":
+                    if any(q for (r_, _), q in queue.items() if r_ == r):
+                        break  # rule 5: a device sync waits for everything this rank has issued
                 else:
                     key, who = comm_of(r, *ev[2:5])
                     if key not in created:
@@ -136,6 +145,10 @@ def _blocked(traces, pc, want, queue) -> list:
             lines.append(f"rank {r}: blocks creating the communicator {key} for {_describe(at)}; rank(s) "
                          f"{others} never join: " + "; ".join(f"rank {m} is at {_where(traces, pc, m)}"
                                                               for m in others))
+        elif at is not None and at[0] == "sync":
+            lines.append(f"rank {r}: device sync waits for " + "; ".join(
+                f"{_describe(q[0]['ev'])}: {_why(r, q[0], queue, traces, pc)}" for k, q in queue.items()
+                if k[0] == r and q))
         elif at is not None:
             call = pending.get((r, at[1]))
             why = _why(r, call, queue, traces, pc) if call else "?"
@@ -172,7 +185,8 @@ def _why(r, call, queue, traces, pc):
 
 # ------------------------------------------------------------------------------------------------------------- demo
 def sweep(pps=(2, 3, 4), Ms=range(1, 9), cps=(1, 2), dps=(1, 2), **old) -> dict:
-    """{(pp, cp, dp, schedule, drafts): [M that deadlock]} over the grid; old = layout_traces flags (warm, fused)."""
+    """{(pp, cp, dp, schedule, drafts): [M that deadlock]} over the grid; old = layout_traces flags (warm, fused,
+    device_sync, post_ahead)."""
     n = max(pps) * 2
     taps = default_tap_layers(n) + (EMBED_TAP,)
     out = {}
@@ -191,15 +205,19 @@ def sweep(pps=(2, 3, 4), Ms=range(1, 9), cps=(1, 2), dps=(1, 2), **old) -> dict:
 if __name__ == "__main__":
     from parallel.cli import answer_help
     answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
-    for title, flags in (("today (warm-up, batched 1F1B)", {}), ("old 1F1B, warmed up", dict(fused=False)),
-                         ("old, no warm-up", dict(fused=False, warm=False))):
+    for title, flags in (("today (warm-up, batched 1F1B)", {}), ("today, a device sync in every action",
+                                                                  dict(device_sync=True)),
+                         ("old TapChannel posting ahead, a device sync in every action",
+                          dict(device_sync=True, post_ahead=True)),
+                         ("old 1F1B, warmed up", dict(fused=False)),
+                         ("old, no warm-up", dict(fused=False, warm=False, post_ahead=True))):
         res = sweep(**flags)
         bad = {k: v for k, v in res.items() if v}
         print(f"{title}: {len(res) - len(bad)} of {len(res)} layouts deadlock-free for every M in 1..8")
         for (pp, cp, dp, schedule, draft), Ms in list(bad.items())[:4]:
             print(f"  pp={pp} cp={cp} dp={dp} {schedule} drafts={draft}: deadlocks at M = {Ms}")
     taps = default_tap_layers(4) + (EMBED_TAP,)
-    for title, flags in (("old crossed init (pp=2, M=2, no warm-up)", dict(warm=False, fused=False)),
+    for title, flags in (("old crossed init (pp=2, M=2, no warm-up)", dict(warm=False, fused=False, post_ahead=True)),
                          ("old 1F1B send/send (pp=2, M=2)", dict(fused=False))):
         print(f"\n{title}:")
         for line in simulate(layout_traces(2, 1, 1, "1f1b", 2, taps=taps, n_layers=4, **flags)):

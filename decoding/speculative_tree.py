@@ -236,10 +236,10 @@ def propose(draft, s, tree: Tree):
     Returns cand (b, 1+N) the node tokens (column 0 = s.y) and q (b, I, V) the draft at the internal nodes (None at
     tau = 0). The draft's tree entries are rolled back afterwards."""
     t = tree.on(s.y.device)
-    base = s.dcache.lengths.clone()
+    base, top = s.dcache.lengths.clone(), s.dcache.bound  # top: the host's bound on base, no sync
     if t.k > 1:  # the draft's entries: the nodes at depths 1..k-1 (the root's entry is the trunk's last)
         layout = TreeLayout(t.depth[1: t.level[t.k]] - 1, t.visible[1: t.level[t.k], 1: t.level[t.k]], base,
-                            s.dcache.max_len)
+                            s.dcache.max_len, top=top)
     h, zq = s.h[:, None], s.zq[:, None]  # (b, 1, H), (b, 1, V): the root level
     toks, qs = [s.y[:, None]], []
     for j, b in enumerate(t.branching, 1):
@@ -249,7 +249,7 @@ def propose(draft, s, tree: Tree):
         if j < t.k:  # one draft forward over level j: layout nodes level[j]-1 .. level[j+1]-2
             h = h if b == 1 else h.repeat_interleave(b, 1)
             h, zq = draft.tree_step(s.dcache, x.flatten(1), h, layout.nodes(t.level[j] - 1, t.level[j + 1] - 1))
-    s.dcache.rollback(base)
+    s.dcache.rollback(base, bound=top)
     return torch.cat(toks, 1), (torch.cat(qs, 1) if s.temperature > 0 else None)
 
 
@@ -260,7 +260,7 @@ def verify_step(target, s, tree: Tree, cand, q):
     (b, k+1) = path tokens, y', junk past n; the logits (b, k+1, V) and taps gathered along the path; n (b,)."""
     t = tree.on(cand.device)
     base = s.pcache.lengths.clone()
-    layout = TreeLayout(t.depth, t.visible, base, s.pcache.max_len)
+    layout = TreeLayout(t.depth, t.visible, base, s.pcache.max_len, top=s.pcache.bound)  # no host sync
     out = target.forward_cached(cand, s.pcache, tap_layers=s.tap_layers, tree=layout.nodes())
     z = out.logits  # (b, 1+N, V)
     if s.temperature == 0:

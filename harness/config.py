@@ -111,7 +111,7 @@ class Config:
     activation_checkpointing: bool = False  # recompute each decoder layer in the update's backward (memory for time)
     zero1: bool = False  # shard each stage's optimizer state (AdamW m, v + master slice) over its DP x CP ranks
     # memory and kernels at scale: see README "Memory of the whole step"
-    attn_backend: str = "torch"  # block kernel of ring_branch_attention: torch | triton | flash (CUDA only)
+    attn_backend: str = "auto"  # auto (CUDA: fused triton; CPU: torch, the reference) | torch | triton | flash (CUDA)
     chunk_mib: float = 256.0  # MiB of fp32 logits per chunk of log-probs and draft loss (0: unfused (T, V) logits)
     # precision: bf16 runs every forward (rollouts, reference, drafts, eval) and KV cache in bf16 and keeps the trained
     # weights' fp32 masters, grads and AdamW state (modeling/mixed_precision.py); fp32 allows TF32 matmuls on CUDA
@@ -156,6 +156,16 @@ class Config:
         """Draft tokens per step at eval: always a fixed k (with --num_draft_tokens=auto its ceiling)."""
         return self.eval_draft_tokens or (self.max_draft_tokens if self.num_draft_tokens == "auto" else
                                           self.num_draft_tokens)
+
+    def attn_backend_on(self, device) -> str:
+        """--attn_backend as run on `device`: auto is the fused Triton kernel where the models live on CUDA (the torch
+        kernel, a Python loop over tiles, is launch-bound on a GPU; without triton installed, torch), and torch, the
+        reference, on CPU."""
+        if self.attn_backend != "auto":
+            return self.attn_backend
+        import importlib.util
+        cuda = torch.device(device).type == "cuda"
+        return "triton" if cuda and importlib.util.find_spec("triton") is not None else "torch"
 
     @property
     def hf_mode(self) -> bool:
@@ -270,7 +280,7 @@ CHECKS = {
     "schedule":           one_of(*SCHEDULES),
     "activation_checkpointing": FLAG,
     "zero1":              FLAG,
-    "attn_backend":       one_of("torch", "triton", "flash"),
+    "attn_backend":       one_of("auto", "torch", "triton", "flash"),
     "dtype":              one_of("auto", "bf16", "fp32"),
     "chunk_mib":          ((lambda v, c: v >= 0), ">= 0 (0 = the unfused (T, V) logits, the reference path)"),
     "ckpt_every":         ((lambda v, c: v >= 0), ">= 0 (0 = never)"),

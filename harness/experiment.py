@@ -113,7 +113,8 @@ def build(cfg: Config, mesh: Mesh, log=print) -> Setup:
         s.policy, list(s.drafts.values()), mesh.grid,
         lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99)),
         grad_clip=cfg.grad_clip, schedule=cfg.schedule, attn_fn=padded_causal_attention,
-        attn_backend=cfg.attn_backend, logprob_chunk=budget_rows(s.policy.cfg.vocab_size, cfg.chunk_mib),
+        attn_backend=cfg.attn_backend_on(mesh.device),
+        logprob_chunk=budget_rows(s.policy.cfg.vocab_size, cfg.chunk_mib),
         activation_checkpointing=cfg.activation_checkpointing, zero1=cfg.zero1,
         watch=[d for _, d in watched(s)])  # frozen / offline-extended: teacher-forced acceptance, forward only
     return s

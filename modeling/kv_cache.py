@@ -5,6 +5,14 @@ per row: `write` appends S entries to every row at its current length (rows that
 `rollback(lengths)` shortens rows in O(1) (entries past a row's length are never attended), and `keep_rows` drops
 finished rows from the batch. model.Transformer.forward_cached drives it: begin(S) -> write per layer -> commit().
 
+No host sync: the lengths live on the device, and a forward attends over the first Lk = min(bound + S, max_len) slots,
+where `bound` is a host int >= every row's length that the cache keeps without reading the lengths (it grows by S at
+each commit and shrinks only when the caller knows a tighter one: rollback(bound=), speculative.poll). Reading
+max(lengths) instead would stall the GPU once per forward; the price is attending to slots past the longest row (the
+causal mask hides them), which speculative.poll avoids by tightening the bound in the decode loop's one sync per step.
+The range checks are device-side asserts (torch._assert_async: an error on CPU, a device assert on GPU), not host
+reads.
+
 Tree drafts (speculative_tree.py) append tree nodes instead of a chain: a `TreeLayout`, built once per step, gives
 node s the position base + depth[s] and lets it see the rows' committed prefix plus its own ancestors; `begin_nodes`
 appends its nodes lo..hi-1 (the policy all at once, the draft level by level, each level a slice of the one layout);
@@ -34,6 +42,7 @@ class KVCache:
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # (B,) committed entries per row
         self._slot = {l: i for i, l in enumerate(self.layers)}
         self._pending = None  # (S, positions, rows, mask) of the forward in progress; lengths advance at commit
+        self.bound = 0  # host int >= max(lengths): what a forward attends up to, known without a host sync
 
     @property
     def batch(self) -> int:
@@ -48,9 +57,8 @@ class KVCache:
         tree: the S entries are tree nodes instead, a TreeNodes (begin_nodes) or (depth, visible, base) (begin_tree)."""
         if tree is not None:
             return self.begin_nodes(tree) if isinstance(tree, TreeNodes) else self.begin_tree(*tree)
-        Lk = int(self.lengths.max()) + S  # host sync: one per forward
-        if Lk > self.max_len:
-            raise ValueError(f"KV cache overflow: a row would reach length {Lk} > max_len={self.max_len}")
+        self._check_room(S)
+        Lk = min(self.bound + S, self.max_len)  # >= every row's length + S; no host sync
         pos = self.positions(S)  # (B, S)
         rows = torch.arange(self.batch, device=pos.device)[:, None].expand(-1, S)  # (B, S)
         mask = torch.arange(Lk, device=pos.device)[None, None, :] <= pos[:, :, None]  # (B, S, Lk) causal per row
@@ -82,12 +90,10 @@ class KVCache:
         t, lo, hi = nodes
         if t.base.shape != self.lengths.shape:
             raise ValueError(f"begin_nodes: the layout has {t.base.shape[0]} rows, the cache {self.batch}")
-        if bool((self.lengths - t.base != lo).any()):
-            raise ValueError(f"begin_tree: visible has {hi} columns for {hi - lo} new nodes, so every row must hold "
-                             f"the {lo} earlier tree nodes past its base; rows hold {(self.lengths - t.base).tolist()}")
-        Lk, S = t.top + hi, hi - lo
-        if Lk > self.max_len:
-            raise ValueError(f"KV cache overflow: a row would reach length {Lk} > max_len={self.max_len}")
+        torch._assert_async((self.lengths - t.base == lo).all(), f"begin_tree: visible has {hi} columns for {hi - lo} "
+                            f"new nodes, so every row must hold the {lo} earlier tree nodes past its base")
+        Lk, S = min(t.top + hi, self.max_len), hi - lo
+        self._check_room(S)
         slots = t.base[:, None] + t.slot[lo:hi]  # (B, S) where the nodes are written
         self._pending = (S, slots, t.rows[:, :S], t.mask[:, lo:hi, :Lk])
         return t.pos[:, lo:hi]
@@ -117,14 +123,24 @@ class KVCache:
         Lk = mask.shape[-1]
         return self.k[i, :, :, :Lk], self.v[i, :, :, :Lk], mask
 
+    @property
+    def key_len(self) -> int:
+        """Lk of the forward in progress: its keys are slots 0..Lk-1 and its positions lie below Lk (a host int)."""
+        return self._pending[3].shape[-1]
+
+    def _check_room(self, S: int):  # device-side: no host sync
+        torch._assert_async(self.lengths.max() + S <= self.max_len,
+                            f"KV cache overflow: a row would pass max_len={self.max_len} with {S} more entries")
+
     def commit(self):
         self.lengths += self._pending[0]
+        self.bound += self._pending[0]
         self._pending = None
 
     def keep_rows(self, rows: torch.Tensor):
         """Shrink the cache to `rows` (B',) (finished rows leave the batch). Copies only the filled prefix; the rest
         stays zero (never attended, but finite: a masked NaN would still poison the attention)."""
-        L = int(self.lengths.max())
+        L = min(self.bound, self.max_len)  # the filled prefix, or a little more: no host sync
         for name in ("k", "v"):
             old = getattr(self, name)  # (layers, B, Hkv, max_len, D)
             new = old.new_zeros((old.shape[0], rows.numel()) + tuple(old.shape[2:]))
@@ -132,13 +148,18 @@ class KVCache:
             setattr(self, name, new)
         self.lengths = self.lengths[rows]
 
-    def rollback(self, lengths: torch.Tensor):
+    def rollback(self, lengths: torch.Tensor, bound: int = None):
+        """Shorten each row to lengths (B,) (each in [0, its current length]). bound: a host int >= every new length
+        that the caller knows (e.g. self.bound before the forwards it undoes); the cache's own bound is kept
+        otherwise."""
         lengths = torch.as_tensor(lengths, dtype=torch.long, device=self.lengths.device)
         if lengths.shape != self.lengths.shape:
             raise ValueError(f"rollback lengths: expected shape {tuple(self.lengths.shape)}, got {tuple(lengths.shape)}")
-        if bool((lengths < 0).any()) or bool((lengths > self.lengths).any()):
-            raise ValueError(f"rollback lengths={lengths.tolist()} must lie in [0, current {self.lengths.tolist()}]")
+        torch._assert_async(((lengths >= 0) & (lengths <= self.lengths)).all(),
+                            "rollback lengths: each must lie in [0, the row's current length]")
         self.lengths = lengths.clone()
+        if bound is not None:
+            self.bound = min(self.bound, int(bound))
 
 
 class TreeLayout:
@@ -147,14 +168,15 @@ class TreeLayout:
     attends to the row's prefix (slots < base) and to the tree slots m with visible[s, m] (visible (S, S) bool:
     ancestors and self). What every forward over its nodes needs is built here once: positions, slots, the mask."""
 
-    def __init__(self, depth, visible, base, max_len: int):
+    def __init__(self, depth, visible, base, max_len: int, top: int = None):
+        """top: a host int >= max(base) (the cache's bound); None reads max(base), a host sync."""
         base = torch.as_tensor(base, dtype=torch.long)
         dev = base.device
         S = visible.shape[0]
         if visible.shape != (S, S) or depth.shape != (S,):
             raise ValueError(f"TreeLayout: depth {tuple(depth.shape)} / visible {tuple(visible.shape)}: expected "
                              f"({S},) and ({S}, {S})")
-        self.base, self.top = base, int(base.max())  # one host sync per layout
+        self.base, self.top = base, int(base.max()) if top is None else int(top)
         Lk = min(self.top + S, max_len)  # past max_len begin_nodes refuses the forward
         self.slot = torch.arange(S, device=dev)
         self.pos = base[:, None] + depth.to(dev)[None]  # (B, S)

@@ -47,10 +47,14 @@ def rope_table(n: int, head_dim: int, theta: float, dtype: torch.dtype, device=N
 _ROPE_TABLES: dict = {}  # (D, theta, dtype, device) -> rope_table(n, ...), n a power of two, grown on demand
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype, bound: int = None):
     """cos, sin [..., D] for integer positions [...] >= 0, read from a cached rope_table: two gathers per forward
-    instead of ~10 ops (a decode step of the draft is ~40 ops in all). Same values as computing them directly."""
-    need = int(positions.max()) + 1 if positions.numel() else 1  # host sync: the table may have to grow
+    instead of ~10 ops (a decode step of the draft is ~40 ops in all). Same values as computing them directly.
+    bound: a host int > every position (a KV cache's key_len): no host sync; None reads max(positions), one sync."""
+    if bound is not None:
+        need = max(int(bound), 1)
+    else:
+        need = int(positions.max()) + 1 if positions.numel() else 1  # host sync: the table may have to grow
     key = (head_dim, float(theta), dtype, positions.device)
     tab = _ROPE_TABLES.get(key)
     if tab is None or tab[0].shape[0] < need:

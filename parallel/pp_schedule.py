@@ -12,8 +12,9 @@ Two orders of the same 2M actions (schedule_actions; picotron's pipeline_paralle
     1F1B   F0 .. F(w-1), then F(m+w) B(m) pairs, then the last w B's,  w = min(P-s-1, M)
            same bubble (P-1)/(M+P-1), but stage s never holds more than P-s microbatches' activations
 
-p2p_plan turns an order into the batches of sends and receives that pipeline.PipelineSchedule issues; tap_depth sizes
-TapChannel's landing slots. Pure functions of (schedule, P, s, M): commcheck/ replays them without processes.
+p2p_plan turns an order into the batches of sends and receives that pipeline.PipelineSchedule issues; tap_depth counts
+the taps a source may have in flight to the last stage. Pure functions of (schedule, P, s, M): commcheck/ replays them
+without processes.
 
 Letters: P stages, s stage, M microbatches, m microbatch.
 """
@@ -64,7 +65,8 @@ def schedule_actions(schedule: str, n_stages: int, stage: int, M: int) -> list:
 
 
 def tap_depth(schedule: str, n_stages: int, M: int) -> int:
-    """Landing slots per source = microbatches in flight between a source stage and the last (see tapchannel.py)."""
+    """Microbatches in flight between a source stage and the last: the tap sends a source may have pending until the
+    last stage posts their receives (see tapchannel.py)."""
     return M if schedule == "afab" else min(M, n_stages)
 
 

@@ -137,3 +137,15 @@ def test_every_entry_point_answers_help_without_running(helped, path):
     doc = open(os.path.join(ROOT, path)).read()
     first = summary(ast.get_docstring(ast.parse(doc))).splitlines()[0]
     assert first.strip() in out, f"{path} --help: no summary"
+
+
+def test_attn_backend_default_resolves_per_device():  # adds < 0.1 s
+    """--attn_backend=auto (the default): the fused Triton kernel where the models run on CUDA, the torch reference on
+    the CPU; an explicit choice is kept; --help says so."""
+    import importlib.util
+    cfg = Config()
+    assert cfg.attn_backend == "auto" and cfg.attn_backend_on("cpu") == "torch"
+    assert cfg.attn_backend_on("cuda:0") == ("triton" if importlib.util.find_spec("triton") else "torch")
+    assert Config(attn_backend="torch").attn_backend_on("cuda") == "torch"
+    assert Config(attn_backend="flash").attn_backend_on("cpu") == "flash"
+    assert "CUDA: fused triton; CPU: torch" in help_text()

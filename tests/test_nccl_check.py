@@ -46,10 +46,11 @@ def test_simulator_rules_on_hand_made_traces():
 
 # ------------------------------------------------------------------------------------- the old and the new schedule
 def test_flags_the_old_crossed_communicator_creation():
-    """Before the warm-up: the last stage first touches TapChannel's pair (irecvs posted at begin), stage 0 first the
-    pipeline's link. Also today's batched schedule needs the warm-up."""
+    """Before the warm-up: the last stage first touches TapChannel's pair (the old irecvs posted at begin), stage 0
+    first the pipeline's link. Also the batched schedule needed the warm-up."""
     for fused in (False, True):
-        err = simulate(layout_traces(2, 1, 1, "1f1b", 2, taps=TAPS, n_layers=N_LAYERS, warm=False, fused=fused))
+        err = simulate(layout_traces(2, 1, 1, "1f1b", 2, taps=TAPS, n_layers=N_LAYERS, warm=False, fused=fused,
+                                     post_ahead=True))
         assert len(err) == 2 and all("blocks creating the communicator" in e for e in err), err
         assert "('pp', (0, 1))" in err[0] and "('tap', (0, 1))" in err[1], err
 
@@ -77,6 +78,41 @@ def test_every_supported_layout_is_deadlock_free():
         assert simulate(traces) == [], (pp, M, cp, dp, schedule, draft, tied)
         n += 1
     assert n == 768
+
+
+# ------------------------------------------------------------------------------------ device-wide synchronisation
+def test_a_device_sync_waits_for_every_posted_receive():  # adds ~1 s
+    """Rule 5 on a hand-made trace: rank 1 posts a receive on one communicator whose send rank 0 issues only after
+    rank 1's send on another; without a sync in between it completes, with one it hangs."""
+    tap, pp = ("tap", (0, 1)), ("pp", (0, 1))
+    warm = [_call(8, "coll", pp, ("all_reduce", None, None)), ("wait", 8),
+            _call(9, "coll", tap, ("all_reduce", None, None)), ("wait", 9)]  # both communicators exist
+    r0 = warm + [_call(1, "batch", pp, ("recv", 1, 4)), ("wait", 1), _call(2, "batch", tap, ("send", 1, 4)),
+                 ("wait", 2)]
+    r1 = warm + [_call(1, "batch", tap, ("recv", 0, 4)), _call(2, "batch", pp, ("send", 0, 4)), ("wait", 2),
+                 ("wait", 1)]
+    assert simulate({0: r0, 1: r1}) == []
+    err = simulate({0: r0, 1: r1[:5] + [("sync",)] + r1[5:]})
+    assert len(err) == 2 and err[1].startswith("rank 1: device sync waits for #1 batch [recv <- rank 0] on tap"), err
+
+
+def test_tap_receives_posted_at_forward_survive_device_syncs_and_posting_ahead_does_not():
+    """A device sync inside every action of every rank (an out-of-memory retry can strike wherever a rank allocates),
+    drafts on: TapChannel posting m's receives as the last stage starts F(m) passes every layout; the old channel,
+    which pre-posted depth microbatches and re-posted m + depth after m's draft, hangs on every layout from M = 3 on:
+    a receive is posted whose send needs the last stage's gradient or a send stuck behind it (1F1B, P = 2, M = 3:
+    the sync in B(0) waits for microbatch 2's taps, which stage 0 sends only after its own B(0))."""
+    bad = {True: [], False: []}
+    for ahead, pp, M, cp, dp, schedule in itertools.product((False, True), (2, 3, 4), range(1, 9), (1, 2), (1, 2),
+                                                            ("1f1b", "afab")):
+        traces = layout_traces(pp, cp, dp, schedule, M, taps=TAPS, n_layers=N_LAYERS, draft_cp=True,
+                               device_sync=True, post_ahead=ahead)
+        if simulate(traces):
+            bad[ahead].append((pp, M, cp, dp, schedule))
+    assert bad[False] == [], bad[False]
+    assert len(bad[True]) == 144 and all(M >= 3 for _, M, _, _, _ in bad[True]), bad[True]  # every layout, M >= 3
+    err = simulate(layout_traces(2, 1, 1, "1f1b", 3, taps=TAPS, n_layers=N_LAYERS, device_sync=True, post_ahead=True))
+    assert any("device sync waits for" in e and "on tap" in e for e in err), err
 
 
 # -------------------------------------------------------------------------------- recorded == generated, on gloo

@@ -1,5 +1,5 @@
 """Single-process checks of pipeline.py: the layer split, the two schedules (simulated on P virtual stages: complete,
-deadlock-free, and the ring depth TapChannel allocates is exactly the worst-case number of taps in flight), the world
+deadlock-free, and tap_depth is exactly the worst-case number of a source's taps in flight), the world
 size 1 step against a plain forward/backward, and the loud errors. The multi-process runs are test_pipeline_dist.py."""
 import pytest
 import torch
@@ -65,7 +65,7 @@ def test_schedules_complete_without_deadlock_and_ring_depth_is_tight(schedule):
                 assert alive == (M if schedule == "afab" else min(M, P - s))  # activations held by stage s
             if P > 1:
                 worst = _simulate(schedule, P, M)
-                assert max(worst) == tap_depth(schedule, P, M), (P, M, worst)  # enough slots, and not one too many
+                assert max(worst) == tap_depth(schedule, P, M), (P, M, worst)  # exact: a source's pending tap sends
 
 
 def test_world_size_1_is_gradient_accumulation_with_the_draft_hook():

@@ -1,8 +1,9 @@
 """TapChannel on its own, over 3 real gloo processes (stages 0 and 1 send, stage 2 is the draft's stage).
 
-Sources run far ahead of a ring smaller than M (their extra isends stay pending and must still land in the right slot),
-microbatch sizes vary, the ring is reused by a second step with larger microbatches, taps of the last stage come back
-in place, receives out of order are refused, and every delivered tap equals what its source sent, bitwise."""
+Sources run far ahead of the last stage, which posts each microbatch's receives only when it gets to it (the sources'
+extra isends stay pending and must still land in the right place), microbatch sizes vary, the slots are reused by a
+second step with larger microbatches, taps of the last stage come back in place, posts and receives out of order are
+refused, and every delivered tap equals what its source sent, bitwise."""
 import time
 
 import pytest
@@ -26,19 +27,25 @@ def _worker(rank, world, steps):
     group = dist.new_group([0, 1, 2])  # a communicator of its own, as Grid.build's tap_group
     ch = TapChannel(group, [0, 1, 2], rank, SPLIT, TAPS)
     checked = 0
-    for step, (sizes, depth) in enumerate(steps):
-        if rank < 2:  # sources: send every microbatch at once, never waiting (the ring holds only `depth`)
+    for step, sizes in enumerate(steps):
+        if rank < 2:  # sources: send every microbatch at once, never waiting (the last stage posts one at a time)
             for m, T in enumerate(sizes):
                 ch.send(m, {l: tap_value(step, m, l, T).requires_grad_() for l in ch.layers_of[rank]})
         else:
-            ch.begin(sizes, H, torch.float64, "cpu", depth)
-            time.sleep(0.2)  # let the sources run ahead of the ring
+            ch.begin(sizes, H, torch.float64, "cpu")
+            time.sleep(0.2)  # let the sources run ahead of the last stage
             if step == 0:
                 with pytest.raises(RuntimeError, match="in order"):
-                    ch.recv(1, {})
+                    ch.recv(0, {})  # not posted yet
+                with pytest.raises(RuntimeError, match="expected microbatch 0"):
+                    ch.post(1)
             for m, T in enumerate(sizes):
                 local = {2: tap_value(step, m, 2, T)}
+                ch.post(m)
                 got = ch.recv(m, local)
+                if step == 0 and m == 0:
+                    with pytest.raises(RuntimeError, match="expected microbatch 1"):
+                        ch.post(1)  # m's taps are views into the slots until release(m)
                 assert list(got) == sorted(TAPS)
                 assert got[2].data_ptr() == local[2].data_ptr()  # the last stage's own tap: in place, no copy
                 for layer, t in got.items():
@@ -50,11 +57,11 @@ def _worker(rank, world, steps):
 
 
 def test_tapchannel_ring_delivers_every_microbatch_bitwise():
-    steps = [([3, 5, 2, 4, 6], 2), ([7, 8, 9], 3)]  # M > depth, then a second step with larger microbatches
+    steps = [[3, 5, 2, 4, 6], [7, 8, 9]]  # then a second step with larger microbatches
     res = run_distributed(_worker, 3, args=(steps,), timeout=60)
-    M = sum(len(s) for s, _ in steps)
+    M = sum(len(s) for s in steps)
     assert res[2][0] == M * len(TAPS)
-    tokens = sum(sum(s) for s, _ in steps)
+    tokens = sum(sum(s) for s in steps)
     assert res[0][1] == 2 * tokens * H * 8 and res[1][1] == tokens * H * 8 and res[2][1] == 0  # bytes: each tap once
 
 
