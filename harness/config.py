@@ -120,7 +120,7 @@ class Config:
     resume: bool = False  # continue the latest checkpoint in <out>/ckpt (the same run only)
     overwrite: bool = False  # a fresh run into an <out> whose ckpt/ holds checkpoints deletes them (resume_policy.py)
     resume_changed_inputs: bool = False  # --resume although --model / --data / --chat_template now hold other bytes
-    dist_timeout: int = 1800  # seconds any collective may wait (a dead or stuck rank fails the job instead of hanging)
+    dist_timeout: int = 1800  # seconds any collective or point-to-point wait may take (a stopped rank fails the job)
 
     def __post_init__(self):
         """Every field against its row of CHECKS (all failures in one error), then the checks across the mode."""
