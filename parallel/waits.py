@@ -8,8 +8,9 @@ TapChannel) ends within --dist_timeout, and a wait that ends badly says which ra
 
 Two things bound a wait, and both are needed:
   1. the sub-groups' own timeout. init_process_group(timeout=) sets the WORLD group's only: new_group() without a
-     timeout gets torch's default (30 min on gloo, 10 min on NCCL), so grid.py passes timeout() to every new_group;
-     that bounds the groups' collectives too.
+     timeout gets torch's default (30 min on gloo, 10 min on NCCL), so grid.py passes timeout() to every new_group.
+     That bounds the groups' collectives too (a peer of a stopped rank may first wait in one, e.g. the CP group's
+     check_same_cu_seqlens): those end in torch's own message, which names no wait.
   2. Work.wait(timeout) here, which names the wait. What it does:
      gloo  the calling thread waits for the transfer for at most `timeout` (counted from the call). Past it gloo raises
            "Timed out waiting Nms for recv (send) operation to complete" and marks every connection of the group's
