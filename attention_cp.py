@@ -261,7 +261,7 @@ class _RingBranchAttention(torch.autograd.Function):
             if step + 1 < n:  # post the next hop first: the transfer runs while this block computes
                 k_nxt, v_nxt = torch.empty_like(k), torch.empty_like(v)
                 hop = ring.exchange([((r + 1) % n, k_cur), ((r + 1) % n, v_cur)],
-                                    [((r - 1) % n, k_nxt), ((r - 1) % n, v_nxt)])
+                                    [((r - 1) % n, k_nxt), ((r - 1) % n, v_nxt)], "ring attention K/V hop")
             kernel.forward(q, k_cur, v_cur, step_segments(local_cu, step, r, n), scale, out, lse)
             if step + 1 < n:
                 hop.wait()  # sync point: the next block must be here before the next step
@@ -297,7 +297,7 @@ class _RingBranchAttention(torch.autograd.Function):
             if step + 1 < n:
                 k_nxt, v_nxt = torch.empty_like(k), torch.empty_like(v)
                 hop = ring.exchange([((r + 1) % n, k_cur), ((r + 1) % n, v_cur)],
-                                    [((r - 1) % n, k_nxt), ((r - 1) % n, v_nxt)])
+                                    [((r - 1) % n, k_nxt), ((r - 1) % n, v_nxt)], "ring attention backward K/V hop")
             dk_blk, dv_blk = torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
             kernel.backward(q, k_cur, v_cur, dout, lse, delta, step_segments(local_cu, step, r, n), scale,
                             dq, dk_blk, dv_blk)
@@ -309,7 +309,8 @@ class _RingBranchAttention(torch.autograd.Function):
             if n > 1:  # pass it on; it overlaps my next step. After step n-1 this hop brings it home to its owner.
                 dk_in, dv_in = torch.empty_like(dk_blk), torch.empty_like(dv_blk)
                 incoming = (ring.exchange([((r + 1) % n, dk_blk), ((r + 1) % n, dv_blk)],
-                                          [((r - 1) % n, dk_in), ((r - 1) % n, dv_in)]), dk_in, dv_in)
+                                          [((r - 1) % n, dk_in), ((r - 1) % n, dv_in)], "ring attention dK/dV hop"),
+                            dk_in, dv_in)
             if step + 1 < n:
                 hop.wait()
                 k_cur, v_cur, hop = k_nxt, v_nxt, None

@@ -254,7 +254,7 @@ def _shift_hop(x, bounds, h, ring):  # one hop, 0 < h <= every C
     from_prev = x.new_empty(head(0).shape) if r > 0 else None  # heads of rank r−1's second chunks
     sends = ([(r - 1, head(0))] if r > 0 else []) + ([(r + 1, head(1))] if r < cp - 1 else [])
     recvs = ([(r + 1, from_next)] if r < cp - 1 else []) + ([(r - 1, from_prev)] if r > 0 else [])
-    ring.exchange(sends, recvs).wait()  # sync point: tiny (S·h rows) and needed before any row can be written
+    ring.exchange(sends, recvs, "cp_shift").wait()  # sync point: tiny (S·h rows), needed before any row is written
     y, k = torch.zeros_like(x), 0
     for o, C in bounds:
         if not C:

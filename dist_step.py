@@ -40,7 +40,9 @@ from model import EMBED_TAP
 from modeling.mixed_precision import clip_grads_, grads_of, master_optimizer
 from parallel.pp_schedule import split_layers
 from pipeline import Microbatch, PipelineSchedule, build_stage, shard_for_cp
-from rl_loop import GRPOConfig, RolloutBatch, aggregate, draft_mask, per_prediction, seq_ids, token_logp, token_losses
+from draft_ttt import merge_metrics
+from rl_loop import (GRPOConfig, RolloutBatch, aggregate, draft_mask, micro_chunks, per_prediction, seq_ids,
+                     token_logp, token_losses)
 
 
 # ------------------------------------------------------------------------------------------------ the batch, sharded
@@ -50,7 +52,7 @@ def grpo_weights(batch: RolloutBatch, cfg: GRPOConfig, micro_batches: int) -> to
     n_seqs, n_tokens = int(batch.valid.sum()), int(mask.sum())
     cu = batch.cu_seqlens.long()
     w = torch.zeros(batch.tokens.shape[0], dtype=torch.float64)
-    for chunk in torch.arange(batch.num_seqs).chunk(micro_batches):
+    for chunk in micro_chunks(batch.num_seqs, micro_batches):
         mb = batch.select(chunk)
         l = torch.zeros(mb.tokens.shape[0], dtype=torch.float64, requires_grad=True)
         aggregate(l, mb.trained_mask(), mb.cu_seqlens, cfg.loss_norm, n_seqs=n_seqs, n_tokens=n_tokens,
@@ -67,7 +69,7 @@ def microbatches(batch: RolloutBatch, w: torch.Tensor, micro_batches: int, grid:
     extra: tgt / w / old / ref / resp per prediction (step 2), adv per row, dmask (the draft's loss mask, per
     prediction) and chunk (the single-process micro-batch index)."""
     cu = batch.cu_seqlens.long()
-    chunks = list(torch.arange(batch.num_seqs).chunk(micro_batches))
+    chunks = micro_chunks(batch.num_seqs, micro_batches)
     mine = list(range(len(chunks)))[grid.dp_rank::grid.dp]
     if not mine:
         raise ValueError(f"micro_batches={micro_batches} over {batch.num_seqs} sequences gives {len(chunks)} "
@@ -213,12 +215,13 @@ class DistCotrainer:
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, metrics if (self.last and g.cp_rank == 0) else {})
             metrics = {k: v for part in everyone for k, v in part.items()}
-        last = max(j for j, _ in metrics) if metrics else None  # cotrain_step reports the last micro-batch's metrics
+        # every micro-batch's metrics pooled (count-weighted), as cotrain_step pools them
+        pooled = [merge_metrics([metrics[key] for key in sorted(metrics) if key[1] == k])
+                  for k in range(K + len(self.watch))]
         n = max(float(acc[3]), 1.0)
         draft_losses = [float(x) for x in acc[6:]]
         return {"loss_policy": res.loss, "loss_draft": draft_losses,
-                "draft_metrics": [metrics.get((last, k)) for k in range(K)],
-                "watch_metrics": [metrics.get((last, K + k)) for k in range(len(self.watch))],
+                "draft_metrics": pooled[:K], "watch_metrics": pooled[K:],
                 "watch_seconds": float(acc[5]),
                 "clip_frac": float(acc[0]) / n, "ratio": float(acc[1]) / n, "k3": float(acc[2]) / n,
                 "grad_norm": grad_norm, "p2p_bytes": res.p2p_bytes, "tap_bytes": res.tap_bytes,

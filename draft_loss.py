@@ -75,7 +75,7 @@ def halo_rows(x, local_cu, n: int, ring):
         from_prev = torch.empty_like(second) if r > 0 else torch.zeros_like(second)
         sends = ([(r - 1, first)] if r > 0 else []) + ([(r + 1, second)] if r < cp - 1 else [])
         recvs = ([(r + 1, from_next)] if r < cp - 1 else []) + ([(r - 1, from_prev)] if r > 0 else [])
-        ring.exchange(sends, recvs).wait()  # sync point: S * n rows each way
+        ring.exchange(sends, recvs, "draft-loss halo").wait()  # sync point: S * n rows each way
         halo = torch.stack([from_next, from_prev], 1)
     return halo
 
@@ -294,6 +294,6 @@ def ring_sum(x, ring):
     acc, cur = x.clone(), x
     for _ in range(ring.size - 1):
         nxt = torch.empty_like(x)
-        ring.exchange([((ring.rank + 1) % ring.size, cur)], [((ring.rank - 1) % ring.size, nxt)]).wait()
+        ring.exchange([((ring.rank + 1) % ring.size, cur)], [((ring.rank - 1) % ring.size, nxt)], "ring_sum").wait()
         acc, cur = acc + nxt, nxt
     return acc

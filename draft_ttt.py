@@ -12,7 +12,8 @@ branch local). With the draft's equations (draft.py):
 (soft CE = forward KL + const), streamed over token chunks by draft_loss.py (no (T, V) tensor kept; the teacher may be
 the policy's hidden + LM head). Metrics per pass: top-1 agreement with the teacher, that agreement given all earlier
 passes agreed, the expected acceptance alpha_d = E sum_x min(p(x), q(x)), and the predicted acceptance length
-tau_hat = 1 + sum_k prod_{j<=k} alpha_j.
+tau_hat = 1 + sum_k prod_{j<=k} alpha_j. merge_metrics pools the metrics of several calls (micro-batches, updates)
+as one call over all their anchors.
 
 The functions take the draft (draft.Eagle3Draft) as their first argument; `Eagle3Draft.ttt_forward` / `ttt_loss` call
 them. This file does not import draft.py (the draft is the caller).
@@ -22,6 +23,7 @@ Letters: T packed tokens, S sequences, H hidden, Hq/Hkv heads, D head dim, V tar
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -161,18 +163,36 @@ def _to_draft_id(draft, y):  # (T,) target ids -> draft ids (0 where outside the
 
 
 def _metrics(stats, count) -> dict:
-    """stats (P, 5) summed over valid anchors: ce, agree, agree & all earlier agreed, all earlier agreed, alpha."""
+    """stats (P, 5) summed over valid anchors: ce, agree, agree & all earlier agreed, all earlier agreed, alpha.
+    count (P,): the valid anchors of each pass; n_cond (P,): stats[:, 3], acc_cond's denominator."""
     stats, count = stats.double(), count.double()  # counts stay exact below 2^53
     n = count.clamp_min(1)
     per_pass = torch.stack([stats[:, 0] / n, stats[:, 1] / n, stats[:, 2] / stats[:, 3].clamp_min(1), stats[:, 4] / n,
-                            count])  # (5, P)
-    loss, acc, acc_cond, alpha, count = per_pass.tolist()  # the one host sync of the metrics
+                            count, stats[:, 3]])  # (6, P)
+    loss, acc, acc_cond, alpha, count, n_cond = per_pass.tolist()  # the one host sync of the metrics
     tau, run = 1.0, 1.0
     for a in alpha:  # tau_hat = 1 + sum_k prod_{j<=k} alpha_j
         run *= a
         tau += run
     return {"loss_per_pass": loss, "acc": acc, "acc_cond": acc_cond, "alpha": alpha, "tau_hat": tau,
-            "count": [int(c) for c in count]}
+            "count": [int(c) for c in count], "n_cond": [int(c) for c in n_cond]}
+
+
+def merge_metrics(parts) -> Optional[dict]:
+    """The metrics of several ttt_loss calls (micro-batches, updates) as one call over all their anchors reports them:
+    each per-pass mean back to its sum (times its count; acc_cond times n_cond), summed, then _metrics again -- so
+    tau_hat is the one-micro-batch tau_hat (to round-off), not a mean of tau_hats. None parts are skipped."""
+    parts = [m for m in parts if m is not None]
+    if not parts:
+        return None
+    f64 = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    count, stats = 0, 0
+    for m in parts:
+        n, c = f64(m["count"]), f64(m["n_cond"])
+        sums = [f64(m["loss_per_pass"]) * n.clamp_min(1), f64(m["acc"]) * n.clamp_min(1),
+                f64(m["acc_cond"]) * c.clamp_min(1), c, f64(m["alpha"]) * n.clamp_min(1)]
+        count, stats = count + n, stats + torch.stack(sums, 1)  # (P,), (P, 5)
+    return _metrics(stats, count)
 
 
 def _local_positions(cu_seqlens, ring):  # (T_local,) RoPE position of this rank's tokens

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from branch_mask import cu_seqlens_from_lengths
 from parallel.grid import Grid
+from parallel.waits import wait_all
 from parallel.pp_schedule import SCHEDULES, p2p_plan, schedule_actions, split_layers
 from model import EMBED_TAP, ModelConfig, Transformer, check_tap_layers
 from tapchannel import TapChannel
@@ -100,16 +101,19 @@ class StepResult:  # identical on every rank: summed over microbatches and CP sh
     draft_seconds: float = 0.0  # this rank's time in the draft hook and its backward (the last stage's only)
 
 
-class _Batch:
-    """One issued plan entry: wait() waits for all of it (as NCCL does: one group, one kernel) and returns the received
-    buffer, if any. The sent tensors stay referenced until then."""
+_NAMES = {"act": "activations", "grad": "gradients"}  # p2p_plan's payloads, as the wait's error names them
 
-    def __init__(self, works, ops, buf):
-        self.works, self.ops, self.buf = works, ops, buf
+
+class _Batch:
+    """One issued plan entry: wait() waits for all of it (as NCCL does: one group, one kernel), within --dist_timeout
+    (parallel/waits.py; labels name each transfer in its error), and returns the received buffer, if any. The sent
+    tensors stay referenced until then."""
+
+    def __init__(self, works, ops, buf, labels=()):
+        self.works, self.ops, self.buf, self.labels = works, ops, buf, labels
 
     def wait(self):
-        for w in self.works:
-            w.wait()
+        wait_all(self.works, self.labels)
         self.works = self.ops = ()
         return self.buf
 
@@ -230,6 +234,8 @@ class PipelineSchedule:
     def _exchange(self, ops, payload) -> "_Batch":
         """Issue one plan entry as one batch_isend_irecv: `payload` for its send, a fresh buffer for its receive."""
         p2p, buf = [], None
+        labels = [f"pipeline {op} of {_NAMES[what]} for microbatch {m} {'to' if op == 'send' else 'from'} stage {peer}"
+                  for op, what, m, peer in ops]
         for op, what, m, peer in ops:
             if op == "send":
                 t = payload.detach().contiguous()
@@ -239,7 +245,7 @@ class PipelineSchedule:
                 shape = self._recv_shape(m) if what == "act" else self._saved[m][1].shape
                 buf = torch.empty(shape, dtype=self.dtype, device=self.device)
                 p2p.append(dist.P2POp(dist.irecv, buf, self.grid.pp_ranks[peer], self.grid.pp_group))
-        return _Batch(dist.batch_isend_irecv(p2p) if p2p else [], p2p, buf)
+        return _Batch(dist.batch_isend_irecv(p2p) if p2p else [], p2p, buf, labels)
 
     def _recv_shape(self, m: int):
         return self._mbs[m].tokens.shape[0], self.H

@@ -51,6 +51,7 @@ import torch
 
 from backends import fused_logprob
 from branch_mask import cu_seqlens_from_lengths, seq_ids
+from draft_ttt import merge_metrics
 from modeling.layers import at_least_f32
 from modeling.mixed_precision import clip_grads_
 
@@ -303,6 +304,17 @@ def packed_logp(out, head, tokens, cu_seqlens, *, chunk: int, temperature: float
     return fused_logprob.next_token_logp(out.hidden, head, tokens, cu_seqlens, chunk=chunk, temperature=temperature)
 
 
+def micro_chunks(num_seqs: int, micro_batches: int) -> list:
+    """The micro-batches of an update: its sequence indices cut into `micro_batches` runs of equal length. Every loss
+    that averages over micro-batches divides by micro_batches, so it must divide num_seqs: torch.chunk would make
+    fewer, unequal runs (3 for 4 sequences gives 2) and shrink those losses (by 2/3)."""
+    if micro_batches < 1 or num_seqs % micro_batches:
+        ok = [d for d in range(1, num_seqs + 1) if num_seqs % d == 0]
+        raise ValueError(f"micro_batches={micro_batches}: must divide the update's {num_seqs} sequences into equal "
+                         f"micro-batches (--micro_batches: one of {ok})")
+    return list(torch.arange(num_seqs).chunk(micro_batches))
+
+
 def cotrain_step(policy, policy_opt, batch: RolloutBatch, cfg: GRPOConfig, drafts: list, *, micro_batches: int = 1,
                  policy_grad_clip: float = 1.0, attn_fn=None, timer: Optional[dict] = None) -> dict:
     """One optimisation step of the policy (GRPO) and of every draft (TTT) from ONE policy forward per micro-batch.
@@ -319,10 +331,10 @@ def cotrain_step(policy, policy_opt, batch: RolloutBatch, cfg: GRPOConfig, draft
     policy_opt.zero_grad(set_to_none=True)
     for tr in drafts:
         tr.opt.zero_grad(set_to_none=True)
-    stats = {"loss_policy": 0.0, "loss_draft": [0.0] * len(drafts), "draft_metrics": [None] * len(drafts)}
+    stats = {"loss_policy": 0.0, "loss_draft": [0.0] * len(drafts), "draft_metrics": [[] for _ in drafts]}
     pstats = []
     dev = next(policy.parameters()).device
-    for chunk in torch.arange(S).chunk(micro_batches):
+    for chunk in micro_chunks(S, micro_batches):
         mb = batch.select(chunk).to(dev)
         t0 = time.perf_counter()
         out = policy(mb.tokens, mb.cu_seqlens, attn_fn=attn_fn, tap_layers=taps_wanted)  # logits (T, V), taps
@@ -338,7 +350,7 @@ def cotrain_step(policy, policy_opt, batch: RolloutBatch, cfg: GRPOConfig, draft
             L_d, dm = draft_loss(tr, out.taps, out.logits, mb, cfg.temperature)
             (tr.lam * L_d / micro_batches).backward()
             stats["loss_draft"][k] += float(L_d.detach()) / micro_batches
-            stats["draft_metrics"][k] = dm  # the last micro-batch's metrics
+            stats["draft_metrics"][k].append(dm)
         timer["draft_train"] = timer.get("draft_train", 0.0) + time.perf_counter() - t1
     t0 = time.perf_counter()
     stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), policy_grad_clip))
@@ -353,6 +365,7 @@ def cotrain_step(policy, policy_opt, batch: RolloutBatch, cfg: GRPOConfig, draft
     for key in ("clip_frac", "k3", "ratio"):
         stats[key] = sum(s[key] * s["tokens"] for s in pstats) / max(n, 1)
     stats["loss_total"] = stats["loss_policy"] + sum(tr.lam * l for tr, l in zip(drafts, stats["loss_draft"]))
+    stats["draft_metrics"] = [merge_metrics(ms) for ms in stats["draft_metrics"]]  # every micro-batch, count-weighted
     return stats
 
 

@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from model import EMBED_TAP, check_tap_layers
+from parallel.waits import wait_all
 
 
 def tap_owners(split, tap_layers) -> dict:
@@ -140,7 +141,8 @@ class TapChannel:
                                f"{sorted(self._posted)}")
         taps = {layer: t.detach() for layer, t in local_taps.items()}
         for layer, work, view in self._posted.pop(m):
-            work.wait()  # sync point: m's taps have landed
+            src = next(s for s in self.sources if layer in self.layers_of[s])
+            wait_all([work], [f"TapChannel recv of tap {layer} for microbatch {m} from stage {src}"])  # sync point
             taps[layer] = view
         self._held = m
         return dict(sorted(taps.items()))
@@ -154,8 +156,7 @@ class TapChannel:
     # ------------------------------------------------------------------------------------------------------ both
     def finish(self):
         """End of step: wait for this rank's sends to leave (sources), check every microbatch was received (last)."""
-        for w, _ in self._sends:
-            w.wait()
+        wait_all([w for w, _ in self._sends], [f"TapChannel send of taps to stage {self.last}"])
         self._sends = []
         if self._posted or self._held is not None:
             raise RuntimeError(f"TapChannel.finish: microbatch {sorted(self._posted) or self._held} was posted but "

@@ -66,6 +66,7 @@ from checkpoints.resume_policy import prepare_run, start_run
 from harness.rollout import rollout
 from harness.update import check_finite, update
 from parallel.cli import describe
+from parallel.waits import WaitFailed
 
 
 def train(cfg: Config) -> dict:
@@ -145,3 +146,5 @@ if __name__ == "__main__":
         train(config)
     except (OSError, ValueError, FloatingPointError, ImportError) as e:  # a refused --out / --resume, bad input, a
         sys.exit(f"train.py: {e}")  # full or read-only disk, a NaN loss: one line, exit 1 (what is left is consistent)
+    except WaitFailed as e:  # a stopped or dead peer: "rank r: <the wait> timed out after N s (--dist_timeout)"
+        sys.exit(f"train.py: {e}")

@@ -122,7 +122,7 @@ class Config:
     resume: bool = False  # continue the latest checkpoint in <out>/ckpt (the same run only)
     overwrite: bool = False  # a fresh run into an <out> whose ckpt/ holds checkpoints deletes them (resume_policy.py)
     resume_changed_inputs: bool = False  # --resume although --model / --data / --chat_template now hold other bytes
-    dist_timeout: int = 1800  # collective wait (s): > rank 0's uncached warm-ups, its longest solo phase (see train.py)
+    dist_timeout: int = 1800  # any collective or point-to-point wait (s): > rank 0's uncached warm-ups (train.py)
 
     def __post_init__(self):
         """Every field against its row of CHECKS (all failures in one error), then the checks across the mode."""
@@ -262,7 +262,10 @@ CHECKS = {
     "grad_clip":          above(0),  # a negative bound flips the gradient: the update would ascend
     "updates":            ((lambda v, c: 1 <= v <= c.prompts_per_step * c.group_size),
                            "in [1, prompts_per_step * group_size = {prompts_per_step} * {group_size}]"),
-    "micro_batches":      at_least(1),
+    "micro_batches":      ((lambda v, c: v >= 1 and all(n % v == 0 for n in _update_sizes(c))),
+                           "a divisor of each update's sequences (prompts_per_step * group_size = {prompts_per_step} "
+                           "* {group_size} sequences in updates={updates} minibatches, each cut into micro_batches "
+                           "equal micro-batches)"),
     "eps_low":            ((lambda v, c: 0 <= v < 1), "in [0, 1)"),
     "eps_high":           at_least(0),
     "beta":               at_least(0),
@@ -292,6 +295,15 @@ CHECKS = {
     "resume_changed_inputs": FLAG,
     "dist_timeout":       at_least(1),
 }
+
+
+def _update_sizes(c) -> list:
+    """Sequences per update: harness/update.py cuts the step's prompts_per_step * group_size with torch.chunk."""
+    S, u = c.prompts_per_step * c.group_size, c.updates
+    size = -(-S // max(u, 1))
+    if size < 1:  # a bad prompts_per_step / group_size has its own error
+        return []
+    return [min(size, S - i) for i in range(0, S, size)]
 
 
 def _parses(parse, value) -> bool:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.grid import Grid
+from parallel.waits import set_timeout
 
 if TYPE_CHECKING:
     from harness.config import Config
@@ -112,7 +113,8 @@ def model_dtype(cfg: Config, device: torch.device) -> torch.dtype:
 def make_mesh(cfg: Config) -> Mesh:
     """WORLD_SIZE 1 (or unset): the 1 x 1 x 1 mesh. Else torchrun's env contract (RANK, WORLD_SIZE, LOCAL_RANK,
     MASTER_ADDR/PORT) -> process group (gloo for CPU tensors, NCCL for CUDA ones) and the DP x PP x CP grid. Every
-    collective waits at most cfg.dist_timeout s, so a dead rank makes its peers fail instead of hang."""
+    collective and point-to-point wait (every sub-group's too) waits at most cfg.dist_timeout s, so a dead or stopped
+    rank makes its peers fail instead of hang."""
     dev = pick_device(cfg)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
@@ -128,4 +130,5 @@ def make_mesh(cfg: Config) -> Mesh:
         torch.cuda.set_device(dev)
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.dist_timeout))
+    set_timeout(cfg.dist_timeout)  # every sub-group and point-to-point wait too (parallel/waits.py)
     return Mesh(Grid.build(pp=cfg.pp, cp=cfg.cp, dp=dp, device=dev), dev, dist.get_rank(), world)

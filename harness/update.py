@@ -14,9 +14,10 @@ a refit of the full copies the next rollouts use. The same path at every world s
                  on rank 0, then broadcast),
                  timed apart ("offline"): it is the control's cost, not the co-trained run's.
 
-Teacher-forced acceptance per arm and step: the draft hook's metrics on this step's rollouts (the last update's last
-micro-batch) -- alpha_j = E sum_x min(p_j(x), q_j(x)) per TTT pass j and tau_hat = 1 + sum_k prod_{j<=k} alpha_j --
-for the trained arms (co-trained, cold) and, forward only, the watched ones (frozen, offline-extended).
+Teacher-forced acceptance per arm and step: the draft hook's metrics on this step's rollouts, every micro-batch of
+every update pooled by their anchor counts (draft_ttt.merge_metrics) -- alpha_j = E sum_x min(p_j(x), q_j(x)) per TTT
+pass j and tau_hat = 1 + sum_k prod_{j<=k} alpha_j -- for the trained arms (co-trained, cold) and, forward only, the
+watched ones (frozen, offline-extended).
 
 check_finite stops the run at the first NaN/inf loss or weight, naming it.
 """
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from draft_ttt import merge_metrics
 from harness.experiment import watched
 from rl_loop import RolloutBatch, check_finite_weights, rollout_kl
 
@@ -52,12 +54,12 @@ def update(s: Setup, batch: RolloutBatch, timer: dict) -> dict:
     if s.offline is not None:
         timer.update(s.offline.step())  # every rank samples its share, rank 0 trains
         s.offline.broadcast()
-    last = stats[-1]
     out = {k: sum(st[k] for st in stats) / len(stats) for k in ("loss_policy", "clip_frac", "ratio", "grad_norm")}
     names = list(s.drafts) + [n for n, _ in watched(s)]
-    for name, m in zip(names, last["draft_metrics"] + last["watch_metrics"]):
+    for i, name in enumerate(names):
+        m = merge_metrics([(st["draft_metrics"] + st["watch_metrics"])[i] for st in stats])
         out[f"tau_hat_{name}"], out[f"alpha_{name}"] = m["tau_hat"], m["alpha"]
-    out["loss_draft"] = last["loss_draft"][0]
+    out["loss_draft"] = sum(st["loss_draft"][0] for st in stats) / len(stats)
     out["kl"] = kl
     return out
 

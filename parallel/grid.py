@@ -27,6 +27,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from parallel.waits import timeout
+
 
 def mesh_groups(pp: int, cp: int, dp: int) -> list:
     """Every process group of the DP x PP x CP mesh, [(name, ranks)], in the one order that every rank creates them
@@ -94,7 +96,7 @@ class Grid:
         p, c = divmod(rest, cp)
         g = cls(pp, cp, dp, p, c, d, [(d * pp + s) * cp + c for s in range(pp)])
         for name, ranks in mesh_groups(pp, cp, dp):  # collective: every rank creates every group, in order
-            pg = dist.new_group(ranks)
+            pg = dist.new_group(ranks, timeout=timeout())  # not init_process_group's: new_group defaults to 30 min
             if rank in ranks:
                 g.handles[(name, tuple(ranks))] = pg
                 setattr(g, f"{name}_group", pg)

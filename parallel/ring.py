@@ -19,6 +19,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from parallel.waits import wait_all
+
 
 # ----------------------------------------------------------------------------------------- the CP communication ring
 class Ring:
@@ -26,11 +28,12 @@ class Ring:
 
     exchange(sends=[(dst, tensor)], recvs=[(src, buffer)]) starts every transfer and returns a handle whose wait()
     returns once each buffer holds what its src sent. Both sides must list a transfer (same shape and dtype) in the
-    same order, as with NCCL/gloo. Everything CP does (ring attention, the shift) is built on this one call."""
+    same order, as with NCCL/gloo. Everything CP does (ring attention, the shift) is built on this one call.
+    what: names the exchange in the error of a wait that times out (parallel/waits.py) or fails."""
     rank: int = 0
     size: int = 1
 
-    def exchange(self, sends, recvs):
+    def exchange(self, sends, recvs, what: str = "ring exchange"):
         if sends or recvs:
             raise RuntimeError("a CP group of size 1 has no peers to exchange with")
         return _Pending([])
@@ -45,17 +48,27 @@ class _Pending:
             w()
 
 
+class _DistPending:  # torch.distributed Works: waited within --dist_timeout, each labelled for the error message
+    def __init__(self, works, labels, keep):
+        self.works, self.labels, self.keep = works, labels, keep
+
+    def wait(self):
+        wait_all(self.works, self.labels)
+
+
 class DistRing(Ring):
     """torch.distributed (gloo on CPU, NCCL on GPU): batched async isend/irecv. P2POp takes *global* ranks."""
 
     def __init__(self, group):
         self.group, self.rank, self.size = group, dist.get_rank(group), dist.get_world_size(group)
 
-    def exchange(self, sends, recvs):
+    def exchange(self, sends, recvs, what: str = "ring exchange"):
         peer = lambda r: dist.get_global_rank(self.group, r)  # noqa: E731
         ops = [dist.P2POp(dist.isend, t.contiguous(), peer(dst), self.group) for dst, t in sends]
         ops += [dist.P2POp(dist.irecv, buf, peer(src), self.group) for src, buf in recvs]
-        return _Pending([req.wait for req in (dist.batch_isend_irecv(ops) if ops else [])], keep=ops)
+        labels = [f"CP {what}: send to rank {peer(dst)}" for dst, _ in sends]
+        labels += [f"CP {what}: recv from rank {peer(src)}" for src, _ in recvs]
+        return _DistPending(dist.batch_isend_irecv(ops) if ops else [], labels, keep=ops)
 
 
 class ThreadRing(Ring):
@@ -70,7 +83,7 @@ class ThreadRing(Ring):
         with self.hub["lock"]:
             return self.hub["boxes"].setdefault((src, dst), queue.Queue())
 
-    def exchange(self, sends, recvs):
+    def exchange(self, sends, recvs, what: str = "ring exchange"):
         for dst, t in sends:
             self._box(self.rank, dst).put(t.detach().clone())
         return _Pending([lambda src=src, buf=buf: self._take(src, buf) for src, buf in recvs])

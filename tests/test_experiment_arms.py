@@ -46,7 +46,8 @@ def test_paired_bootstrap_matches_naive_loop_and_behaves():
 @pytest.fixture(scope="module")
 def arm():
     tsk = task.CountUpTask(1, 2)
-    cfg = Config(**{**PRESETS["test"], "prompts_per_step": 3, "group_size": 2, "updates": 2, "rollout_batch": 4})
+    cfg = Config(**{**PRESETS["test"], "prompts_per_step": 3, "group_size": 2, "updates": 2, "rollout_batch": 4,
+                    "micro_batches": 3})  # micro_batches divides the 3 sequences of an update
     torch.manual_seed(0)
     ref = Transformer(ModelConfig.preset("tiny", vocab_size=tsk.tok.vocab_size)).requires_grad_(False)
     draft = Eagle3Draft.from_target(ref)
