@@ -1,7 +1,7 @@
 """The run's one typed config: every setting of train.py, its presets, and the command line that overrides them.
 
     Config()                      the default experiment (a dataclass: every field has its default and a comment)
-    PRESETS[name]                 named overrides: "default", "small", "smoke" (CI-sized), "test" (seconds)
+    PRESETS[name]                 named overrides (harness/presets.py): "default", "small", "smoke", "test"
     parse_args(argv) -> Config    --preset NAME, --flag, --key=value or --key value; type-checked, unknown keys rejected
     help_text(usage) -> str       what --help / -h prints: the presets, then every flag with its default, its CHECKS
                                   row and its field comment (generated: the text cannot drift from the checks)
@@ -27,6 +27,7 @@ import torch
 from harness.logger import BACKENDS, parse_backends
 from parallel.cli import flags_help, print_help, wants_help
 from parallel.cli import show_value as _show
+from harness.presets import PRESETS
 from model import PRESETS as MODEL_PRESETS
 from parallel.pp_schedule import SCHEDULES
 from rl_loop import LOSS_NORMS
@@ -367,26 +368,6 @@ def _problem(key: str, value, rule, cfg=None) -> str | None:
         return None
     return f"--{key}={_show(value)}: expected {expect.format(**vars(cfg)) if cfg is not None else expect}"
 
-PRESETS = {
-    # ~7 min under torchrun on 2 cores from an empty cache (warm-ups ~4.2 min). The mini model learns the additions in
-    # 1000 SFT steps when 70% of the demo steps are explicit (the operands sit side by side), which still leaves RL
-    # a format term to raise; 32 prompts per step keep the GRPO update above the noise (8 x 8 samples did not).
-    "default": {},
-    # the first session's default: the 1.1M small model, a longer drift, and speculative rollouts that pay on CPU once
-    # acceptance nears 3 (1.24x at the end); 60 steps, ~5 min of RL + ~15 min of warm-ups on 2 cores
-    "small": dict(name="small", model="small", p_explicit=0.3, sft_steps=1200, sft_lr=3e-3, steps=60,
-                  prompts_per_step=16, rollout_batch=16, lr=2e-4, eval_prompts=32, draft_warmup_steps=200,
-                  draft_warmup_batch=64, draft_warmup_lr=1e-3, num_draft_tokens=3),
-    # CI-sized: every code path and a visible learning signal, ~2.5 min on 2 cores from an empty cache
-    # (tests/test_train_torchrun.py)
-    "smoke": dict(name="smoke", model="tiny", sft_steps=800, draft_warmup_steps=60, draft_warmup_batch=64,
-                  draft_warmup_lr=1e-3, draft_warmup_pool=256, steps=20, rollout_batch=64, eval_prompts=16, max_steps=5,
-                  lr=3e-4, num_draft_tokens=3),
-    # for tests: seconds
-    "test": dict(name="test", model="tiny", sft_steps=3, sft_batch=8, draft_warmup_steps=2, draft_warmup_batch=4,
-                 draft_warmup_pool=8, steps=2, prompts_per_step=2, group_size=4, eval_every=1, eval_prompts=2,
-                 eval_samples=2, min_steps=1, max_steps=2, micro_batches=2),
-}
 
 
 USAGE = "usage: python train.py [--preset NAME] [--key=value | --key value | --flag] ..."
