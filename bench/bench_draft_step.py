@@ -253,7 +253,7 @@ def grid(quick):
         return [(cp, [(m, 1024, 8192, 512) for m in ("loss_old", "loss_stream", "old", "stream", "fused",
                                                          "step_fused", "policy", "policy_fused")]) for cp in (1, 2)]
     V = 32768
-    big = ("fused", 65536, 1024, 2048)  # the whole step's CP scaling at T = 64K (V small: CPU time, see the README)
+    big = ("fused", 65536, 1024, 2048)  # the whole step's CP scaling at T = 64K (V small: CPU time, see docs/memory.md)
     return [(1, [(m, 2048, V, 2048) for m in ("loss_old", "loss_stream")]),
             (1, [(m, 2048, V, 2048) for m in ("old", "stream", "fused", "policy", "policy_fused", "step_fused")]),
             (1, [("step_fused", 2048, 151936, 2048)]),

@@ -11,7 +11,7 @@ weights (cospec's parameter names already are them, so the export is a config tr
 
 No embedding: both engines share the target's. The aux ids are written twice because the engines count differently
 (checked in vLLM's `model_executor/models/{llama,llama_eagle3}.py` and SGLang's `srt/models/{llama,llama_eagle3}.py`,
-commits in the README): vLLM's top-level `eagle_aux_hidden_state_layer_ids` = tap + 1 (it captures the state
+commits in docs/serving.md): vLLM's top-level `eagle_aux_hidden_state_layer_ids` = tap + 1 (it captures the state
 *entering* layer i, so the last layer's output cannot be captured), SGLang's `eagle_config.
 eagle_aux_hidden_state_layer_ids` = tap (it adds the one itself). cospec's tap t is the output of layer t (0-indexed).
 
