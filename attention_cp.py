@@ -118,7 +118,8 @@ class TorchBlocks:
     def _scores(qh, kh, seg, qsl, ksl, masked):  # qh (Hkv, G*tq, D) pre-scaled by tau, kh (Hkv, tk, D)
         s = torch.bmm(qh, kh.transpose(1, 2))  # (Hkv, G*tq, tk): step 1, the tile's one big tensor
         if masked:
-            qi = torch.arange(qsl.start - seg.q0, qsl.stop - seg.q0, device=s.device).repeat(s.shape[1] // (qsl.stop - qsl.start))
+            nq = qsl.stop - qsl.start
+            qi = torch.arange(qsl.start - seg.q0, qsl.stop - seg.q0, device=s.device).repeat(s.shape[1] // nq)
             kj = torch.arange(ksl.start - seg.k0, ksl.stop - seg.k0, device=s.device)
             s.masked_fill_(kj[None, :] > qi[:, None], NEG_INF)
         return s
@@ -135,7 +136,8 @@ class TorchBlocks:
                 l = p.sum(dim=-1, keepdim=True)  # 0 for a row with no visible key in this tile
                 o_t = torch.bmm(p, _heads(v[ksl].to(acc), Hkv)) / torch.where(l == 0, 1.0, l)  # (Hkv, G*tq, D)
                 lse_t = m + torch.log(l)  # step 2: lse = m + log l (-inf where l = 0)
-                merge_(out[qsl], lse[qsl], _unheads(o_t, (qsl.stop - qsl.start)), _unheads(lse_t, (qsl.stop - qsl.start)).squeeze(-1))
+                nq = qsl.stop - qsl.start
+                merge_(out[qsl], lse[qsl], _unheads(o_t, nq), _unheads(lse_t, nq).squeeze(-1))
 
     def backward(self, q, k, v, dout, lse, delta, segments, scale, dq, dk, dv):
         """Add this block's terms (steps 6-10) to dq (T, Hq, D) and dk, dv (Tk, Hkv, D)."""
@@ -201,7 +203,7 @@ def register_backend(name: str, kernel) -> None:
     BACKENDS[name] = kernel
 
 
-_LAZY = {"triton": "backends.attention_triton", "flash": "backends.attention_flash"}  # GPU kernels: imported on first request
+_LAZY = {"triton": "backends.attention_triton", "flash": "backends.attention_flash"}  # GPU kernels: on first request
 
 
 def get_backend(name: str):
@@ -328,7 +330,8 @@ class _RingBranchAttention(torch.autograd.Function):
 def _check_inputs(q, k, v, cu_seqlens, bk, bv, cp):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-            raise TypeError(f"{name}: expected a floating-point tensor, got {type(x).__name__} {getattr(x, 'dtype', '')}")
+            got = f"{type(x).__name__} {getattr(x, 'dtype', '')}"
+            raise TypeError(f"{name}: expected a floating-point tensor, got {got}")
     if q.dim() != 3:
         raise ValueError(f"q: expected (T_local, Hq, D), got shape {tuple(q.shape)}")
     T, Hq, D = q.shape

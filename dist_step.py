@@ -62,7 +62,8 @@ def grpo_weights(batch: RolloutBatch, cfg: GRPOConfig, micro_batches: int) -> to
     return w
 
 
-def microbatches(batch: RolloutBatch, w: torch.Tensor, micro_batches: int, grid: Grid, *, pad_even: bool = False) -> list:
+def microbatches(batch: RolloutBatch, w: torch.Tensor, micro_batches: int, grid: Grid, *,
+                 pad_even: bool = False) -> list:
     """This DP rank's micro-batches (whole single-process micro-batches r, r+dp, ...; step 3), CP-sharded.
     pad_even: at cp = 1 too, pad odd sequences to an even length (ring_branch_attention as a ring of one).
 

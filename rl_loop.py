@@ -92,7 +92,8 @@ class RolloutBatch:
     def from_rollouts(cls, prompts, responses, resp_logp, adv, valid):
         """prompts / responses / resp_logp: lists of S 1-D tensors (resp_logp[i][j] = log pi_old of responses[i][j])."""
         tokens, cu = pack([torch.cat([p, r]) for p, r in zip(prompts, responses)])
-        resp_mask = torch.cat([torch.cat([torch.zeros(p.numel(), dtype=torch.bool), torch.ones(r.numel(), dtype=torch.bool)])
+        resp_mask = torch.cat([torch.cat([torch.zeros(p.numel(), dtype=torch.bool),
+                                          torch.ones(r.numel(), dtype=torch.bool)])
                                for p, r in zip(prompts, responses)])
         old = torch.cat([torch.cat([torch.zeros(p.numel()), lp.float()]) for p, lp in zip(prompts, resp_logp)])
         return cls(tokens, cu, resp_mask, old, adv.float(), valid.bool())
@@ -230,7 +231,8 @@ class GRPOConfig:
         if self.loss_norm not in LOSS_NORMS:
             raise ValueError(f"loss_norm={self.loss_norm!r}: expected one of {tuple(LOSS_NORMS)}")
         if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
-            raise ValueError(f"eps_low={self.eps_low}, eps_high={self.eps_high}: expected 0 <= eps_low < 1, eps_high >= 0")
+            raise ValueError(f"eps_low={self.eps_low}, eps_high={self.eps_high}: expected 0 <= eps_low < 1, "
+                             f"eps_high >= 0")
 
 
 def token_losses(logp, old_logp, adv, ref_logp, cfg: GRPOConfig):

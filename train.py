@@ -15,8 +15,9 @@ cached in cache/ for reruns).
     python train.py --preset smoke           # every code path at a small size
     python train.py --cold_start             # the rollout draft starts untrained and is only co-trained online
     python train.py --steps=40 --lr=2e-4 --out runs/mine      # any Config field as --key=value or --key value
-    python train.py --model PATH --data prompts.jsonl         # HF mode: an HF checkpoint (Llama / Qwen2 / Qwen3 with its
-                                                              # tokenizer.json), {"prompt", "answer"} lines, math reward
+    python train.py --model PATH --data prompts.jsonl         # HF mode: an HF checkpoint (Llama / Qwen2 / Qwen3 with
+                                                              # its tokenizer.json), {"prompt", "answer"} lines,
+                                                              # math reward
 
 Writes to --out (default runs/<name>): metrics.jsonl (one line per step, "kind": "train" | "eval"), summary.json,
 train.png (harness/plots.py); with --ckpt_every=N also <out>/ckpt/step_* (checkpoints/checkpoint.py), and --resume

@@ -20,7 +20,7 @@ candidates are the draft's top-b_j and a child is accepted iff it is the policy'
 tree = (1,) * k is the chain of speculative.py. Both KV caches keep exactly the accepted path: the policy's by
 KVCache.keep_path, the draft's trunk by draft.extend over the path (its tree entries are rolled back).
 
-    python -m decoding.speculative_tree    # the rule on a small vocabulary (sampled vs top-k candidates), a tree and its mask
+    python -m decoding.speculative_tree    # the rule on a small vocabulary (sampled / top-k candidates), a tree, a mask
     python bench/bench_rollout.py --trees=2,2,1:3,2,1   # tree rows beside the chain in the rollout benchmark
 
 Letters: B rows, k depth, N tree nodes below the root, I internal nodes (depth < k, root included), V vocab, H hidden.

@@ -2,7 +2,8 @@
 
 One process is a 1 x 1 x 1 mesh -- a plain program: no process group, no torchrun, every collective of a group of size 1
 skipped (picotron's single grid). Under torchrun (WORLD_SIZE > 1) the process group is made here and nowhere else, and
-grid.Grid derives every sub-group from it (and creates every communicator up front, in one order). This is the only place where the run's mode shows:
+grid.Grid derives every sub-group from it (and creates every communicator up front, in one order). This is the only
+place where the run's mode shows:
 
     world size 1      Mesh(grid = Grid(), rank 0)                    python train.py
     world size N      dist.init_process_group + Grid.build(pp, cp, dp)  torchrun --nproc_per_node=N train.py

@@ -114,7 +114,8 @@ def summarize(cfg: Config, rows: list, evals: list, warm: dict, wall_s: float) -
     tsum = {k: sum(r["time"].get(k, 0.0) for r in rows)
             for k in ("rollout", "policy_train", "draft_train", "eval", "watch", "offline_sample", "offline_train")}
     out = {"steps": len(rows),
-           "reward_first": sum(r["reward"] for r in rows[:n]) / n, "reward_last": sum(r["reward"] for r in rows[-n:]) / n,
+           "reward_first": sum(r["reward"] for r in rows[:n]) / n,
+           "reward_last": sum(r["reward"] for r in rows[-n:]) / n,
            "eval_reward_first": first["reward"], "eval_reward_last": last["reward"],
            "correct_first": first["correct"], "correct_last": last["correct"],
            "explicit_first": first["explicit"], "explicit_last": last["explicit"],

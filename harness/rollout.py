@@ -14,7 +14,8 @@ rank j mod world (mesh.row_blocks: every rank of every DP replica, each from its
 then
   4. gather     every rank receives every block (all_gather_object), in block order: the whole batch in row order;
   5. advantages GRPO group advantages over the whole groups (rl_loop.group_advantages), on every rank alike.
-A block is the same generate call on any mesh, so the batch is bit-identical on every mesh (tests/test_rollout_ranks.py).
+A block is the same generate call on any mesh, so the batch is bit-identical on every mesh
+(tests/test_rollout_ranks.py).
 Each rank's share of the phase (wall and CPU seconds, rows) is reported: the live table shows the slowest and fastest.
 
 `generate` is also what eval_arms.py and offline_arm.py time and spread the same way.

@@ -154,7 +154,8 @@ class KVCache:
         otherwise."""
         lengths = torch.as_tensor(lengths, dtype=torch.long, device=self.lengths.device)
         if lengths.shape != self.lengths.shape:
-            raise ValueError(f"rollback lengths: expected shape {tuple(self.lengths.shape)}, got {tuple(lengths.shape)}")
+            raise ValueError(f"rollback lengths: expected shape {tuple(self.lengths.shape)}, "
+                             f"got {tuple(lengths.shape)}")
         torch._assert_async(((lengths >= 0) & (lengths <= self.lengths)).all(),
                             "rollback lengths: each must lie in [0, the row's current length]")
         self.lengths = lengths.clone()

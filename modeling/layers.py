@@ -2,7 +2,8 @@
 cached), the SwiGLU MLP and the pre-norm decoder layer. model.py assembles them into the Transformer; draft.py reuses
 them for the EAGLE-3 draft's one layer. Parameter names are HF's, so checkpoints map one to one.
 
-    RMSNorm(x) = w * x / sqrt(mean(x^2) + eps)      RoPE: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) at angle p theta^(-2i/D)
+    RMSNorm(x) = w * x / sqrt(mean(x^2) + eps)
+    RoPE: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) at angle p theta^(-2i/D)
     h = h + Attn(RMSNorm(h));  h = h + MLP(RMSNorm(h)),  MLP(x) = W_down (silu(W_gate x) * W_up x)
 
 Each module takes cfg, a model.ModelConfig (its fields only: no import of model.py, which sits above this file).

@@ -67,7 +67,8 @@ def clip_grads_(params, max_norm: float) -> float:
 def master_optimizer(params, make_opt, group=None, dtype=None):
     """The optimizer `params` need, their working dtype becoming `dtype` (None: as they are). fp32: make_opt(params)
     (or, over a group, ZeRO-1). 16-bit: fp32 master weights (taken before the cast) and optimizer state
-    (ShardedOptimizer(master_dtype=float32), sharded over `group` if given), gradients accumulated in fp32 .main_grad."""
+    (ShardedOptimizer(master_dtype=float32), sharded over `group` if given), gradients accumulated in fp32
+    .main_grad."""
     params = [p for p in params if p.requires_grad]
     dtype = dtype or (params[0].dtype if params else None)
     if dtype in HALF:

@@ -87,7 +87,8 @@ if __name__ == "__main__":
     from parallel.cli import answer_help
     answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
     a = torch.tensor([0, 8, 12], dtype=torch.int32)
-    print("fingerprints:", [hex(int(fingerprint(c)) % 2 ** 64) for c in ([a], [a.long()], [a, a], [a + 0 * a + (a > 8) * 4])])
+    cases = ([a], [a.long()], [a, a], [a + 0 * a + (a > 8) * 4])
+    print("fingerprints:", [hex(int(fingerprint(c)) % 2 ** 64) for c in cases])
     q = torch.randn(6, 2, 4)
     q[3, 1, 0] = float("nan")
     try:

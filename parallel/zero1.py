@@ -120,8 +120,9 @@ class ShardedOptimizer:
         if sd["layout"] != self._layout():
             saved, mine = sd["layout"], self._layout()
             raise ValueError(f"state_dict: sharded for {saved['ranks']} ranks over {saved['numel']} elements with "
-                             f"{saved.get('master_dtype')} masters, this run shards {mine['numel']} over {mine['ranks']} "
-                             f"with {mine['master_dtype']}: resume with the same layout (--dp, --cp, --dtype, model)")
+                             f"{saved.get('master_dtype')} masters, this run shards {mine['numel']} over "
+                             f"{mine['ranks']} with {mine['master_dtype']}: resume with the same layout "
+                             f"(--dp, --cp, --dtype, model)")
         self.master.copy_(sd["master"])
         self.inner.load_state_dict(sd["inner"])
         self.flat[self.lo:self.lo + self.per].copy_(self.master)  # and the weights agree with the master slice

@@ -33,6 +33,6 @@ def exact_first3(policy, prompt, tau):
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-# k switching mid-generation (speculative.generate(adapt=...)): each cycle holds k = 0 steps (autoregressive, the draft's
+# k switching mid-generation (speculative.generate(adapt=...)): each cycle holds k = 0 steps (autoregressive, the draft
 # trunk catching up later) between chain steps, so every transition 0 -> k, k -> 0 and k -> k' runs
 SWITCHING = [(0, 2), (2, 0), (3, 0, 0, 1, 2, 0, 4)]

@@ -78,7 +78,8 @@ def test_k_settles_where_the_cost_model_peaks(alphas, b, cd, want):
 def test_k_follows_a_drifting_draft_and_k0_still_explores():
     """The draft falls out of step mid-run (acceptance 0.95 -> 0.2): k drops from the ceiling to 0 within the
     acceptance memory; while at 0 a step at k = 1 runs every explore_every steps; when the draft recovers, k rises."""
-    sim = Sim([0.95] * 4, b=0.03, cd=0.05)  # at 0.95: k = 4 (E / c = 1.26, k = 3: 1.21); at 0.2: k = 0 (0.68, k = 1: 0.60)
+    # at 0.95: k = 4 (E / c = 1.26, k = 3: 1.21); at 0.2: k = 0 (0.68, k = 1: 0.60)
+    sim = Sim([0.95] * 4, b=0.03, cd=0.05)
     ctl = AdaptiveK(4, costs=sim.costs, accept_memory=200.0, explore_every=10)
     assert sim.run(ctl, 16, 100)[-20:].count(4) >= 18  # one exploring step at k = 3 in every 10
     sim.alphas = [0.2] * 4

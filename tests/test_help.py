@@ -95,7 +95,8 @@ def test_commands_and_summary_come_from_the_docstring():
     assert commands(doc, "/x/pkg/demo.py") == ["python -m pkg.demo ARG     # runs it",
                                                "                           # (slowly)",
                                                "TRITON_INTERPRET=1 python -m pkg.demo"]
-    assert commands(doc, "/x/none.py") == ["python -m pkg.demo ARG     # runs it", "                           # (slowly)",
+    assert commands(doc, "/x/none.py") == ["python -m pkg.demo ARG     # runs it",
+                                           "                           # (slowly)",
                                            "python other.py            # not this file",
                                            "TRITON_INTERPRET=1 python -m pkg.demo"]
 
@@ -123,8 +124,8 @@ print(json.dumps(res))
 def helped():
     """path -> (exit code, output) of `python PATH --help` for every entry point, in one interpreter."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    r = subprocess.run([sys.executable, "-c", _DRIVER, *ENTRY_POINTS], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run([sys.executable, "-c", _DRIVER, *ENTRY_POINTS], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.splitlines()[-1])
 

@@ -12,8 +12,8 @@ Before these budgets (tiny policy + draft, 6 prompts, 40 new tokens, `python` of
 chain step at k = 4 (KV-cache max length and rollback checks, RoPE table size, token range check, per forward), 7.1
 per autoregressive step, 22.2 per tree (2, 2, 1) step; the draft hook 13 per draft per micro-batch (16 on a new
 layout, 23 without an attention backend). The remaining per-step sync is speculative.poll (finished rows and the
-caches' longest rows in one read); the draft hook's is its metrics' one tolist. Not counted: host <-> device copies (none exist on a CPU run; on a GPU a blocking
-.to(device) of a host tensor also waits for the stream)."""
+caches' longest rows in one read); the draft hook's is its metrics' one tolist. Not counted: host <-> device copies
+(none exist on a CPU run; on a GPU a blocking .to(device) of a host tensor also waits for the stream)."""
 import contextlib
 import threading
 

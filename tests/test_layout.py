@@ -15,7 +15,7 @@ import zipfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MAX_FILE_LINES, MAX_FUNC_LINES = 450, 80
+MAX_FILE_LINES, MAX_FUNC_LINES, MAX_COLUMNS = 450, 80, 120
 
 LAYERS = [  # (unit, what it is); a unit imports only itself and the units above it in this list
     ("parallel", "the ring, the process grid, cross-rank checks"),
@@ -146,6 +146,21 @@ def test_files_and_functions_stay_small():
                     long_funcs.append(f"{name}:{node.lineno} {node.name} ({n} lines)")
     assert not long_files, f"files over {MAX_FILE_LINES} lines: {long_files}"
     assert not long_funcs, f"functions over {MAX_FUNC_LINES} lines: {long_funcs}"
+
+
+def test_no_line_is_wider_than_the_house_width():
+    """Every Python file of the repository, tests and benchmarks included: at most MAX_COLUMNS characters a line."""
+    wide = []
+    for top, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith((".", "__")) and ".egg-info" not in d
+                   and d not in ("runs", "cache", "build", "dist")]
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(top, f)
+                for i, line in enumerate(open(path, encoding="utf-8").read().split("\n"), 1):
+                    if len(line) > MAX_COLUMNS:
+                        wide.append(f"{os.path.relpath(path, ROOT)}:{i} ({len(line)})")
+    assert not wide, f"lines over {MAX_COLUMNS} columns: {wide}"
 
 
 def test_every_module_imports_from_the_checkout_alone(tmp_path):

@@ -1,4 +1,4 @@
-"""model.py + hf_io.py: HF parity for the three families, packed == separate, cache == recompute, stage slices, errors."""
+"""model.py + hf_io.py: HF parity for the three families, packed == separate, cache == recompute, slices, errors."""
 import json
 import os
 
