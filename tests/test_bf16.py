@@ -8,7 +8,7 @@
    exact one of the bf16 policy, the total-variation bound of tests/test_speculative.py.
 3. `train.py --preset test --dtype bf16`: a run resumed from its step-1 checkpoint ends with the metrics of the
    uninterrupted run.
-~70 s in all on 2 loaded cores (bf16 matmuls are slow on a CPU; the models are tiny).
+~35 s in all in a full-suite run on 2 cores (bf16 matmuls are slow on a CPU; the models are tiny).
 """
 import copy
 import json

@@ -9,8 +9,8 @@ longer, groups 2x larger. The largest vocabulary-sized tensor must not grow: pre
 row, the reference, the update and the warm-ups stream their logits through the LM head chunk by chunk, and generation
 runs --rollout_batch rows at a time.
 
-~73 s of test time on a shared, loaded 2-core CPU (63 s the two runs, 10 s building the random Qwen3 checkpoint;
-~27 s of CPU).
+~25 s in a full-suite run on 2 cores (73 s on a loaded machine: most of it the two runs, ~10 s building the random
+Qwen3 checkpoint).
 """
 import pytest
 import torch

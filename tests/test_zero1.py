@@ -1,7 +1,7 @@
 """parallel/zero1.py: the sharded optimizer steps exactly like the unsharded one (fp64, <= 1e-10), resumes from its
 per-rank state, and refuses another layout. One process (no group) and 4 gloo ranks (a stage shared by dp 2 x cp 2;
 N = 259 elements, not a multiple of 4, so the last slice is padded). DistCotrainer(zero1=True) against the
-single-process step is in tests/test_dist_step.py. Adds ~6 s (one 4-process spawn).
+single-process step is in tests/test_dist_step.py. Adds ~9 s in a full-suite run on 2 cores (one 4-process spawn).
 """
 import pytest
 import torch
