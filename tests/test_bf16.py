@@ -11,7 +11,6 @@
 ~35 s in all in a full-suite run on 2 cores (bf16 matmuls are slow on a CPU; the models are tiny).
 """
 import copy
-import json
 import math
 import os
 import shutil
@@ -23,6 +22,7 @@ import torch
 from dist_util import run_distributed
 from spec_cases import exact_first3, make_small_vocab_pair
 from test_dist_step import grpo, make_batch
+from test_train_resume import _metrics as _records  # every record without wall-clock fields
 
 from dist_step import DistCotrainer
 from draft import Eagle3Draft
@@ -136,14 +136,6 @@ def test_sampling_with_bf16_models_matches_the_bf16_policy():
     emp = torch.bincount(torch.stack(r.tokens) @ torch.tensor([V * V, V, 1]), minlength=V ** 3).double() / N
     assert 0.5 * (emp.view(V, V, V) - p).abs().sum().item() < bound
     assert 0.05 < r.stats.accepted / r.stats.drafted < 0.95  # the draft is mismatched: the rule is exercised
-
-
-def _records(path):  # every record without wall-clock fields
-    out = []
-    for line in open(path):
-        r = json.loads(line)
-        out.append({k: v for k, v in r.items() if k != "time" and not k.startswith("speedup") and "tok_s" not in k})
-    return out
 
 
 def test_bf16_checkpoint_resumes_to_identical_metrics(tmp_path):
