@@ -43,6 +43,7 @@ import speculative
 from tasks.protocol import Demonstrations, make_task
 from harness.cache_keys import DraftSpec, PolicySpec
 from draft import DraftConfig, Eagle3Draft
+from serving.export import pid_alive
 from serving.hf_io import from_pretrained, read_json, save_pretrained
 from serving.draft_vocab import select_draft_vocab
 from model import Transformer
@@ -132,21 +133,11 @@ def complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "config.json"))
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
-
-
 def clean_stale(path: str):
     """Delete `path`.tmp<pid> / .old<pid> left by processes that are gone (killed mid-save)."""
     for p in glob.glob(f"{glob.escape(path)}.*"):
         m = re.fullmatch(rf"{re.escape(path)}\.(?:tmp|old)(\d+)", p)
-        if m and _gone(int(m[1])):
+        if m and not pid_alive(int(m[1])):
             shutil.rmtree(p, ignore_errors=True)
 
 

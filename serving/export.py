@@ -209,7 +209,7 @@ def atomic_dir(path: str, write):
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:  # the writer of a *.tmp<pid> / *.old<pid> still runs
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -227,7 +227,7 @@ def recover_swaps(out_dir: str, names=("policy", "draft")) -> list[str]:
     for name in names:
         path = os.path.abspath(os.path.join(out_dir, name))
         left = {kind: sorted(p for p in glob.glob(f"{glob.escape(path)}.{kind}*")
-                             if (m := re.fullmatch(rf"{re.escape(path)}\.{kind}(\d+)", p)) and not _alive(int(m[1])))
+                             if (m := re.fullmatch(rf"{re.escape(path)}\.{kind}(\d+)", p)) and not pid_alive(int(m[1])))
                 for kind in ("old", "tmp")}
         if not os.path.exists(path) and left["old"]:
             src = left["tmp"][-1] if left["tmp"] else left["old"][-1]
