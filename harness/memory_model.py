@@ -1,0 +1,233 @@
+"""A model of one rank's memory in a co-training run: bytes per component, from the config, the model's shape and the
+mesh -- before anything is allocated. harness/memory_plan.py prints it; harness/memory_track.py checks it against the
+tensors a real step allocates (tests/test_memory_plan.py).
+
+Per rank of pipeline stage s (the stage's DP x CP ranks are alike; global rank 0 also trains the offline arm):
+
+  persistent (held between steps)
+    weights      the stage's parameters in --dtype (ZeRO-1 / bf16: one flat buffer padded to n slices)
+    grads        fp32 .main_grad per parameter (bf16), else .grad in fp32
+    optimizer    AdamW m, v (+ fp32 master slice with bf16 or --zero1), over n = dp * cp ranks with --zero1 else 1:
+                 bf16: 12 N / n;  fp32: 8 N (12 N / n with --zero1)
+    copy:<name>  each full copy the rank keeps (held_copies: the rule), weights in --dtype; the drafts share the
+                 policy's embedding
+    draft_optim  the drafts' grads and AdamW state where they are trained (the last stage; the offline arm on rank 0);
+                 bf16: masters and fp32 accumulators on every rank (made with the trainer)
+    tap_slots    TapChannel's landing slots on the last stage: one (T_mb, H) per tapped layer of an earlier stage
+  transient (a phase's peak; the run's peak is the larger phase)
+    rollout      kv_cache (policy: layers x B x Hkv x L x D x 2; the draft's one layer) + verify_logits (the
+                 verification's vocabulary-sized working set) + the prefill's working set; or the reference
+                 forward's working set over rollout_batch sequences, whichever is larger (the caches are freed first)
+    update       activations (saved for backward: in-flight micro-batches x layers x T x per-token bytes; with
+                 --activation_checkpointing only the layer inputs, plus one layer recomputed), draft_activations (every
+                 trained arm's TTT graph for one micro-batch, alive until their one backward), logits_chunks (the
+                 streamed LM head's blocks) and comm_buffers (pipeline p2p, ring K/V, ZeRO-1's gathered slice)
+
+Per-token bytes of a decoder layer, b = bytes of --dtype, Q = Hq D, KV = Hkv D, I intermediate (what autograd saves,
+counted op by op from modeling/layers.py): each RMSNorm 12 H (fp32: its input, the normed x and the output) or 8 H
+(bf16: the fp32 copy, the cast, the output); attention b (4 Q + 4 KV) + 4 Hq (q, k before and after RoPE, the
+rotate-half, v, the output; the fp32 lse); SwiGLU 4 I b. Constants measured rather than counted (the storage tracker
+on the tiny configs of tests/test_memory_plan.py) are named *_BLOCKS below.
+
+Letters: N stage parameters, n ranks sharing a stage's optimizer, B rollout rows, L KV-cache length, T tokens of a
+micro-batch on one CP rank, V vocabulary, H hidden, P TTT passes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from backends.fused_logprob import budget_rows
+from draft import DraftConfig, Eagle3Draft
+from model import ModelConfig, Transformer, default_tap_layers
+from parallel.pp_schedule import schedule_actions, split_layers
+
+VERIFY_BLOCKS = 11  # fp32 (B, k+1, V) blocks live at the verification's peak (logits, p, q, residual, temporaries)
+LOGIT_BLOCKS = 3  # fp32 (rows, V) blocks live in a streamed LM-head chunk (logits, softmax, its gradient)
+
+
+@dataclass
+class Run:
+    """What the plan reads besides the Config: the policy's shape, the mesh, the sequence lengths."""
+    model: ModelConfig
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+    seq: int = 0  # tokens per sequence in the update (prompt + response)
+    prompt: int = 0  # the longest prompt of a rollout block (the KV cache's length is prompt + max_new_tokens + k + 1)
+    dtype: str = "bf16"  # resolved: bf16 | fp32
+
+
+def held_copies(cfg) -> dict:
+    """THE rule for which full copies a rank keeps, as harness/experiment.build_models makes them: name -> (kind,
+    where it is trained: "last" stage, "rank0", or None). One place to align when the build's rules change."""
+    out = {"policy": ("policy", None), "reference": ("policy", None),
+           "cotrained": ("draft", "last"), "frozen": ("draft", None)}
+    if cfg.cold_arm and not cfg.cold_start:
+        out["cold"] = ("draft", "last")
+    if cfg.offline_arm:
+        out["offline"] = ("draft", "rank0")
+    return out
+
+
+def draft_tokens(cfg) -> int:
+    """k of a rollout's verification (the ceiling under --num_draft_tokens=auto)."""
+    return cfg.max_draft_tokens if cfg.num_draft_tokens == "auto" else int(cfg.num_draft_tokens)
+
+
+def _numel(module) -> tuple:
+    """(trainable parameters, bytes of buffers) of a module built on the meta device."""
+    return (sum(p.numel() for p in module.parameters()),
+            sum(b.numel() * b.element_size() for n, b in module.named_buffers() if n != "embed_weight"))
+
+
+def stage_numel(m: ModelConfig, layers: tuple) -> int:
+    with torch.device("meta"):
+        return _numel(Transformer(m, layers=layers))[0]
+
+
+def draft_numel(m: ModelConfig, cfg) -> tuple:
+    """(parameters, buffer bytes) of one EAGLE-3 draft arm of this policy (draft.Eagle3Draft.from_target's shape)."""
+    taps = cfg.tap_layers or default_tap_layers(m.num_hidden_layers)
+    dc = DraftConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+                     num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
+                     head_dim=m.head_dim, tap_layers=taps, target_num_layers=m.num_hidden_layers,
+                     draft_vocab_size=cfg.draft_vocab or None)
+    with torch.device("meta"):
+        return _numel(Eagle3Draft(dc, torch.empty(m.vocab_size, m.hidden_size)))
+
+
+def in_flight(schedule: str, pp: int, stage: int, M: int) -> int:
+    """The most micro-batches whose activations stage `stage` holds at once (its F's not yet matched by a B)."""
+    live = most = 0
+    for kind, _ in schedule_actions(schedule, pp, stage, M):
+        live += 1 if kind == "F" else -1
+        most = max(most, live)
+    return most
+
+
+def norm_bytes(H: int, b: int) -> int:  # per token, what one RMSNorm saves (module docstring)
+    return 12 * H if b == 4 else 8 * H
+
+
+def layer_bytes(m: ModelConfig, b: int, qk_norm: bool = None) -> int:
+    """Per token: what one decoder layer saves for backward."""
+    Q, KV, I = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim, m.intermediate_size
+    qk = (8 if b == 4 else 6) * (Q + KV) if (m.qk_norm if qk_norm is None else qk_norm) else 0
+    return 2 * norm_bytes(m.hidden_size, b) + b * (4 * Q + 4 * KV) + 4 * m.num_attention_heads + qk + 4 * I * b
+
+
+def draft_pass_bytes(m: ModelConfig, b: int) -> int:
+    """Per token and TTT pass: the draft layer (norms on e and h, the 2H concat, attention, post norm, SwiGLU), its
+    final norm and the streamed loss's three fp32 normalisers."""
+    H, Q, KV = m.hidden_size, m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    return (4 * norm_bytes(H, b) + 2 * H * b + b * (4 * Q + 4 * KV) + 4 * m.num_attention_heads
+            + 4 * m.intermediate_size * b + 12)
+
+
+def micro_batch(cfg, run: Run) -> tuple:
+    """(T tokens of one micro-batch on one CP rank, micro-batches per DP rank): sequences padded to 2 cp under CP
+    (and to even lengths at cp = 1: the ring of one)."""
+    seqs = cfg.prompts_per_step * cfg.group_size / cfg.updates / cfg.micro_batches
+    pad = 2 * run.cp
+    return seqs * math.ceil(run.seq / pad) * pad / run.cp, max(1, cfg.micro_batches // run.dp)
+
+
+def optimizer_parts(N: int, n: int, b: int) -> dict:
+    """weights / grads / optimizer bytes of N parameters whose optimizer is sharded n ways (n = 1: not sharded)."""
+    per = math.ceil(N / n)
+    if b == 2:  # bf16: flat working copy, fp32 main_grad, fp32 master slice + m, v
+        return {"weights": 2 * n * per, "grads": 4 * N, "optimizer": 12 * per}
+    if n == 1:
+        return {"weights": 4 * N, "grads": 4 * N, "optimizer": 8 * N}
+    return {"weights": 4 * n * per, "grads": 4 * N, "optimizer": 12 * per}
+
+
+def persistent(cfg, run: Run, stage: int, rank0: bool) -> dict:
+    """Bytes held between steps by a rank of `stage` (rank0: global rank 0, which also trains the offline arm)."""
+    m, b = run.model, 2 if run.dtype == "bf16" else 4
+    split = split_layers(m.num_hidden_layers, run.pp)
+    n = run.dp * run.cp if cfg.zero1 else 1
+    out = optimizer_parts(stage_numel(m, split[stage]), n, b)
+    full, (Nd, dbuf) = stage_numel(m, (0, m.num_hidden_layers)), draft_numel(m, cfg)
+    last = stage == run.pp - 1
+    optim = 0
+    for name, (kind, where) in held_copies(cfg).items():
+        out[f"copy:{name}"] = (full if kind == "policy" else Nd) * b + (dbuf if kind == "draft" else 0)
+        trained = (where == "last" and last) or (where == "rank0" and rank0)
+        if where is not None and b == 2:  # master + main_grad made with the trainer, m and v once trained
+            optim += 8 * Nd + (8 * Nd if trained else 0)
+        elif trained:
+            optim += 12 * Nd  # grads + m, v
+    out["draft_optim"] = optim
+    T, _ = micro_batch(cfg, run)
+    taps = (cfg.tap_layers or default_tap_layers(m.num_hidden_layers)) + (-1,)
+    remote = [t for t in taps if t < split[-1][0]]  # produced on an earlier stage (the embedding tap on stage 0)
+    out["tap_slots"] = int(len(remote) * T * m.hidden_size * b) if last and run.pp > 1 else 0
+    return out
+
+
+def rollout_transient(cfg, run: Run, max_new_tokens: int) -> dict:
+    """The rollout phase's components: the generate call's KV caches and vocabulary-sized working set, the prefill's
+    and the reference forward's working sets (max_new_tokens: the response budget actually used)."""
+    m, b = run.model, 2 if run.dtype == "bf16" else 4
+    k = draft_tokens(cfg)
+    rows = cfg.prompts_per_step * cfg.group_size
+    B = min(cfg.rollout_batch, rows)
+    L = run.prompt + max_new_tokens + k + 1
+    per_layer = 2 * B * m.num_key_value_heads * L * m.head_dim * b
+    kv = per_layer * (m.num_hidden_layers + 1) + 2 * 8 * B  # the policy's layers and the draft's one; lengths
+    verify = VERIFY_BLOCKS * B * (k + 1) * m.vocab_size * 4
+    Q, KV, I, H = (m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim, m.intermediate_size,
+                   m.hidden_size)
+    work = (2 * H + Q + 2 * KV + 3 * I) * b  # per token, a no-grad layer's live tensors at once
+    ref = B * run.seq * work + LOGIT_BLOCKS * min(B * run.seq, _rows(cfg, m)) * m.vocab_size * 4
+    return {"kv_cache": kv, "verify_logits": verify, "prefill": B * run.prompt * work, "reference_forward": ref}
+
+
+def _rows(cfg, m: ModelConfig) -> int:
+    return budget_rows(m.vocab_size, cfg.chunk_mib) or 1 << 62  # 0: unfused, the whole (T, V)
+
+
+def update_transient(cfg, run: Run, stage: int) -> dict:
+    """The update phase's components on a rank of `stage`."""
+    m, b = run.model, 2 if run.dtype == "bf16" else 4
+    split = split_layers(m.num_hidden_layers, run.pp)
+    a, z = split[stage]
+    T, M = micro_batch(cfg, run)
+    live = in_flight(cfg.schedule, run.pp, stage, M)
+    last, H = stage == run.pp - 1, m.hidden_size
+    per_tok = (z - a) * layer_bytes(m, b) + 2 * m.head_dim * b + (norm_bytes(H, b) if last else 0)
+    if cfg.activation_checkpointing:
+        acts = live * T * ((z - a) * H * b + 2 * m.head_dim * b) + T * layer_bytes(m, b)
+    else:
+        acts = live * T * per_tok
+    trained = sum(1 for kind, where in held_copies(cfg).values() if where == "last")
+    n_taps = len(cfg.tap_layers or default_tap_layers(m.num_hidden_layers))
+    dacts = trained * T * (cfg.ttt_passes * draft_pass_bytes(m, b) + (n_taps + 1) * H * b) if last else 0
+    rows = min(T, _rows(cfg, m))
+    logits = LOGIT_BLOCKS * rows * m.vocab_size * 4 if last else 0
+    KV = m.num_key_value_heads * m.head_dim
+    n = run.dp * run.cp if cfg.zero1 else 1
+    comm = (2 * T * H * b * (0 < stage or not last)  # p2p: the received activation and gradient
+            + (4 * T * KV * b if run.cp > 1 else 0)  # ring: K and V, in flight and arriving
+            + (math.ceil(stage_numel(m, (a, z)) / n) * b if n > 1 else 0))  # ZeRO-1: the slice, cast to gather
+    return {"activations": int(acts), "draft_activations": int(dacts), "logits_chunks": int(logits),
+            "comm_buffers": int(comm)}
+
+
+def rank_plan(cfg, run: Run, stage: int, rank0: bool = False, max_new_tokens: int = None) -> dict:
+    """Every component of a rank of `stage`, the two phases' peaks and the total (persistent + the larger phase)."""
+    out = persistent(cfg, run, stage, rank0)
+    new = max_new_tokens if max_new_tokens is not None else cfg.max_new_tokens or max(run.seq - run.prompt, 0)
+    roll, upd = rollout_transient(cfg, run, new), update_transient(cfg, run, stage)
+    out.update(roll)
+    out.update(upd)
+    out["rollout_peak"] = max(roll["kv_cache"] + roll["verify_logits"] + roll["prefill"], roll["reference_forward"])
+    out["update_peak"] = sum(upd.values())
+    keep = [k for k in out if k not in roll and k not in upd and not k.endswith("_peak")]
+    out["persistent"] = sum(out[k] for k in keep)
+    out["total"] = out["persistent"] + max(out["rollout_peak"], out["update_peak"])
+    return out
