@@ -83,9 +83,16 @@ def _numel(module) -> tuple:
             sum(b.numel() * b.element_size() for n, b in module.named_buffers() if n != "embed_weight"))
 
 
+_NUMEL: dict = {}  # (the model's repr, layers) -> parameters: building 36 layers on meta takes ~0.1 s
+
+
 def stage_numel(m: ModelConfig, layers: tuple) -> int:
-    with torch.device("meta"):
-        return _numel(Transformer(m, layers=layers))[0]
+    """Parameters of the stage slice holding `layers` (built on the meta device: nothing allocated)."""
+    key = (repr(m), tuple(layers))
+    if key not in _NUMEL:
+        with torch.device("meta"):
+            _NUMEL[key] = _numel(Transformer(m, layers=layers))[0]
+    return _NUMEL[key]
 
 
 def draft_numel(m: ModelConfig, cfg) -> tuple:

@@ -1,0 +1,166 @@
+"""The memory plan (harness/memory_model.py) against what a real step allocates (harness/memory_track.py).
+
+Four runs at reduced size, each one real RL step of train.py's phases (harness/rollout.rollout, harness/update.update;
+the warm-ups at a few steps, cached per test): the built-in task in fp32 with every control arm; HF mode on a random
+Qwen3 at V = 151936 (the LM head streamed 6 rows at a time); bf16 with --activation_checkpointing; and pp 2 x cp 2
+with --zero1 on 4 gloo processes (each rank checks its own stage). Every component the plan names is compared with
+the tracker's count of the same thing: persistent state by walking the objects (weights, grads, optimizer, each copy,
+the drafts' optimizers, TapChannel's slots), the KV caches as constructed, and the phases' transient peaks (the
+update's split into the drafts' TTT graphs, vocabulary-sized blocks and the rest) -- each within 15% (components
+under 1 KiB in both are too small to compare), the total within 10%. RSS growth over the step is printed beside it,
+never asserted.
+
+    python -m pytest -q -s tests/test_memory_plan.py      # -s prints the plan-vs-measured tables (docs/memory.md)
+
+Seconds added (measured, 2 loaded cores): ~X s in all.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from harness import memory_model as mm
+from harness import memory_track as mt
+from harness.config import parse_args
+from harness.experiment import build
+from harness.mesh import Mesh
+from harness.rollout import rollout
+from harness.update import update
+from parallel.grid import Grid
+
+COMPONENT_TOL, TOTAL_TOL, SMALL = 0.15, 0.10, 1024
+DRAFT_FILES = ("draft_ttt.py", "draft_loss.py", "draft.py")
+
+
+def classifier(m):
+    """kv / logits by shape (memory_track.vocab_classifier), else "draft" for what the drafts' code makes."""
+    by_shape = mt.vocab_classifier(m.vocab_size, m.hidden_size, m.num_key_value_heads, m.head_dim)
+
+    def classify(t):
+        cat = by_shape(t)
+        if cat is None:
+            f = sys._getframe(2)
+            while f is not None:
+                if f.f_code.co_filename.endswith(DRAFT_FILES):
+                    return "draft"
+                f = f.f_back
+        return cat
+    return classify
+
+
+def lengths(batch, tokens: int, cfg, cp: int) -> tuple:
+    """(tokens per sequence of the update's largest micro-batch, the longest prompt) -- what the plan is for: its
+    micro-batches are alike, the step's differ, and its peak is the largest's. tokens: that micro-batch's tokens on
+    one CP rank."""
+    cu = batch.cu_seqlens.tolist()
+    prompts = [b - a - int(batch.resp_mask[a:b].sum()) for a, b in zip(cu[:-1], cu[1:])]
+    seqs = cfg.prompts_per_step * cfg.group_size / cfg.updates / cfg.micro_batches
+    return tokens * cp / seqs, max(prompts)
+
+
+class LargestMicrobatch:
+    """Records the most tokens a micro-batch of PipelineSchedule.step holds on this rank."""
+
+    def __enter__(self):
+        from pipeline import PipelineSchedule
+        self.tokens, self.cls, self.step = 0, PipelineSchedule, PipelineSchedule.step
+
+        def step(sched, mbs, *a, **k):
+            mbs = list(mbs)
+            self.tokens = max([self.tokens] + [mb.tokens.shape[0] for mb in mbs])
+            return self.step(sched, mbs, *a, **k)
+        PipelineSchedule.step = step
+        return self
+
+    def __exit__(self, *exc):
+        self.cls.step = self.step
+
+
+def measure(s, mesh) -> tuple:
+    """One RL step under the trackers -> (measured components, the lengths the plan needs, RSS growth)."""
+    m, rss0 = s.policy.cfg, mt.rss_bytes()
+    problems = s.task.sample(s.cfg.prompts_per_step, s.rng)
+    with mt.kv_caches() as kv, mt.StorageTracker(classifier(m)) as roll:
+        batch, _ = rollout(s, mesh, problems, {})
+    offline, s.offline = s.offline, None  # the control's own step is timed and sized apart
+    with mt.StorageTracker(classifier(m)) as upd, LargestMicrobatch() as largest:
+        update(s, batch, {})
+    s.offline = offline
+    if offline is not None:
+        offline.step()
+    out = mt.held(s)
+    out["kv_cache"] = (max(b for n, b in kv.sizes if n == m.num_hidden_layers)
+                       + max(b for n, b in kv.sizes if n == 1))
+    out["rollout_peak"], out["update_peak"] = roll.peak(), upd.peak()
+    out["draft_activations"], out["logits_chunks"] = upd.peak("draft"), upd.peak("logits")
+    out["persistent"] = sum(v for k, v in out.items() if k in mt.held(s))
+    out["total"] = out["persistent"] + max(out["rollout_peak"], out["update_peak"])
+    return out, lengths(batch, largest.tokens, s.cfg, mesh.grid.cp), mt.rss_bytes() - rss0
+
+
+def compare(cfg, s, grid, measured, lens, rss, rank0=True) -> list:
+    """The plan for this rank beside the measurement: a printed table, and the rows outside their tolerance."""
+    run = mm.Run(s.policy.cfg, pp=grid.pp, cp=grid.cp, dp=grid.dp, seq=lens[0], prompt=lens[1],
+                 dtype="bf16" if next(s.policy.parameters()).dtype == torch.bfloat16 else "fp32")
+    plan = mm.rank_plan(cfg, run, grid.pp_rank, rank0=rank0, max_new_tokens=s.task.max_new_tokens)
+    bad, rows = [], [f"{cfg.name} stage {grid.pp_rank} (RSS growth over the step {rss / 2**20:.1f} MiB)"]
+    for key, got in measured.items():
+        want = plan[key]
+        tol = TOTAL_TOL if key == "total" else COMPONENT_TOL
+        ok = max(want, got) < SMALL or abs(want - got) <= tol * max(got, 1)
+        rows.append(f"  {key:18s} plan {want:11.0f}  measured {got:11.0f}  {want / max(got, 1):6.3f}"
+                    f"{'' if ok else '  <-- outside'}")
+        if not ok:
+            bad.append(f"{key}: plan {want} vs measured {got}")
+    print("\n".join(rows))
+    return bad
+
+
+def one_process(tmp_path, argv) -> list:
+    cfg = parse_args(["--preset", "test", "--cache_dir", str(tmp_path / "cache"), "--out", str(tmp_path / "out"),
+                      "--warmup_threads=1", "--steps=1"] + argv)
+    mesh = Mesh(Grid(), torch.device("cpu"))
+    s = build(cfg, mesh, log=lambda *a, **k: None)
+    measured, lens, rss = measure(s, mesh)
+    return compare(cfg, s, mesh.grid, measured, lens, rss)
+
+
+def test_plan_matches_a_fp32_step_with_every_arm(tmp_path, one_thread):
+    assert one_process(tmp_path, ["--name=fp32"]) == []
+
+
+def test_plan_matches_a_bf16_step_with_activation_checkpointing(tmp_path, one_thread):
+    assert one_process(tmp_path, ["--name=bf16_ac", "--dtype=bf16", "--activation_checkpointing",
+                                  "--offline_arm=false"]) == []
+
+
+def test_plan_matches_a_step_at_qwen_vocabulary(tmp_path, one_thread):
+    from hf_util import write_jsonl, write_tiny_qwen3
+    qwen = write_tiny_qwen3(tmp_path / "qwen3", "What is + ? 0 1 2 3 4 5".split())
+    rows = [{"prompt": f"What is {a} + {b} ?", "answer": a + b} for a in range(3) for b in range(3)]
+    data = write_jsonl(tmp_path / "p.jsonl", rows)
+    assert one_process(tmp_path, ["--name=qwen_vocab", "--model", str(qwen), "--data", str(data),
+                                  "--eval_fraction=0.3", "--max_new_tokens=6", "--rollout_batch=4", "--chunk_mib=4",
+                                  "--draft_warmup_steps=1", "--draft_warmup_batch=2", "--draft_warmup_pool=4",
+                                  "--cold_arm=false"]) == []
+
+
+def _dist_rank(rank, world, tmp):
+    """One rank of the pp 2 x cp 2 --zero1 run: build (rank 0 first), measure, compare its own stage."""
+    from parallel.waits import set_timeout
+    set_timeout(120)
+    cfg = parse_args(["--preset", "test", "--name=pp2cp2_zero1", "--cache_dir", f"{tmp}/cache", "--out",
+                      f"{tmp}/out", "--warmup_threads=1", "--steps=1", "--pp=2", "--cp=2", "--zero1",
+                      "--offline_arm=false"])
+    mesh = Mesh(Grid.build(pp=2, cp=2, dp=1), torch.device("cpu"), rank, world)
+    s = build(cfg, mesh, log=lambda *a, **k: None)
+    measured, lens, rss = measure(s, mesh)
+    return compare(cfg, s, mesh.grid, measured, lens, rss, rank0=rank == 0)
+
+
+def test_plan_matches_each_rank_of_a_pp2_cp2_zero1_step(tmp_path):
+    from dist_util import run_distributed
+    results = run_distributed(_dist_rank, world_size=4, args=(str(tmp_path),), timeout=300)
+    assert [r for rank in sorted(results) for r in results[rank]] == []
