@@ -21,7 +21,8 @@ Per rank of pipeline stage s (the stage's DP x CP ranks are alike; global rank 0
     update       activations (saved for backward: in-flight micro-batches x layers x T x per-token bytes; with
                  --activation_checkpointing only the layer inputs, plus one layer recomputed), draft_activations (every
                  trained arm's TTT graph for one micro-batch, alive until their one backward), logits_chunks (the
-                 streamed LM head's blocks) and comm_buffers (pipeline p2p, ring K/V, ZeRO-1's gathered slice)
+                 streamed LM head's blocks), head_buffers (fp32 (V, H) gradient partials of the streamed heads, the
+                 policy's and each trained draft's) and comm_buffers (pipeline p2p, ring K/V, ZeRO-1's gathered slice)
 
 Per-token bytes of a decoder layer, b = bytes of --dtype, Q = Hq D, KV = Hkv D, I intermediate (what autograd saves,
 counted op by op from modeling/layers.py): each RMSNorm 12 H (fp32: its input, the normed x and the output) or 8 H
@@ -44,8 +45,9 @@ from draft import DraftConfig, Eagle3Draft
 from model import ModelConfig, Transformer, default_tap_layers
 from parallel.pp_schedule import schedule_actions, split_layers
 
-VERIFY_BLOCKS = 11  # fp32 (B, k+1, V) blocks live at the verification's peak (logits, p, q, residual, temporaries)
+VERIFY_BLOCKS = 4  # fp32 (B, k+1, V) blocks live at the verification's peak (p, q, the residual), + one (B, V)
 LOGIT_BLOCKS = 3  # fp32 (rows, V) blocks live in a streamed LM-head chunk (logits, softmax, its gradient)
+HEAD_BLOCKS = (4, 2)  # fp32 (V, H) blocks in the update's backward: the policy's streamed head, + per trained draft
 
 
 @dataclass
@@ -186,7 +188,7 @@ def rollout_transient(cfg, run: Run, max_new_tokens: int) -> dict:
     L = run.prompt + max_new_tokens + k + 1
     per_layer = 2 * B * m.num_key_value_heads * L * m.head_dim * b
     kv = per_layer * (m.num_hidden_layers + 1) + 2 * 8 * B  # the policy's layers and the draft's one; lengths
-    verify = VERIFY_BLOCKS * B * (k + 1) * m.vocab_size * 4
+    verify = (VERIFY_BLOCKS * (k + 1) + 1) * B * m.vocab_size * 4
     Q, KV, I, H = (m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim, m.intermediate_size,
                    m.hidden_size)
     work = (2 * H + Q + 2 * KV + 3 * I) * b  # per token, a no-grad layer's live tensors at once
@@ -216,13 +218,14 @@ def update_transient(cfg, run: Run, stage: int) -> dict:
     dacts = trained * T * (cfg.ttt_passes * draft_pass_bytes(m, b) + (n_taps + 1) * H * b) if last else 0
     rows = min(T, _rows(cfg, m))
     logits = LOGIT_BLOCKS * rows * m.vocab_size * 4 if last else 0
+    heads = (HEAD_BLOCKS[0] + HEAD_BLOCKS[1] * trained) * m.vocab_size * H * 4 if last else 0
     KV = m.num_key_value_heads * m.head_dim
     n = run.dp * run.cp if cfg.zero1 else 1
     comm = (2 * T * H * b * (0 < stage or not last)  # p2p: the received activation and gradient
             + (4 * T * KV * b if run.cp > 1 else 0)  # ring: K and V, in flight and arriving
             + (math.ceil(stage_numel(m, (a, z)) / n) * b if n > 1 else 0))  # ZeRO-1: the slice, cast to gather
     return {"activations": int(acts), "draft_activations": int(dacts), "logits_chunks": int(logits),
-            "comm_buffers": int(comm)}
+            "head_buffers": int(heads), "comm_buffers": int(comm)}
 
 
 def rank_plan(cfg, run: Run, stage: int, rank0: bool = False, max_new_tokens: int = None) -> dict:

@@ -31,14 +31,19 @@ from harness.update import update
 from parallel.grid import Grid
 
 COMPONENT_TOL, TOTAL_TOL, SMALL = 0.15, 0.10, 1024
+BY_VOCAB = ("verify_logits", "logits_chunks", "head_buffers")  # told apart by a dimension of size V: only at a V no
+# other dimension has (the tiny presets' V = 18 is also a token count); they are in the phase peaks at every V
 DRAFT_FILES = ("draft_ttt.py", "draft_loss.py", "draft.py")
 
 
 def classifier(m):
-    """kv / logits by shape (memory_track.vocab_classifier), else "draft" for what the drafts' code makes."""
+    """head for (V, H)-shaped tensors, kv / logits by shape (memory_track.vocab_classifier), else "draft" for what
+    the drafts' code makes."""
     by_shape = mt.vocab_classifier(m.vocab_size, m.hidden_size, m.num_key_value_heads, m.head_dim)
 
     def classify(t):
+        if tuple(t.shape) in ((m.vocab_size, m.hidden_size), (m.hidden_size, m.vocab_size)):
+            return "head"
         cat = by_shape(t)
         if cat is None:
             f = sys._getframe(2)
@@ -95,6 +100,7 @@ def measure(s, mesh) -> tuple:
                        + max(b for n, b in kv.sizes if n == 1))
     out["rollout_peak"], out["update_peak"] = roll.peak(), upd.peak()
     out["draft_activations"], out["logits_chunks"] = upd.peak("draft"), upd.peak("logits")
+    out["head_buffers"], out["verify_logits"] = upd.peak("head"), roll.peak("logits")
     out["persistent"] = sum(v for k, v in out.items() if k in mt.held(s))
     out["total"] = out["persistent"] + max(out["rollout_peak"], out["update_peak"])
     return out, lengths(batch, largest.tokens, s.cfg, mesh.grid.cp), mt.rss_bytes() - rss0
@@ -107,6 +113,8 @@ def compare(cfg, s, grid, measured, lens, rss, rank0=True) -> list:
     plan = mm.rank_plan(cfg, run, grid.pp_rank, rank0=rank0, max_new_tokens=s.task.max_new_tokens)
     bad, rows = [], [f"{cfg.name} stage {grid.pp_rank} (RSS growth over the step {rss / 2**20:.1f} MiB)"]
     for key, got in measured.items():
+        if key in BY_VOCAB and s.policy.cfg.vocab_size < 1000:
+            continue
         want = plan[key]
         tol = TOTAL_TOL if key == "total" else COMPONENT_TOL
         ok = max(want, got) < SMALL or abs(want - got) <= tol * max(got, 1)
