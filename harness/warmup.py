@@ -240,6 +240,7 @@ def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache"
             print(f"  draft step {step:4d}/{steps}  loss {loss.item():.4f}  tau_hat {m['tau_hat']:.2f}  "
                   f"{time.time() - t0:5.1f}s", flush=True)
     check_finite_weights(draft, f"draft warm-up, after {steps} steps, the draft", HINT)
+    draft.zero_grad(set_to_none=True)  # the last step's gradients would stay on this rank (a draft's size in fp32)
     publish(path, draft.save)
     return draft, False
 
