@@ -24,11 +24,13 @@ import os
 import sys
 
 from harness import memory_model as mm
-from harness.config import Config, parse_args
+from harness.config import Config, help_text, parse_args
 from model import PRESETS as MODEL_PRESETS
 from parallel.cli import print_help, wants_help
 
 GiB = 2 ** 30
+USAGE = ("usage: python -m harness.memory_plan [--model PRESET|DIR|config.json] [--gpus N] [--seq T] "
+         "[--device_gib G] [--recommend] [train.py flags]")
 OWN = {"gpus": int, "seq": int, "device_gib": float, "recommend": bool}
 
 
@@ -159,9 +161,9 @@ def recommend(cfg: Config, m, own: dict, top: int = 6) -> str:
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    if wants_help(argv):
-        print_help(__doc__)
-        return
+    if wants_help(argv):  # the plan's docstring, then every train.py flag it reads
+        print_help(USAGE + "\n\n" + __doc__ + "\n" + help_text(USAGE).split("\n", 1)[1])
+        raise SystemExit(0)
     cfg, spec, own = parse(argv)
     m = model_config(spec, cfg)
     run = make_run(cfg, m, own)

@@ -167,8 +167,8 @@ def _dist_rank(rank, world, tmp):
     from parallel.waits import set_timeout
     set_timeout(120)
     cfg = parse_args(["--preset", "test", "--name=pp2cp2_zero1", "--cache_dir", f"{tmp}/cache", "--out",
-                      f"{tmp}/out", "--warmup_threads=1", "--steps=1", "--pp=2", "--cp=2", "--zero1", "--rollout_batch=2",
-                      "--offline_arm=false"])
+                      f"{tmp}/out", "--warmup_threads=1", "--steps=1", "--pp=2", "--cp=2", "--zero1",
+                      "--rollout_batch=2", "--offline_arm=false"])
     mesh = Mesh(Grid.build(pp=2, cp=2, dp=1), torch.device("cpu"), rank, world)
     s = build(cfg, mesh, log=lambda *a, **k: None)
     measured, lens, rss = measure(s, mesh)
