@@ -26,9 +26,10 @@ Per rank of pipeline stage s (the stage's DP x CP ranks are alike; global rank 0
 
 Per-token bytes of a decoder layer, b = bytes of --dtype, Q = Hq D, KV = Hkv D, I intermediate (what autograd saves,
 counted op by op from modeling/layers.py): each RMSNorm 12 H (fp32: its input, the normed x and the output) or 8 H
-(bf16: the fp32 copy, the cast, the output); attention b (4 Q + 4 KV) + 4 Hq (q, k before and after RoPE, the
-rotate-half, v, the output; the fp32 lse); SwiGLU 4 I b. Constants measured rather than counted (the storage tracker
-on the tiny configs of tests/test_memory_plan.py) are named *_BLOCKS below.
+(bf16: the fp32 copy, the cast, the output), + its fp32 rsqrt; attention b (2 Q + 2 KV) + 4 Hq (q and k after RoPE, v,
+the output; the fp32 lse: RoPE's products with cos / sin save only the tables, which need no gradient); SwiGLU
+4 I b. Constants measured rather than counted (the storage tracker at V = 151936, tests/test_memory_plan.py) are
+named *_BLOCKS below.
 
 Letters: N stage parameters, n ranks sharing a stage's optimizer, B rollout rows, L KV-cache length, T tokens of a
 micro-batch on one CP rank, V vocabulary, H hidden, P TTT passes.
@@ -60,6 +61,7 @@ class Run:
     seq: int = 0  # tokens per sequence in the update (prompt + response)
     prompt: int = 0  # the longest prompt of a rollout block (the KV cache's length is prompt + max_new_tokens + k + 1)
     dtype: str = "bf16"  # resolved: bf16 | fp32
+    rollout_seq: float = 0  # mean tokens per sequence of a rollout block's reference forward (0: seq)
 
 
 def held_copies(cfg) -> dict:
@@ -118,21 +120,22 @@ def in_flight(schedule: str, pp: int, stage: int, M: int) -> int:
 
 
 def norm_bytes(H: int, b: int) -> int:  # per token, what one RMSNorm saves (module docstring)
-    return 12 * H if b == 4 else 8 * H
+    return (12 * H if b == 4 else 8 * H) + 4  # + the fp32 rsqrt
 
 
 def layer_bytes(m: ModelConfig, b: int, qk_norm: bool = None) -> int:
     """Per token: what one decoder layer saves for backward."""
     Q, KV, I = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim, m.intermediate_size
-    qk = (8 if b == 4 else 6) * (Q + KV) if (m.qk_norm if qk_norm is None else qk_norm) else 0
-    return 2 * norm_bytes(m.hidden_size, b) + b * (4 * Q + 4 * KV) + 4 * m.num_attention_heads + qk + 4 * I * b
+    qk = ((8 if b == 4 else 6) * (Q + KV) + 4 * (m.num_attention_heads + m.num_key_value_heads)
+          if (m.qk_norm if qk_norm is None else qk_norm) else 0)
+    return 2 * norm_bytes(m.hidden_size, b) + b * (2 * Q + 2 * KV) + 4 * m.num_attention_heads + qk + 4 * I * b
 
 
 def draft_pass_bytes(m: ModelConfig, b: int) -> int:
     """Per token and TTT pass: the draft layer (norms on e and h, the 2H concat, attention, post norm, SwiGLU), its
     final norm and the streamed loss's three fp32 normalisers."""
     H, Q, KV = m.hidden_size, m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
-    return (4 * norm_bytes(H, b) + 2 * H * b + b * (4 * Q + 4 * KV) + 4 * m.num_attention_heads
+    return (4 * norm_bytes(H, b) + 2 * H * b + b * (2 * Q + 2 * KV) + 4 * m.num_attention_heads
             + 4 * m.intermediate_size * b + 12)
 
 
@@ -192,7 +195,8 @@ def rollout_transient(cfg, run: Run, max_new_tokens: int) -> dict:
     Q, KV, I, H = (m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim, m.intermediate_size,
                    m.hidden_size)
     work = (2 * H + Q + 2 * KV + 3 * I) * b  # per token, a no-grad layer's live tensors at once
-    ref = B * run.seq * work + LOGIT_BLOCKS * min(B * run.seq, _rows(cfg, m)) * m.vocab_size * 4
+    T = B * (run.rollout_seq or run.seq)  # the reference forward's tokens: rollout_batch sequences at once
+    ref = T * work + LOGIT_BLOCKS * min(T, _rows(cfg, m)) * m.vocab_size * 4
     return {"kv_cache": kv, "verify_logits": verify, "prefill": B * run.prompt * work, "reference_forward": ref}
 
 
