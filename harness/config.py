@@ -110,7 +110,7 @@ class Config:
     dp: int = 0  # data-parallel replicas (0: world size / (pp * cp))
     schedule: str = "1f1b"  # parallel/pp_schedule.SCHEDULES
     activation_checkpointing: bool = False  # recompute each decoder layer in the update's backward (memory for time)
-    zero1: bool = False  # shard each stage's optimizer state (AdamW m, v + master slice) over its DP x CP ranks
+    zero1: bool | str = False  # shard a stage's AdamW m, v, masters over its DP x CP ranks; auto: as memory_plan says
     # memory and kernels at scale: see docs/memory.md
     attn_backend: str = "auto"  # auto (CUDA: fused triton; CPU: torch, the reference) | torch | triton | flash (CUDA)
     chunk_mib: float = 256.0  # MiB of fp32 logits per chunk of log-probs and draft loss (0: unfused (T, V) logits)
@@ -283,7 +283,7 @@ CHECKS = {
     "dp":                 ((lambda v, c: v >= 0), ">= 0 (0 = world / (pp * cp))"),
     "schedule":           one_of(*SCHEDULES),
     "activation_checkpointing": FLAG,
-    "zero1":              FLAG,
+    "zero1":              ((lambda v, c: v is True or v is False or v == "auto"), "true, false or auto"),
     "attn_backend":       one_of("auto", "torch", "triton", "flash"),
     "dtype":              one_of("auto", "bf16", "fp32"),
     "chunk_mib":          ((lambda v, c: v >= 0), ">= 0 (0 = the unfused (T, V) logits, the reference path)"),
@@ -404,7 +404,7 @@ def parse_args(argv: list, usage: str = USAGE) -> Config:
             near = difflib.get_close_matches(key, list(types) + ["preset"], n=1)
             raise ValueError(f"unknown config key {key!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
         typ = types.get(key, "str")
-        if not eq and typ != "bool":  # --key value
+        if not eq and typ not in ("bool", "bool | str"):  # --key value
             if i >= len(argv) or argv[i].startswith("--"):
                 raise ValueError(f"--{key}: expected --{key}=<{typ}> or --{key} <{typ}>")
             val, eq = argv[i], "="
@@ -422,7 +422,9 @@ def parse_args(argv: list, usage: str = USAGE) -> Config:
 
 def _convert(key: str, val: str, typ: str):
     try:
-        if typ == "bool":
+        if typ == "bool | str" and val.lower() not in ("true", "false", "1", "0"):  # --zero1=auto (CHECKS says which)
+            return val
+        if typ in ("bool", "bool | str"):
             if val.lower() not in ("true", "false", "1", "0"):
                 raise ValueError
             return val.lower() in ("true", "1")

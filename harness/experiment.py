@@ -30,6 +30,7 @@ from dist_step import DistCotrainer
 from draft import Eagle3Draft
 from serving.hf_io import from_pretrained
 from harness.mesh import model_dtype
+from harness.memory_model import resolve_zero1
 from model import Transformer
 from modeling.mixed_precision import master_optimizer
 from harness.offline_arm import OfflineArm
@@ -115,7 +116,8 @@ def build(cfg: Config, mesh: Mesh, log=print) -> Setup:
         grad_clip=cfg.grad_clip, schedule=cfg.schedule, attn_fn=padded_causal_attention,
         attn_backend=cfg.attn_backend_on(mesh.device),
         logprob_chunk=budget_rows(s.policy.cfg.vocab_size, cfg.chunk_mib),
-        activation_checkpointing=cfg.activation_checkpointing, zero1=cfg.zero1,
+        activation_checkpointing=cfg.activation_checkpointing,
+        zero1=resolve_zero1(cfg, s.policy.cfg, mesh.grid, mesh.device, s.task.max_new_tokens),  # --zero1=auto: the plan
         watch=[d for _, d in watched(s)])  # frozen / offline-extended: teacher-forced acceptance, forward only
     return s
 

@@ -161,7 +161,7 @@ def persistent(cfg, run: Run, stage: int, rank0: bool) -> dict:
     """Bytes held between steps by a rank of `stage` (rank0: global rank 0, which also trains the offline arm)."""
     m, b = run.model, 2 if run.dtype == "bf16" else 4
     split = split_layers(m.num_hidden_layers, run.pp)
-    n = run.dp * run.cp if cfg.zero1 else 1
+    n = run.dp * run.cp if cfg.zero1 is True else 1  # ("auto": resolve_zero1 first)
     out = optimizer_parts(stage_numel(m, split[stage]), n, b)
     full, (Nd, dbuf) = stage_numel(m, (0, m.num_hidden_layers)), draft_numel(m, cfg)
     last = stage == run.pp - 1
@@ -224,7 +224,7 @@ def update_transient(cfg, run: Run, stage: int) -> dict:
     logits = LOGIT_BLOCKS * rows * m.vocab_size * 4 if last else 0
     heads = (HEAD_BLOCKS[0] + HEAD_BLOCKS[1] * trained) * m.vocab_size * H * 4 if last else 0
     KV = m.num_key_value_heads * m.head_dim
-    n = run.dp * run.cp if cfg.zero1 else 1
+    n = run.dp * run.cp if cfg.zero1 is True else 1  # ("auto": resolve_zero1 first)
     comm = (2 * T * H * b * (0 < stage or not last)  # p2p: the received activation and gradient
             + (4 * T * KV * b if run.cp > 1 else 0)  # ring: K and V, in flight and arriving
             + (math.ceil(stage_numel(m, (a, z)) / n) * b if n > 1 else 0))  # ZeRO-1: the slice, cast to gather
@@ -245,3 +245,23 @@ def rank_plan(cfg, run: Run, stage: int, rank0: bool = False, max_new_tokens: in
     out["persistent"] = sum(out[k] for k in keep)
     out["total"] = out["persistent"] + max(out["rollout_peak"], out["update_peak"])
     return out
+
+
+def resolve_zero1(cfg, model: ModelConfig, grid, device, max_new_tokens: int, device_bytes: int = None) -> bool:
+    """--zero1 as the run applies it: true / false as given; "auto": on where the plan's largest rank WITHOUT it
+    exceeds the device's memory (device_bytes; None: the CUDA device's total) -- on CUDA only, and only where the
+    stage has dp * cp > 1 ranks to shard over; off on the CPU. The plan's sequence: --max_prompt_tokens +
+    max_new_tokens (the task's response budget)."""
+    if cfg.zero1 != "auto":
+        return bool(cfg.zero1)
+    if torch.device(device).type != "cuda" or grid.dp * grid.cp == 1:
+        return False
+    if device_bytes is None:
+        device_bytes = torch.cuda.get_device_properties(device).total_memory
+    from dataclasses import replace
+    plain = replace(cfg, zero1=False)
+    run = Run(model, pp=grid.pp, cp=grid.cp, dp=grid.dp, seq=cfg.max_prompt_tokens + max_new_tokens,
+              prompt=cfg.max_prompt_tokens, dtype="fp32" if cfg.dtype == "fp32" else "bf16")
+    worst = max(rank_plan(plain, run, s, rank0=s == 0, max_new_tokens=max_new_tokens)["total"]
+                for s in range(grid.pp))
+    return worst > device_bytes

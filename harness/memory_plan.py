@@ -5,11 +5,12 @@
 
 --model: a preset (mini, small, tiny: the built-in task's vocabulary), an HF checkpoint directory or its config.json.
 Every other train.py flag is read as the run reads it (harness/config.py: --prompts_per_step, --group_size, --updates,
---micro_batches, --num_draft_tokens, --cold_arm, --offline_arm, --chunk_mib, ...). The plan's own flags: --gpus (the
-world size; dp = gpus / (pp cp) unless --dp), --seq (tokens per sequence, prompt + response; default
---max_prompt_tokens + --max_new_tokens), --device_gib (memory per device, default 80) and --recommend (also list the
-meshes -- pp, cp, dp, --zero1, --activation_checkpointing -- that fit, and the largest --rollout_batch that does).
---dtype auto is bf16 here (the plan is for GPUs).
+--micro_batches, --num_draft_tokens, --cold_arm, --offline_arm, --chunk_mib, ...). The plan's own flags: --gpus
+(the world size, default pp x cp x dp; dp = gpus / (pp cp) unless --dp), --seq (tokens per sequence, prompt +
+response; default --max_prompt_tokens + --max_new_tokens), --device_gib (memory per device, default 80) and
+--recommend (also list the meshes -- pp, cp, dp, --zero1, --activation_checkpointing -- that fit, each at the largest
+--rollout_batch that does). --dtype auto is bf16 here (the plan is for GPUs); --zero1=auto is resolved as a run on
+CUDA resolves it (memory_model.resolve_zero1), against --device_gib.
 
 It prints one column per pipeline stage (the stage's ranks are alike; rank 0, on stage 0, also trains the offline
 arm): the components of harness/memory_model.py (its docstring says what each one counts), each phase's peak and the
@@ -50,7 +51,7 @@ def model_config(spec: str, cfg: Config):
 
 def parse(argv: list) -> tuple:
     """-> (Config, model spec, own flags). The plan's own flags and --model are taken out; the rest is train.py's."""
-    own, rest, spec, i = {"gpus": 1, "seq": 0, "device_gib": 80.0, "recommend": False}, [], "mini", 0
+    own, rest, spec, i = {"gpus": 0, "seq": 0, "device_gib": 80.0, "recommend": False}, [], "mini", 0
     while i < len(argv):
         key, eq, val = argv[i][2:].partition("=") if argv[i].startswith("--") else ("", "", "")
         if key in OWN or key == "model":
@@ -69,18 +70,19 @@ def parse(argv: list) -> tuple:
         else:
             rest.append(argv[i])
         i += 1
-    if own["gpus"] < 1 or own["device_gib"] <= 0 or own["seq"] < 0:
+    if own["gpus"] < 0 or own["device_gib"] <= 0 or own["seq"] < 0:
         raise ValueError(f"--gpus={own['gpus']}, --device_gib={own['device_gib']}, --seq={own['seq']}: expected "
-                         "gpus >= 1, device_gib > 0, seq >= 0")
+                         "gpus >= 0 (0: pp x cp x dp), device_gib > 0, seq >= 0")
     return parse_args(rest), spec, own
 
 
 def make_run(cfg: Config, m, own: dict) -> mm.Run:
     """The mesh and lengths of the plan, checked like harness/mesh.make_mesh checks a launch."""
-    dp = cfg.dp or own["gpus"] // (cfg.pp * cfg.cp)
-    if cfg.pp * cfg.cp * dp != own["gpus"]:
-        raise ValueError(f"--gpus={own['gpus']}: pp={cfg.pp} x cp={cfg.cp} x dp={dp} != gpus; set --pp, --cp, --dp "
-                         "so that their product is the number of GPUs")
+    gpus = own["gpus"] or cfg.pp * cfg.cp * max(cfg.dp, 1)  # 0: the mesh's own size
+    dp = cfg.dp or gpus // (cfg.pp * cfg.cp)
+    if dp < 1 or cfg.pp * cfg.cp * dp != gpus:
+        raise ValueError(f"--gpus={gpus}: expected pp x cp x dp = {cfg.pp} x {cfg.cp} x {cfg.dp or 'dp'} GPUs; set "
+                         "--pp, --cp, --dp so that their product is the number of GPUs")
     new = cfg.max_new_tokens
     seq = own["seq"] or cfg.max_prompt_tokens + (new or 256)
     if not 0 < (new or 256) < seq:
@@ -116,7 +118,7 @@ def table(cfg: Config, run: mm.Run, plans: list, device_gib: float) -> str:
 
 def candidates(cfg: Config, m, own: dict) -> list:
     """(largest rank's total, Config, Run) of every mesh and sharding over --gpus that the run accepts."""
-    g, out = own["gpus"], []
+    g, out = own["gpus"] or cfg.pp * cfg.cp * max(cfg.dp, 1), []
     for pp in [d for d in range(1, g + 1) if g % d == 0 and d <= m.num_hidden_layers]:
         for cp in [d for d in range(1, g // pp + 1) if (g // pp) % d == 0]:
             dp = g // (pp * cp)
@@ -142,7 +144,8 @@ def recommend(cfg: Config, m, own: dict, top: int = 6) -> str:
             total = max(p["total"] for p in plan(c, run))
         if total <= cap:
             fit.append((-c.rollout_batch, c.zero1, c.activation_checkpointing, total, c))
-    lines = [f"recommend ({own['gpus']} GPUs of {own['device_gib']:g} GiB): {len(fit)} of {len(cands)} meshes fit "
+    gpus = own["gpus"] or cfg.pp * cfg.cp * max(cfg.dp, 1)
+    lines = [f"recommend ({gpus} GPUs of {own['device_gib']:g} GiB): {len(fit)} of {len(cands)} meshes fit "
              f"at some --rollout_batch <= {cfg.rollout_batch}"]
     for *_, total, c in sorted(fit, key=lambda t: t[:4])[:top]:
         lines.append(f"  pp {c.pp} cp {c.cp} dp {c.dp} zero1 {c.zero1} activation_checkpointing "
@@ -167,6 +170,8 @@ def main(argv=None):
     cfg, spec, own = parse(argv)
     m = model_config(spec, cfg)
     run = make_run(cfg, m, own)
+    zero1 = mm.resolve_zero1(cfg, m, run, "cuda", run.seq - run.prompt, device_bytes=own["device_gib"] * GiB)
+    cfg = dataclasses.replace(cfg, zero1=zero1)
     print(table(cfg, run, plan(cfg, run), own["device_gib"]))
     if own["recommend"]:
         print(recommend(cfg, m, own))

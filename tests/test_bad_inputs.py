@@ -57,6 +57,7 @@ BAD_VALUE = {
     "attn_backend": "cuda", "chunk_mib": "-1",
     "rl_seed": "-2", "eval_draft_tokens": "-1", "bootstrap": "0", "task": "nope",
     "ttt_decay": "1.5", "tap_layers": "0,1", "dtype": "fp16", "max_draft_tokens": "0",
+    "zero1": "maybe",
 }
 FIELDS = {f.name: f.type for f in dataclasses.fields(Config)}
 

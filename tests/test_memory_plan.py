@@ -181,3 +181,32 @@ def test_plan_matches_each_rank_of_a_pp2_cp2_zero1_step(tmp_path):
     from dist_util import run_distributed
     results = run_distributed(_dist_rank, world_size=4, args=(str(tmp_path),), timeout=300)
     assert [row for rows in results for row in rows] == []
+
+
+def test_zero1_auto_is_on_only_on_cuda_where_the_plan_needs_it():  # < 1 s
+    from types import SimpleNamespace as Mesh3
+    from model import ModelConfig
+    cfg, m = parse_args(["--preset", "test", "--zero1=auto"]), ModelConfig.preset("tiny")
+    assert cfg.zero1 == "auto" and parse_args(["--zero1"]).zero1 is True and parse_args(["--zero1=0"]).zero1 is False
+    with pytest.raises(ValueError, match="--zero1"):
+        parse_args(["--zero1=maybe"])
+    grid = Mesh3(pp=2, cp=2, dp=1)
+    assert mm.resolve_zero1(cfg, m, grid, "cpu", 8, device_bytes=1) is False  # the CPU: off
+    assert mm.resolve_zero1(cfg, m, grid, "cuda", 8, device_bytes=1) is True  # over the device without it: on
+    assert mm.resolve_zero1(cfg, m, grid, "cuda", 8, device_bytes=2 ** 40) is False  # fits without it
+    assert mm.resolve_zero1(cfg, m, Mesh3(pp=2, cp=1, dp=1), "cuda", 8, device_bytes=1) is False  # one rank a stage
+    assert mm.resolve_zero1(parse_args(["--zero1"]), m, grid, "cpu", 8) is True  # as given
+
+
+def test_plan_command_prints_every_stage_and_refuses_bad_meshes(capsys, tmp_path):  # ~2 s
+    from harness import memory_plan
+    memory_plan.main(["--model", "tiny", "--gpus", "4", "--pp", "2", "--cp", "2", "--seq", "64",
+                      "--max_new_tokens", "16", "--device_gib", "1", "--recommend"])
+    out = capsys.readouterr().out
+    assert "stage 1" in out and "largest rank" in out and ": fits" in out and "recommend (4 GPUs" in out
+    with pytest.raises(ValueError, match="--gpus=8"):
+        memory_plan.main(["--model", "tiny", "--gpus", "8", "--pp", "2", "--cp", "2", "--dp", "1"])
+    with pytest.raises(ValueError, match="--model="):
+        memory_plan.main(["--model", str(tmp_path / "nowhere.json")])
+    with pytest.raises(ValueError, match="--seq=16"):
+        memory_plan.main(["--model", "tiny", "--seq", "16", "--max_new_tokens", "16"])
