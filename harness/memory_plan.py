@@ -137,13 +137,15 @@ def candidates(cfg: Config, m, own: dict) -> list:
 def recommend(cfg: Config, m, own: dict, top: int = 6) -> str:
     """The meshes that fit, each at the largest --rollout_batch (--rollout_batch halved until it fits): the largest
     batch first, then fewest changes (no ZeRO-1, no checkpointing), then the smallest total."""
-    cap, fit, cands = own["device_gib"] * GiB, [], candidates(cfg, m, own)
+    cap, fit, cands, best = own["device_gib"] * GiB, [], candidates(cfg, m, own), None
     for total, c, run in cands:
         while total > cap and c.rollout_batch > 1:
             c = dataclasses.replace(c, rollout_batch=c.rollout_batch // 2)
             total = max(p["total"] for p in plan(c, run))
         if total <= cap:
             fit.append((-c.rollout_batch, c.zero1, c.activation_checkpointing, total, c))
+        if best is None or total < best[0]:
+            best = (total, c, run)
     gpus = own["gpus"] or cfg.pp * cfg.cp * max(cfg.dp, 1)
     lines = [f"recommend ({gpus} GPUs of {own['device_gib']:g} GiB): {len(fit)} of {len(cands)} meshes fit "
              f"at some --rollout_batch <= {cfg.rollout_batch}"]
@@ -152,13 +154,14 @@ def recommend(cfg: Config, m, own: dict, top: int = 6) -> str:
                      f"{c.activation_checkpointing} micro_batches {c.micro_batches} rollout_batch {c.rollout_batch}: "
                      f"{total / GiB:.1f} GiB")
     if not fit:
-        total, c, run = min(cands, key=lambda t: t[0])
+        total, c, run = best
         worst = max(plan(c, run), key=lambda p: p["total"])
         big = max((k for k in worst if not k.endswith("_peak") and k not in ("persistent", "total")),
                   key=lambda k: worst[k])
         lines.append(f"  none; the smallest (pp {c.pp} cp {c.cp} dp {c.dp} zero1 {c.zero1} activation_checkpointing "
-                     f"{c.activation_checkpointing}) needs {total / GiB:.1f} GiB ({worst['persistent'] / GiB:.1f} "
-                     f"persistent), its largest component {big} {worst[big] / GiB:.1f} GiB")
+                     f"{c.activation_checkpointing} rollout_batch {c.rollout_batch}) needs {total / GiB:.1f} GiB "
+                     f"({worst['persistent'] / GiB:.1f} persistent), its largest component {big} "
+                     f"{worst[big] / GiB:.1f} GiB")
     return "\n".join(lines)
 
 
