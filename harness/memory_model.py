@@ -62,6 +62,12 @@ class Run:
     prompt: int = 0  # the longest prompt of a rollout block (the KV cache's length is prompt + max_new_tokens + k + 1)
     dtype: str = "bf16"  # resolved: bf16 | fp32
     rollout_seq: float = 0  # mean tokens per sequence of a rollout block's reference forward (0: seq)
+    tap_layers: tuple = ()  # the draft's taps; (): --tap_layers, or model.default_tap_layers
+
+
+def taps_of(cfg, run: Run) -> tuple:
+    """The policy layers the drafts read (the embedding tap aside)."""
+    return tuple(run.tap_layers or cfg.tap_layers or default_tap_layers(run.model.num_hidden_layers))
 
 
 def held_copies(cfg) -> dict:
@@ -99,9 +105,8 @@ def stage_numel(m: ModelConfig, layers: tuple) -> int:
     return _NUMEL[key]
 
 
-def draft_numel(m: ModelConfig, cfg) -> tuple:
+def draft_numel(m: ModelConfig, cfg, taps: tuple) -> tuple:
     """(parameters, buffer bytes) of one EAGLE-3 draft arm of this policy (draft.Eagle3Draft.from_target's shape)."""
-    taps = cfg.tap_layers or default_tap_layers(m.num_hidden_layers)
     dc = DraftConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
                      num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
                      head_dim=m.head_dim, tap_layers=taps, target_num_layers=m.num_hidden_layers,
@@ -163,7 +168,7 @@ def persistent(cfg, run: Run, stage: int, rank0: bool) -> dict:
     split = split_layers(m.num_hidden_layers, run.pp)
     n = run.dp * run.cp if cfg.zero1 is True else 1  # ("auto": resolve_zero1 first)
     out = optimizer_parts(stage_numel(m, split[stage]), n, b)
-    full, (Nd, dbuf) = stage_numel(m, (0, m.num_hidden_layers)), draft_numel(m, cfg)
+    full, (Nd, dbuf) = stage_numel(m, (0, m.num_hidden_layers)), draft_numel(m, cfg, taps_of(cfg, run))
     last = stage == run.pp - 1
     optim = 0
     for name, (kind, where) in held_copies(cfg).items():
@@ -175,7 +180,7 @@ def persistent(cfg, run: Run, stage: int, rank0: bool) -> dict:
             optim += 12 * Nd  # grads + m, v
     out["draft_optim"] = optim
     T, _ = micro_batch(cfg, run)
-    taps = (cfg.tap_layers or default_tap_layers(m.num_hidden_layers)) + (-1,)
+    taps = taps_of(cfg, run) + (-1,)
     remote = [t for t in taps if t < split[-1][0]]  # produced on an earlier stage (the embedding tap on stage 0)
     out["tap_slots"] = int(len(remote) * T * m.hidden_size * b) if last and run.pp > 1 else 0
     return out
@@ -218,7 +223,7 @@ def update_transient(cfg, run: Run, stage: int) -> dict:
     else:
         acts = live * T * per_tok
     trained = sum(1 for kind, where in held_copies(cfg).values() if where == "last")
-    n_taps = len(cfg.tap_layers or default_tap_layers(m.num_hidden_layers))
+    n_taps = len(taps_of(cfg, run))
     dacts = trained * T * (cfg.ttt_passes * draft_pass_bytes(m, b) + (n_taps + 1) * H * b) if last else 0
     rows = min(T, _rows(cfg, m))
     logits = LOGIT_BLOCKS * rows * m.vocab_size * 4 if last else 0

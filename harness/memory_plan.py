@@ -27,6 +27,7 @@ import sys
 from harness import memory_model as mm
 from harness.config import Config, help_text, parse_args
 from model import PRESETS as MODEL_PRESETS
+from model import check_tap_layers
 from parallel.cli import print_help, wants_help
 
 GiB = 2 ** 30
@@ -51,10 +52,10 @@ def model_config(spec: str, cfg: Config):
 
 def parse(argv: list) -> tuple:
     """-> (Config, model spec, own flags). The plan's own flags and --model are taken out; the rest is train.py's."""
-    own, rest, spec, i = {"gpus": 0, "seq": 0, "device_gib": 80.0, "recommend": False}, [], "mini", 0
+    own, rest, i = {"gpus": 0, "seq": 0, "device_gib": 80.0, "recommend": False}, [], 0
     while i < len(argv):
         key, eq, val = argv[i][2:].partition("=") if argv[i].startswith("--") else ("", "", "")
-        if key in OWN or key == "model":
+        if key in OWN or key in ("model", "tap_layers"):
             if not eq and OWN.get(key) is not bool:
                 if i + 1 >= len(argv):
                     raise ValueError(f"--{key}: expected a value")
@@ -63,8 +64,8 @@ def parse(argv: list) -> tuple:
                 v = (val.lower() in ("", "1", "true")) if OWN.get(key) is bool else OWN.get(key, str)(val)
             except ValueError:
                 raise ValueError(f"--{key}={val!r}: expected a {OWN[key].__name__}") from None
-            if key == "model":
-                spec = v
+            if key in ("model", "tap_layers"):  # checked against --model below, not Config's default preset
+                own[key] = v
             else:
                 own[key] = v
         else:
@@ -73,7 +74,13 @@ def parse(argv: list) -> tuple:
     if own["gpus"] < 0 or own["device_gib"] <= 0 or own["seq"] < 0:
         raise ValueError(f"--gpus={own['gpus']}, --device_gib={own['device_gib']}, --seq={own['seq']}: expected "
                          "gpus >= 0 (0: pp x cp x dp), device_gib > 0, seq >= 0")
-    return parse_args(rest), spec, own
+    spec = own.pop("model", "mini")
+    cfg = parse_args(rest + ([f"--model={spec}"] if spec in MODEL_PRESETS else []))
+    try:  # ids of --model's layers, checked once the model is read (Config's check reads its default preset)
+        own["tap_layers"] = tuple(int(t) for t in own.get("tap_layers", "").split(",") if t.strip())
+    except ValueError:
+        raise ValueError("--tap_layers: expected comma-separated layer ids, e.g. --tap_layers=1,17,32") from None
+    return cfg, spec, own
 
 
 def make_run(cfg: Config, m, own: dict) -> mm.Run:
@@ -89,7 +96,7 @@ def make_run(cfg: Config, m, own: dict) -> mm.Run:
         raise ValueError(f"--seq={seq}: expected more tokens than --max_new_tokens={new or 256} (a prompt and a "
                          "response)")
     return mm.Run(m, pp=cfg.pp, cp=cfg.cp, dp=dp, seq=seq, prompt=seq - (new or 256),
-                  dtype="fp32" if cfg.dtype == "fp32" else "bf16")
+                  dtype="fp32" if cfg.dtype == "fp32" else "bf16", tap_layers=own.get("tap_layers", ()))
 
 
 def plan(cfg: Config, run: mm.Run) -> list:
@@ -172,6 +179,9 @@ def main(argv=None):
         raise SystemExit(0)
     cfg, spec, own = parse(argv)
     m = model_config(spec, cfg)
+    taps = own["tap_layers"]
+    if taps and len(check_tap_layers(taps, m.num_hidden_layers - 1)) != 3:  # the last layer's output is no tap
+        raise ValueError(f"--tap_layers={','.join(map(str, taps))}: expected 3 layer ids (the served format)")
     run = make_run(cfg, m, own)
     zero1 = mm.resolve_zero1(cfg, m, run, "cuda", run.seq - run.prompt, device_bytes=own["device_gib"] * GiB)
     cfg = dataclasses.replace(cfg, zero1=zero1)

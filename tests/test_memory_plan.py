@@ -211,3 +211,5 @@ def test_plan_command_prints_every_stage_and_refuses_bad_meshes(capsys, tmp_path
         memory_plan.main(["--model", str(tmp_path / "nowhere.json")])
     with pytest.raises(ValueError, match="--seq=16"):
         memory_plan.main(["--model", "tiny", "--seq", "16", "--max_new_tokens", "16"])
+    with pytest.raises(ValueError, match="--tap_layers=0,1: expected 3"):
+        memory_plan.main(["--model", "tiny", "--tap_layers=0,1"])
