@@ -167,6 +167,8 @@ def held(s) -> dict:
                                 seen=seen)
     ch = ct.sched.channel
     out["tap_slots"] = nbytes(*(ch._slots.values() if ch is not None else ()), seen=seen)
+    # gradients nothing steps: on the full copies (a warm-up's last ones, say); the plan has none
+    out["stray_grads"] = nbytes(*[g for m in copies(s).values() for g in grads(m.parameters())], seen=seen)
     return out
 
 

@@ -124,6 +124,7 @@ def warm_policy(spec: PolicySpec, *, cache_dir: str = "cache", log_every: int = 
     policy = Transformer(spec.model).to(device)  # initialised on the CPU: the same weights on every device
     sft_policy(policy, spec.task, steps=spec.steps, batch=spec.batch, lr=spec.lr, seed=spec.seed,
                log_every=log_every, chunk_mib=chunk_mib)
+    policy.zero_grad(set_to_none=True)  # the last SFT step's gradients would stay on the rollout copy (4 B/parameter)
     publish(path, lambda tmp: save_pretrained(policy, tmp))
     return policy, key, False
 

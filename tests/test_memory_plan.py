@@ -124,7 +124,7 @@ def compare(cfg, s, grid, measured, lens, rss, rank0=True) -> list:
     for key, got in measured.items():
         if key in BY_VOCAB and s.policy.cfg.vocab_size < 1000:
             continue
-        want = plan[key]
+        want = plan.get(key, 0)  # stray_grads: none planned
         tol = TOTAL_TOL if key == "total" else COMPONENT_TOL
         ok = max(want, got) < SMALL or abs(want - got) <= tol * max(got, 1)
         rows.append(f"  {key:18s} plan {want:11.0f}  measured {got:11.0f}  {want / max(got, 1):6.3f}"
