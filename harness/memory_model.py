@@ -22,7 +22,9 @@ Per rank of pipeline stage s (the stage's DP x CP ranks are alike; global rank 0
                  --activation_checkpointing only the layer inputs, plus one layer recomputed), draft_activations (every
                  trained arm's TTT graph for one micro-batch, alive until their one backward), logits_chunks (the
                  streamed LM head's blocks), head_buffers (fp32 (V, H) gradient partials of the streamed heads, the
-                 policy's and each trained draft's) and comm_buffers (pipeline p2p, ring K/V, ZeRO-1's gathered slice)
+                 policy's and each trained draft's) and comm_buffers (pipeline p2p, ring K/V, ZeRO-1's gathered slice);
+                 or, after the step, refit_bucket (DistCotrainer.refit: each stage's weights, then each draft's, as one
+                 flat tensor in turn), whichever is larger
 
 Per-token bytes of a decoder layer, b = bytes of --dtype, Q = Hq D, KV = Hkv D, I intermediate (what autograd saves,
 counted op by op from modeling/layers.py): each RMSNorm 12 H (fp32: its input, the normed x and the output) or 8 H
@@ -233,8 +235,9 @@ def update_transient(cfg, run: Run, stage: int) -> dict:
     comm = (2 * T * H * b * (0 < stage or not last)  # p2p: the received activation and gradient
             + (4 * T * KV * b if run.cp > 1 else 0)  # ring: K and V, in flight and arriving
             + (math.ceil(stage_numel(m, (a, z)) / n) * b if n > 1 else 0))  # ZeRO-1: the slice, cast to gather
+    refit = max([stage_numel(m, r) for r in split] + [draft_numel(m, cfg, taps_of(cfg, run))[0]]) * b
     return {"activations": int(acts), "draft_activations": int(dacts), "logits_chunks": int(logits),
-            "head_buffers": int(heads), "comm_buffers": int(comm)}
+            "head_buffers": int(heads), "comm_buffers": int(comm), "refit_bucket": int(refit)}
 
 
 def rank_plan(cfg, run: Run, stage: int, rank0: bool = False, max_new_tokens: int = None) -> dict:
@@ -245,7 +248,7 @@ def rank_plan(cfg, run: Run, stage: int, rank0: bool = False, max_new_tokens: in
     out.update(roll)
     out.update(upd)
     out["rollout_peak"] = max(roll["kv_cache"] + roll["verify_logits"] + roll["prefill"], roll["reference_forward"])
-    out["update_peak"] = sum(upd.values())
+    out["update_peak"] = max(sum(v for k, v in upd.items() if k != "refit_bucket"), upd["refit_bucket"])
     keep = [k for k in out if k not in roll and k not in upd and not k.endswith("_peak")]
     out["persistent"] = sum(out[k] for k in keep)
     out["total"] = out["persistent"] + max(out["rollout_peak"], out["update_peak"])
