@@ -16,8 +16,9 @@ Per rank of pipeline stage s (the stage's DP x CP ranks are alike; global rank 0
     tap_slots    TapChannel's landing slots on the last stage: one (T_mb, H) per tapped layer of an earlier stage
   transient (a phase's peak; the run's peak is the larger phase)
     rollout      kv_cache (policy: layers x B x Hkv x L x D x 2; the draft's one layer) + verify_logits (the
-                 verification's vocabulary-sized working set) + the prefill's working set; or the reference
-                 forward's working set over rollout_batch sequences, whichever is larger (the caches are freed first)
+                 verification's vocabulary-sized working set) + prefill (the policy's taps over the prompts, held while
+                 the draft's trunk runs over them); or the reference forward's working set over rollout_batch
+                 sequences, whichever is larger (the caches are freed first)
     update       activations (saved for backward: in-flight micro-batches x layers x T x per-token bytes; with
                  --activation_checkpointing only the layer inputs, plus one layer recomputed), draft_activations (every
                  trained arm's TTT graph for one micro-batch, alive until their one backward), logits_chunks (the
@@ -204,7 +205,9 @@ def rollout_transient(cfg, run: Run, max_new_tokens: int) -> dict:
     work = (2 * H + Q + 2 * KV + 3 * I) * b  # per token, a no-grad layer's live tensors at once
     T = B * (run.rollout_seq or run.seq)  # the reference forward's tokens: rollout_batch sequences at once
     ref = T * work + LOGIT_BLOCKS * min(T, _rows(cfg, m)) * m.vocab_size * 4
-    return {"kv_cache": kv, "verify_logits": verify, "prefill": B * run.prompt * work, "reference_forward": ref}
+    # the prefill's peak: the policy's taps over the prompts, held while the draft's trunk runs over them
+    prefill = B * run.prompt * (len(taps_of(cfg, run)) * H + 4 * H + Q + 2 * KV + 3 * I) * b
+    return {"kv_cache": kv, "verify_logits": verify, "prefill": prefill, "reference_forward": ref}
 
 
 def _rows(cfg, m: ModelConfig) -> int:
