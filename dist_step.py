@@ -152,7 +152,9 @@ class DistCotrainer:
                                       attn_fn=attn_fn if grid.cp == 1 or attn_backend else None,
                                       draft_params=dparams, logits=not self.logprob_chunk)
 
-    def step(self, batch: RolloutBatch, cfg: GRPOConfig, micro_batches: int = 1) -> dict:
+    def step(self, batch: RolloutBatch, cfg: GRPOConfig, micro_batches: int = 1, train_drafts: bool = True) -> dict:
+        """One update. train_drafts False (a draft-training budget skips this update; every rank alike): the policy's
+        update alone, no taps, no draft hook -- the drafts' and watched arms' metrics are empty."""
         g, K = self.grid, len(self.drafts)
         mbs = microbatches(batch, grpo_weights(batch, cfg, micro_batches), micro_batches, g,
                            pad_even=self.attn_backend is not None)
@@ -162,7 +164,7 @@ class DistCotrainer:
                           None if mb.position_ids is None else mb.position_ids.to(dev),
                           {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in mb.extra.items()})
                for mb in mbs]
-        acc = torch.zeros(6 + K, dtype=torch.float64, device=dev)  # clip, ratio, k3, tokens, draft s, watch s, losses
+        acc = torch.zeros(8 + K, dtype=torch.float64, device=dev)  # clip ratio k3 tokens, draft / watch s, cpu s, losses
         metrics = {}
 
         def loss_fn(z, mb):  # logits (T, V), or the final hidden (T, H) when fused -> dp * this rank's share of L
@@ -185,10 +187,10 @@ class DistCotrainer:
                                            num_passes=tr.num_passes, pass_weight=tr.pass_weight,
                                            position_ids=mb.position_ids, attn_fn=self._draft_attn(tr.attn_fn),
                                            **backend, **teacher)
-                acc[6 + k] += L.detach().double() / micro_batches
+                acc[8 + k] += L.detach().double() / micro_batches
                 metrics[(mb.extra["chunk"], k)] = met
                 total = total + tr.lam * L / micro_batches * g.dp
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             with torch.no_grad():  # watched arms: the same taps and teacher, forward only
                 for k, dr in enumerate(self.watch):
                     metrics[(mb.extra["chunk"], K + k)] = dr.ttt_loss(
@@ -198,19 +200,23 @@ class DistCotrainer:
                         attn_fn=self._draft_attn(self.drafts[0].attn_fn if self.drafts else None), **backend,
                         **teacher)[1]
             acc[5] += time.perf_counter() - t0
+            acc[7] += time.process_time() - c0
             return total if self.drafts else None
 
         self.opt.zero_grad(set_to_none=True)
-        res = self.sched.step(mbs, loss_fn, draft_hook if (self.drafts or self.watch) else None)
+        hook = draft_hook if (self.drafts or self.watch) and train_drafts else None
+        res = self.sched.step(mbs, loss_fn, hook)
         grad_norm = self._clip_policy_grads()
         self.opt.step()
-        if self.last:
+        if self.last and hook is not None:
             for tr in self.drafts:
                 clip_grads_(list(tr.draft.parameters()), tr.grad_clip)
                 tr.opt.step()
         if self.last:
             acc[4] = (res.draft_seconds - float(acc[5])) / (g.cp * g.dp)  # summed below: the mean over the last stage
+            acc[6] = (res.draft_cpu_seconds - float(acc[7])) / (g.cp * g.dp)
             acc[5] /= g.cp * g.dp
+            acc[7] /= g.cp * g.dp
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(acc)  # world sum: only last-stage ranks hold non-zeros, each its CP / DP share
             everyone = [None] * dist.get_world_size()
@@ -220,13 +226,13 @@ class DistCotrainer:
         pooled = [merge_metrics([metrics[key] for key in sorted(metrics) if key[1] == k])
                   for k in range(K + len(self.watch))]
         n = max(float(acc[3]), 1.0)
-        draft_losses = [float(x) for x in acc[6:]]
+        draft_losses = [float(x) for x in acc[8:]]
         return {"loss_policy": res.loss, "loss_draft": draft_losses,
                 "draft_metrics": pooled[:K], "watch_metrics": pooled[K:],
-                "watch_seconds": float(acc[5]),
+                "watch_seconds": float(acc[5]), "watch_cpu_seconds": float(acc[7]),
                 "clip_frac": float(acc[0]) / n, "ratio": float(acc[1]) / n, "k3": float(acc[2]) / n,
                 "grad_norm": grad_norm, "p2p_bytes": res.p2p_bytes, "tap_bytes": res.tap_bytes,
-                "draft_seconds": float(acc[4]),
+                "draft_seconds": float(acc[4]), "draft_cpu_seconds": float(acc[6]),
                 "loss_total": res.loss + sum(tr.lam * x for tr, x in zip(self.drafts, draft_losses))}
 
     def _token_logp(self, z, targets, tau: float):

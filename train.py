@@ -64,7 +64,7 @@ from harness.mesh import make_mesh
 from harness.report import HEADER, Report
 from checkpoints.resume import load_run, save_run
 from checkpoints.resume_policy import prepare_run, start_run
-from harness.rollout import rollout
+from harness.rollout import rollout, rollout_draft
 from harness.update import check_finite, update
 from parallel.cli import describe
 from parallel.waits import WaitFailed
@@ -107,11 +107,11 @@ def train(cfg: Config) -> dict:
     rep.print(HEADER)
     for step in range(start + 1, cfg.steps + 1):
         timer = {"eval": t_eval}  # eval 0's time counts in step 1, eval k's in step k
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         problems = s.task.sample(cfg.prompts_per_step, s.rng)  # the same prompts on every rank
         batch, info = rollout(s, mesh, problems, timer)  # every rank generates its blocks -> gather to every rank
-        timer["rollout"] = time.perf_counter() - t0
-        up = update(s, batch, timer)  # `updates` GRPO + co-training steps through the pipeline, each with a refit
+        timer["rollout"], timer["cpu"] = time.perf_counter() - t0, {"rollout": time.process_time() - cpu0}
+        up = update(s, batch, timer, step)  # `updates` GRPO + co-training steps through the pipeline, each refitted
         check_finite(step, up, s)
         ev, t_eval = do_eval(step, up["kl"]) if step % cfg.eval_every == 0 or step == cfg.steps else (None, 0.0)
         timer["eval"] += t_eval
@@ -133,7 +133,7 @@ def serve(s, mesh, out_dir: str, rep: Report, step: int):
     (export.py)."""
     if mesh.main:
         c = s.cfg
-        w = write_servables(out_dir, s.policy, s.drafts["cotrained"].draft, c.model if c.hf_mode else None,
+        w = write_servables(out_dir, s.policy, rollout_draft(s), c.model if c.hf_mode else None,
                             require_draft=False, step=step)
         rep.print(f"servable: {w['policy']}" + (f", {w['draft']}" if w["draft"] else f" (no draft: {w['skipped']})"))
 

@@ -67,8 +67,12 @@ class Config:
     # draft and its warm-up
     cold_start: bool = False  # the rollout draft starts untrained (fc/layer random, head copied) and learns online only
     draft: str = ""  # start from this EAGLE-3 draft (the export's format, e.g. <out>/draft of a run) with no warm-up
-    cold_arm: bool = True  # also co-train a cold-start draft on the same taps, evaluated only (no rollouts)
-    offline_arm: bool = True  # the control: the warm-up draft trained as much, on fresh pi_0 samples (offline_arm.py)
+    no_spec: bool = False  # plain GRPO: autoregressive rollouts, no draft (no warm-up, arms or co-training); the baseline
+    frozen_arm: bool | str = "auto"  # the control: a frozen copy of the warm-up draft (auto: on built-in, off in HF mode)
+    cold_arm: bool | str = "auto"  # also co-train a cold-start draft on the same taps, evaluated only (auto: as above)
+    offline_arm: bool | str = "auto"  # the control: the warm-up draft trained as much on fresh pi_0 samples (as above)
+    log_kl: bool | str = "auto"  # keep the frozen reference pi_0 to log KL(pi_t || pi_0) per step (auto: as above)
+    draft_every: int = 1  # the drafts train on every n-th policy update only (budget 1/n; the offline arm's alike)
     draft_warmup_steps: int = 800  # optimisation steps of the draft warm-up on the warm policy's own samples
     draft_warmup_batch: int = 32  # sequences per draft warm-up step
     draft_warmup_lr: float = 3e-3  # the offline fit; draft_lr is the online co-training's
@@ -168,6 +172,25 @@ class Config:
         cuda = torch.device(device).type == "cuda"
         return "triton" if cuda and importlib.util.find_spec("triton") is not None else "torch"
 
+    def arm(self, name: str) -> bool:
+        """Is the control `name` ("frozen", "cold", "offline") or the KL log ("kl") on: its flag, where auto is on in
+        the built-in experiment and off in HF mode (a checkpoint's run holds no copy it does not need); never without
+        a draft (--no_spec) nor, for the cold arm, when the rollout draft itself starts cold."""
+        v = getattr(self, {"kl": "log_kl"}.get(name, f"{name}_arm"))
+        on = (not self.hf_mode) if v == "auto" else v
+        return on and (name == "kl" or not self.no_spec) and not (name == "cold" and self.cold_start)
+
+    @property
+    def needs_ref(self) -> bool:
+        """The frozen reference pi_0 is held only when used: the k3 penalty (beta > 0), the offline arm's samples of
+        pi_0, or the KL log."""
+        return self.beta > 0 or self.arm("offline") or self.arm("kl")
+
+    def trains_drafts(self, update: int) -> bool:
+        """The draft-training budget: the drafts train on policy update `update` (0, 1, ... over the run) iff it is a
+        multiple of draft_every."""
+        return not self.no_spec and update % self.draft_every == 0
+
     @property
     def hf_mode(self) -> bool:
         """--model names a directory (an HF checkpoint) rather than a model.ModelConfig preset."""
@@ -192,6 +215,7 @@ def one_of(*choices):
 
 
 FLAG = (lambda v, c: True, "true or false")  # the type check is the whole check
+AUTO_FLAG = (lambda v, c: v in (True, False, "auto"), "true, false or auto")
 
 CHECKS = {
     "name":               ((lambda v, c: v != "" and "/" not in v and v not in (".", "..")), "a run name (no '/')"),
@@ -229,8 +253,15 @@ CHECKS = {
                                                      and not c.draft_vocab and not c.tap_layers)),
                            "'' or an exported EAGLE-3 draft directory (config.json), not with --cold_start, "
                            "--draft_vocab or --tap_layers (the draft brings its own)"),
-    "cold_arm":           FLAG,
-    "offline_arm":        FLAG,
+    "no_spec":            ((lambda v, c: not v or not (c.draft or c.cold_start or c.num_draft_tokens == "auto" or c.tree
+                                                   or True in (c.frozen_arm, c.cold_arm, c.offline_arm))),
+                           "false with --draft, --cold_start, --num_draft_tokens=auto, --tree or a control arm set "
+                           "to true (plain GRPO has no draft)"),
+    "frozen_arm":         AUTO_FLAG,
+    "cold_arm":           AUTO_FLAG,
+    "offline_arm":        AUTO_FLAG,
+    "log_kl":             AUTO_FLAG,
+    "draft_every":        at_least(1),
     "draft_warmup_steps": at_least(0),
     "draft_vocab":        ((lambda v, c: v >= 0), ">= 0 (0 = the full vocabulary)"),
     "draft_warmup_batch": ((lambda v, c: 1 <= v <= c.draft_warmup_pool),
@@ -404,7 +435,7 @@ def parse_args(argv: list, usage: str = USAGE) -> Config:
             near = difflib.get_close_matches(key, list(types) + ["preset"], n=1)
             raise ValueError(f"unknown config key {key!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
         typ = types.get(key, "str")
-        if not eq and typ != "bool":  # --key value
+        if not eq and typ not in ("bool", "bool | str"):  # --key value
             if i >= len(argv) or argv[i].startswith("--"):
                 raise ValueError(f"--{key}: expected --{key}=<{typ}> or --{key} <{typ}>")
             val, eq = argv[i], "="
@@ -428,6 +459,8 @@ def _convert(key: str, val: str, typ: str):
             return val.lower() in ("true", "1")
         if typ == "tuple":  # --tree=2,2,1; --tree= (empty) is ()
             return tuple(int(v) for v in val.split(",") if v.strip())
+        if typ == "bool | str":  # --cold_arm, --cold_arm=false or =auto
+            return val.lower() in ("true", "1") if val.lower() in ("true", "false", "1", "0") else val
         if typ == "int | str":  # --num_draft_tokens=4 or =auto: a word stays a word, CHECKS says which
             return int(val) if val.strip().lstrip("+-").isdigit() else val
         return {"int": int, "float": float, "str": str}[typ](val)
