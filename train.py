@@ -14,6 +14,9 @@ cached in cache/ for reruns).
     python train.py                # the default experiment: 30 steps
     python train.py --preset smoke           # every code path at a small size
     python train.py --cold_start             # the rollout draft starts untrained and is only co-trained online
+    python train.py --no_spec --out runs/plain               # plain GRPO: autoregressive rollouts, no draft; then
+    python -m harness.report runs/default --baseline runs/plain   # the e2e step measured against it (harness/e2e.py)
+    python train.py --draft_every=4          # the draft-training budget: the drafts train on every 4th update
     python train.py --steps=40 --lr=2e-4 --out runs/mine      # any Config field as --key=value or --key value
     python train.py --model PATH --data prompts.jsonl         # HF mode: an HF checkpoint (Llama / Qwen2 / Qwen3 with
                                                               # its tokenizer.json), {"prompt", "answer"} lines,
