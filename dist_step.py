@@ -164,7 +164,7 @@ class DistCotrainer:
                           None if mb.position_ids is None else mb.position_ids.to(dev),
                           {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in mb.extra.items()})
                for mb in mbs]
-        acc = torch.zeros(8 + K, dtype=torch.float64, device=dev)  # clip ratio k3 tokens, draft / watch s, cpu s, losses
+        acc = torch.zeros(8 + K, dtype=torch.float64, device=dev)  # clip ratio k3 tokens, draft/watch s, cpu s, losses
         metrics = {}
 
         def loss_fn(z, mb):  # logits (T, V), or the final hidden (T, H) when fused -> dp * this rank's share of L
@@ -204,15 +204,14 @@ class DistCotrainer:
             return total if self.drafts else None
 
         self.opt.zero_grad(set_to_none=True)
-        hook = draft_hook if (self.drafts or self.watch) and train_drafts else None
-        res = self.sched.step(mbs, loss_fn, hook)
+        res = self.sched.step(mbs, loss_fn, hook := draft_hook if (self.drafts or self.watch) and train_drafts
+                              else None)
         grad_norm = self._clip_policy_grads()
         self.opt.step()
-        if self.last and hook is not None:
-            for tr in self.drafts:
+        if self.last:
+            for tr in self.drafts if hook is not None else ():
                 clip_grads_(list(tr.draft.parameters()), tr.grad_clip)
                 tr.opt.step()
-        if self.last:
             acc[4] = (res.draft_seconds - float(acc[5])) / (g.cp * g.dp)  # summed below: the mean over the last stage
             acc[6] = (res.draft_cpu_seconds - float(acc[7])) / (g.cp * g.dp)
             acc[5] /= g.cp * g.dp

@@ -100,4 +100,6 @@ def main(argv: list):
 
 
 if __name__ == "__main__":
+    from parallel.cli import answer_help
+    answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
     main(sys.argv[1:])

@@ -10,8 +10,9 @@ every other rank's Report is silent (world size 1 is a plain program: its one pr
                                                                      # (train.py --no_spec; harness/e2e.py)
 
 Records: {"kind": "train", "step", reward..., "rank_rows", "time": {"rollout", "rollout_rank_s", "rollout_rank_cpu_s",
-"policy_train", "draft_train", "watch", "eval", "cpu": {"rollout", "policy_train", "draft_train", "watch"}}} (rank_rows / rollout_rank_*: per rank, the rows it generated and its wall / CPU
-seconds for them; the live table shows the slowest and fastest rank's wall seconds, r_max / r_min) and
+"policy_train", "draft_train", "watch", "eval", "cpu": {"rollout", "policy_train", "draft_train", "watch"}}}
+(rank_rows / rollout_rank_*: per rank, the rows it generated and its wall / CPU seconds for them; the live table shows
+the slowest and fastest rank's wall seconds, r_max / r_min; "cpu": this process's CPU seconds per phase) and
 {"kind": "eval", "step", "kl", reward..., accept_<arm>, tok_s_<arm>, speedup_<arm>}.
 """
 from __future__ import annotations
@@ -63,9 +64,11 @@ class Report:
         self._write(row)
         t = row["time"]
         ranks = t.get("rollout_rank_s") or [t["rollout"]]  # each rank's generate + score + reference seconds
-        tau = " ".join(_num(row.get(f"tau_hat_{a}"), 5) for a in ("cotrained", "frozen", "offline"))  # none: not held
-        self.print(f"{row['step']:4d} {row['reward']:6.3f} {row['correct']:5.2f} {row['explicit']:5.2f} "  # or trained
-                   f"{row['resp_len']:5.1f} {_num(row['kl'], 6, 3)} {row['zero_var_groups']:4d} {row['clip_frac']:5.3f} "
+        # none: an arm the run does not hold or did not train this step, a KL without a reference
+        tau = " ".join(_num(row.get(f"tau_hat_{a}"), 5) for a in ("cotrained", "frozen", "offline"))
+        self.print(f"{row['step']:4d} {row['reward']:6.3f} {row['correct']:5.2f} {row['explicit']:5.2f} "
+                   f"{row['resp_len']:5.1f} {_num(row['kl'], 6, 3)} {row['zero_var_groups']:4d} "
+                   f"{row['clip_frac']:5.3f} "
                    f"{_num(row['accept_len'], 6)} {tau} {row['rollout_tok_s']:6.0f} "
                    f"{t['rollout']:6.2f} {max(ranks):5.2f} {min(ranks):5.2f} {t['policy_train']:5.2f} "
                    f"{t['draft_train']:5.2f}")

@@ -108,7 +108,8 @@ def test_no_spec_runs_plain_grpo_and_the_report_measures_it(tmp_path):
     m = add_baseline(str(tmp_path / "spec"), str(tmp_path / "plain"))
     s = json.loads((tmp_path / "spec" / "summary.json").read_text())
     assert s["e2e_step_speedup_measured"] == m["e2e_step_speedup_measured"] > 0 and s["baseline"].endswith("plain")
-    assert s["e2e_step_speedup_measured_ci"][0] <= s["e2e_step_speedup_measured"] <= s["e2e_step_speedup_measured_ci"][1]
+    lo, hi = s["e2e_step_speedup_measured_ci"]
+    assert lo <= s["e2e_step_speedup_measured"] <= hi
     assert "e2e_step_speedup" in s  # the computed one stays beside it
     with pytest.raises(ValueError, match="expected a plain-GRPO run"):
         add_baseline(str(tmp_path / "spec"), str(tmp_path / "spec"))
