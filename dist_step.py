@@ -153,8 +153,8 @@ class DistCotrainer:
                                       draft_params=dparams, logits=not self.logprob_chunk)
 
     def step(self, batch: RolloutBatch, cfg: GRPOConfig, micro_batches: int = 1, train_drafts: bool = True) -> dict:
-        """One update. train_drafts False (a draft-training budget skips this update; every rank alike): the policy's
-        update alone, no taps, no draft hook -- the drafts' and watched arms' metrics are empty."""
+        """One update. train_drafts False (a budget skips the drafts here; every rank alike): the policy's update alone,
+        no taps or draft hook, empty draft / watched-arm metrics."""
         g, K = self.grid, len(self.drafts)
         mbs = microbatches(batch, grpo_weights(batch, cfg, micro_batches), micro_batches, g,
                            pad_even=self.attn_backend is not None)
