@@ -212,10 +212,9 @@ class DistCotrainer:
             for tr in self.drafts if hook is not None else ():
                 clip_grads_(list(tr.draft.parameters()), tr.grad_clip)
                 tr.opt.step()
-            acc[4] = (res.draft_seconds - float(acc[5])) / (g.cp * g.dp)  # summed below: the mean over the last stage
-            acc[6] = (res.draft_cpu_seconds - float(acc[7])) / (g.cp * g.dp)
-            acc[5] /= g.cp * g.dp
-            acc[7] /= g.cp * g.dp
+            w, c = float(acc[5]), float(acc[7])  # the watched arms' share of the hook: the rest is the drafts'
+            acc[4:8] = torch.tensor([res.draft_seconds - w, w, res.draft_cpu_seconds - c, c], dtype=acc.dtype,
+                                    device=dev) / (g.cp * g.dp)  # summed below: the mean over the last stage
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(acc)  # world sum: only last-stage ranks hold non-zeros, each its CP / DP share
             everyone = [None] * dist.get_world_size()
