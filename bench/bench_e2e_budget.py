@@ -76,9 +76,10 @@ def main(argv: list):
     flags = [f for f in flags if f != "--"] + ["--threads=1"]
     seeds, budgets = [int(s) for s in args.seeds.split(",")], [int(b) for b in args.budgets.split(",")]
     subprocess.run([sys.executable, "-m", "harness.warmup", *flags], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    jobs = [(os.path.join(args.runs, f"plain_s{s}"), flags + [f"--rl_seed={s}", "--no_spec"]) for s in seeds]
-    jobs += [(os.path.join(args.runs, f"{b}_s{s}"), flags + [f"--rl_seed={s}", f"--draft_every={b}"])
-             for b in budgets for s in seeds]
+    spec = [(os.path.join(args.runs, f"{b}_s{s}"), flags + [f"--rl_seed={s}", f"--draft_every={b}"])
+            for b in budgets for s in seeds]
+    plain = [(os.path.join(args.runs, f"plain_s{s}"), flags + [f"--rl_seed={s}", "--no_spec"]) for s in seeds]
+    jobs = spec[:1] + plain + spec[1:]  # the first spec run trains the draft warm-up while the plain runs need none
     with ThreadPoolExecutor(args.parallel) as ex:
         list(ex.map(lambda j: run(*j), jobs))
     res = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {args.parallel} runs at once, 1 thread each",
