@@ -103,9 +103,8 @@ def policy_key(cfg: Config, tsk) -> str:
 
 
 def draft_spec(cfg: Config, tsk, policy_key: str) -> DraftSpec:
-    """What the draft warm-up reads: the config's draft_warmup_* settings, the task, the policy's key, the attention."""
-    return DraftSpec.from_config(cfg, tsk, policy_key, attn_fn=padded_causal_attention,
-                                 draft_attn_fn=padded_branch_attention)
+    """What the draft warm-up reads (warmup.draft_spec): the draft_warmup_* settings, the task, the policy's key."""
+    return warmup.draft_spec(cfg, tsk, policy_key)
 
 
 def build(cfg: Config, mesh: Mesh, log=print) -> Setup:
