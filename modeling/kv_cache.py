@@ -40,6 +40,7 @@ import torch
 
 BLOCK = 64  # default growth step of a cache, in positions per row
 
+
 class KVCache:
     """Per-layer K/V for B rows, each row with its own length (see the module docstring)."""
 
@@ -78,7 +79,7 @@ class KVCache:
 
     def _fit(self, need: int) -> int:
         """The capacity for a forward that attends `need` slots (module docstring: grow / shrink in blocks)."""
-        want = min(self.max_len, -(-need // self.block) * self.block)
+        want = min(self.max_len, max(1, -(-need // self.block)) * self.block)  # never below one block
         if need > self.cap or (self.cap > need + self.block and self.cap > 1.1 * need):
             return want
         return self.cap
