@@ -56,6 +56,7 @@ class SpecStats:
     row_forwards: list = field(default_factory=list)  # per prompt: verification forwards it was active in
     seconds: float = 0.0
     tokens_per_s: float = 0.0
+    kv_peak_bytes: int = 0  # the most bytes both KV caches held together, read at each step's poll (host ints)
 
 
 @dataclass
@@ -294,6 +295,7 @@ def poll(s: _Decode) -> int:
     n_done, *longest = torch.stack([s.done.sum()] + [c.lengths.max() for c in caches]).tolist()
     for c, L in zip(caches, longest):
         c.bound = min(c.bound, L)
+    s.stats.kv_peak_bytes = max(s.stats.kv_peak_bytes, sum(c.allocated_bytes() for c in caches))
     return n_done
 
 

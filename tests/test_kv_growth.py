@@ -74,6 +74,7 @@ def test_allocation_tracks_the_live_cache_and_outputs_do_not_change(setup, mode,
     assert all(torch.equal(a, b) for a, b in zip(old.tokens, new.tokens))
     assert all(torch.equal(a, b) for a, b in zip(old.logprobs, new.logprobs))
     assert new.stats.policy_forwards == old.stats.policy_forwards
+    assert 0 < new.stats.kv_peak_bytes < old.stats.kv_peak_bytes
     lens = sorted(t.numel() for t in new.tokens)
     assert lens[0] < N_NEW // 2 and lens[-1] == N_NEW  # rows finish early, one runs to the end
 
