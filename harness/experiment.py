@@ -10,8 +10,9 @@ Copies are held only when used (Config.arm, Config.needs_ref). Each control arm 
 the k3 penalty (--beta > 0), the offline arm (it samples pi_0) and the KL log (--log_kl); without it a step logs no KL
 (kl: null) and the update's KL term is zeros, as it is at beta = 0. --no_spec holds no draft at all: plain GRPO.
 
-Every rank keeps a FULL policy and drafts for its rollouts (the stand-in for an inference engine);
-the update trains the pipeline stage and `refit` copies it back. Under torchrun rank 0 builds first, so it alone trains
+Every rank keeps a FULL policy and drafts for its rollouts (the stand-in for an inference engine); the update trains
+this rank's pipeline stage, whose parameters ARE the policy's for its layers (dist_step.stage_of), and `refit` copies
+the other stages' layers in. Under torchrun rank 0 builds first, so it alone trains
 and caches the warm-ups, and the others load them.
 
 Letters: G group size, T packed tokens.
