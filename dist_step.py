@@ -17,7 +17,8 @@ Why the split of the work does not change the step (rl_loop's module docstring h
      PP stages, the tied embedding counted once); then each stage steps its own optimizer, the last stage the drafts.
 
 After the update `refit` re-assembles the full policy and drafts on every rank for the next rollouts (in
-production an inference engine refit with the new weights).
+production an inference engine refit with the new weights). This rank's stage is not a copy: its parameters are the
+full policy's own tensors for the layers it trains (stage_of), so refit copies only the other stages' layers.
 
     python -m pytest -q tests/test_dist_step.py      # 5 layouts (dp, pp, cp) vs the single-process step, 4 gloo ranks
     torchrun --standalone --nproc_per_node=4 train.py --preset smoke        # the loop that calls it (pp=2, cp=2)
@@ -31,15 +32,16 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from branch_mask import cu_to, pad_ring_of_one, position_ids
 from parallel.consistency import check_same_cu_seqlens
 from backends.fused_logprob import token_logp as fused_token_logp
 from parallel.grid import Grid
-from model import EMBED_TAP
+from model import EMBED_TAP, Transformer
 from modeling.mixed_precision import clip_grads_, grads_of, master_optimizer
 from parallel.pp_schedule import split_layers
-from pipeline import Microbatch, PipelineSchedule, build_stage, shard_for_cp
+from pipeline import Microbatch, PipelineSchedule, shard_for_cp
 from draft_ttt import merge_metrics
 from rl_loop import (GRPOConfig, RolloutBatch, aggregate, draft_mask, micro_chunks, per_prediction, seq_ids,
                      token_logp, token_losses)
@@ -106,6 +108,9 @@ def _pad_even(mb: Microbatch) -> Microbatch:
 class DistCotrainer:
     """This rank's share of the policy update: its stage of the policy with its optimizer, and (used on the last stage)
     the drafts' trainers. Every rank also keeps the FULL policy and drafts for rollouts; `refit` refreshes them.
+    The stage's own layers ARE the policy's parameters (stage_of): `step` updates them in the policy in place, and
+    refit copies only the other stages' layers -- so the policy given here is the one being trained (pass a copy to
+    keep an untouched one).
 
         ct = DistCotrainer(policy, drafts, grid, lambda ps: torch.optim.AdamW(ps, lr=...), grad_clip=1.0)
         stats = ct.step(batch, grpo_cfg, micro_batches)       # same keys as rl_loop.cotrain_step
@@ -137,11 +142,12 @@ class DistCotrainer:
             attn_fn = functools.partial(ring_branch_attention, group=grid.cp_group if grid.cp > 1 else None,
                                         backend=attn_backend)
         self.split = split_layers(cfg.num_hidden_layers, grid.pp)
-        self.stage = build_stage(cfg, self.split[grid.pp_rank], policy.state_dict(), next(policy.parameters()).dtype,
-                                 activation_checkpointing=activation_checkpointing)  # recompute each layer in backward
-        self.stage.to(next(policy.parameters()).device)
+        self.stage = stage_of(policy, self.split, grid.pp_rank,  # aliases the policy's tensors, see stage_of
+                              activation_checkpointing=activation_checkpointing)  # recompute each layer in backward
+        embed = policy.embed.weight.data_ptr()
         # fp32: make_opt (ZeRO-1: sharded over the stage group); bf16: fp32 masters, grads accumulated in fp32
         self.opt = master_optimizer(self.stage.parameters(), make_opt, grid.stage_group if zero1 else None)
+        self._reattach(policy, embed)
         self.last = self.stage.is_last
         taps = sorted({l for tr in self.drafts for l in tr.draft.tap_layers}
                       | {l for d in self.watch for l in d.tap_layers})
@@ -152,7 +158,9 @@ class DistCotrainer:
                                       attn_fn=attn_fn if grid.cp == 1 or attn_backend else None,
                                       draft_params=dparams, logits=not self.logprob_chunk)
 
-    def step(self, batch: RolloutBatch, cfg: GRPOConfig, micro_batches: int = 1) -> dict:
+    def step(self, batch: RolloutBatch, cfg: GRPOConfig, micro_batches: int = 1, train_drafts: bool = True) -> dict:
+        """One update. train_drafts False (a budget skips the drafts here; every rank alike): the policy's update alone,
+        no taps or draft hook, empty draft / watched-arm metrics."""
         g, K = self.grid, len(self.drafts)
         mbs = microbatches(batch, grpo_weights(batch, cfg, micro_batches), micro_batches, g,
                            pad_even=self.attn_backend is not None)
@@ -162,7 +170,7 @@ class DistCotrainer:
                           None if mb.position_ids is None else mb.position_ids.to(dev),
                           {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in mb.extra.items()})
                for mb in mbs]
-        acc = torch.zeros(6 + K, dtype=torch.float64, device=dev)  # clip, ratio, k3, tokens, draft s, watch s, losses
+        acc = torch.zeros(8 + K, dtype=torch.float64, device=dev)  # clip ratio k3 tokens, draft/watch s, cpu s, losses
         metrics = {}
 
         def loss_fn(z, mb):  # logits (T, V), or the final hidden (T, H) when fused -> dp * this rank's share of L
@@ -185,10 +193,10 @@ class DistCotrainer:
                                            num_passes=tr.num_passes, pass_weight=tr.pass_weight,
                                            position_ids=mb.position_ids, attn_fn=self._draft_attn(tr.attn_fn),
                                            **backend, **teacher)
-                acc[6 + k] += L.detach().double() / micro_batches
+                acc[8 + k] += L.detach().double() / micro_batches
                 metrics[(mb.extra["chunk"], k)] = met
                 total = total + tr.lam * L / micro_batches * g.dp
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             with torch.no_grad():  # watched arms: the same taps and teacher, forward only
                 for k, dr in enumerate(self.watch):
                     metrics[(mb.extra["chunk"], K + k)] = dr.ttt_loss(
@@ -198,19 +206,21 @@ class DistCotrainer:
                         attn_fn=self._draft_attn(self.drafts[0].attn_fn if self.drafts else None), **backend,
                         **teacher)[1]
             acc[5] += time.perf_counter() - t0
+            acc[7] += time.process_time() - c0
             return total if self.drafts else None
 
         self.opt.zero_grad(set_to_none=True)
-        res = self.sched.step(mbs, loss_fn, draft_hook if (self.drafts or self.watch) else None)
+        res = self.sched.step(mbs, loss_fn, hook := draft_hook if (self.drafts or self.watch) and train_drafts
+                              else None)
         grad_norm = self._clip_policy_grads()
         self.opt.step()
         if self.last:
-            for tr in self.drafts:
+            for tr in self.drafts if hook is not None else ():
                 clip_grads_(list(tr.draft.parameters()), tr.grad_clip)
                 tr.opt.step()
-        if self.last:
-            acc[4] = (res.draft_seconds - float(acc[5])) / (g.cp * g.dp)  # summed below: the mean over the last stage
-            acc[5] /= g.cp * g.dp
+            w, c = float(acc[5]), float(acc[7])  # the watched arms' share of the hook: the rest is the drafts'
+            acc[4:8] = torch.tensor([res.draft_seconds - w, w, res.draft_cpu_seconds - c, c], dtype=acc.dtype,
+                                    device=dev) / (g.cp * g.dp)  # summed below: the mean over the last stage
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(acc)  # world sum: only last-stage ranks hold non-zeros, each its CP / DP share
             everyone = [None] * dist.get_world_size()
@@ -220,13 +230,13 @@ class DistCotrainer:
         pooled = [merge_metrics([metrics[key] for key in sorted(metrics) if key[1] == k])
                   for k in range(K + len(self.watch))]
         n = max(float(acc[3]), 1.0)
-        draft_losses = [float(x) for x in acc[6:]]
+        draft_losses = [float(x) for x in acc[8:]]
         return {"loss_policy": res.loss, "loss_draft": draft_losses,
                 "draft_metrics": pooled[:K], "watch_metrics": pooled[K:],
-                "watch_seconds": float(acc[5]),
+                "watch_seconds": float(acc[5]), "watch_cpu_seconds": float(acc[7]),
                 "clip_frac": float(acc[0]) / n, "ratio": float(acc[1]) / n, "k3": float(acc[2]) / n,
                 "grad_norm": grad_norm, "p2p_bytes": res.p2p_bytes, "tap_bytes": res.tap_bytes,
-                "draft_seconds": float(acc[4]),
+                "draft_seconds": float(acc[4]), "draft_cpu_seconds": float(acc[6]),
                 "loss_total": res.loss + sum(tr.lam * x for tr, x in zip(self.drafts, draft_losses))}
 
     def _token_logp(self, z, targets, tau: float):
@@ -264,13 +274,26 @@ class DistCotrainer:
         return total
 
     # --------------------------------------------------------------------------------------------------- refit
+    def _reattach(self, policy, embed: int):
+        """The optimizer may have moved the parameters into a flat buffer (ZeRO-1, bf16 masters: zero1.ShardedOptimizer
+        rebinds .data), the policy's aliased embedding with them: drafts holding the old storage (Eagle3Draft.attach,
+        data_ptr `embed`) share the new one again. A draft attached to the policy but given to neither `drafts` nor
+        `watch` must call attach(policy) itself after this constructor."""
+        if policy.embed.weight.data_ptr() == embed:
+            return
+        for d in [tr.draft for tr in self.drafts] + self.watch:
+            e = getattr(d, "embed_weight", None)
+            if e is not None and e.data_ptr() == embed:
+                d.attach(policy)
+
     @torch.no_grad()
     def refit(self, policy):
         """Re-assemble the full policy and drafts on every rank from the updated PP stages, for the next rollouts.
 
-        Stage s broadcasts its weights (one flat bucket) over the pipeline group; every rank copies them IN PLACE into
-        its full copy (so drafts attached to its embedding see the new one); the last stage then broadcasts the drafts.
-        CP and DP peers hold identical stages after the step, so the pipeline group alone suffices. This is the
+        This rank's own stage needs no copy: its parameters are the policy's (stage_of), already updated in place.
+        Stage s broadcasts its weights (one flat bucket) over the pipeline group; every other rank copies them IN PLACE
+        into its full copy (so drafts attached to its embedding see the new one); the last stage then broadcasts the
+        drafts. CP and DP peers hold identical stages after the step, so the pipeline group alone suffices. This is the
         "weight sync" of an RL system: with an inference engine (vLLM / SGLang) as the rollout worker, the trainer's
         stages push the same per-stage tensors, named as in the HF checkpoint (model.layers.{i}.*, so no renaming),
         to the engine's ranks -- over NCCL broadcast or CUDA IPC when co-located -- and the engine loads them in place
@@ -282,12 +305,16 @@ class DistCotrainer:
         for s, (a, b) in enumerate(self.split):
             keys = [k for k in full if _owner(k, self.split) == s]
             if g.pp_rank == s:
-                flat = torch.cat([mine[k].reshape(-1) for k in keys])
-            else:
-                flat = torch.empty(sum(full[k].numel() for k in keys), dtype=full[keys[0]].dtype,
-                                   device=full[keys[0]].device)
-            if g.pp > 1:
-                dist.broadcast(flat, src=g.pp_ranks[s], group=g.pp_group)
+                stale = [k for k in keys if full[k].data_ptr() != mine[k].data_ptr()]  # none when aliased
+                for k in stale:
+                    full[k].copy_(mine[k])
+                if g.pp > 1:
+                    dist.broadcast(torch.cat([mine[k].reshape(-1) for k in keys]), src=g.pp_ranks[s],
+                                   group=g.pp_group)
+                continue
+            flat = torch.empty(sum(full[k].numel() for k in keys), dtype=full[keys[0]].dtype,
+                               device=full[keys[0]].device)
+            dist.broadcast(flat, src=g.pp_ranks[s], group=g.pp_group)
             i = 0
             for k in keys:
                 full[k].copy_(flat[i:i + full[k].numel()].view_as(full[k]))
@@ -300,6 +327,29 @@ class DistCotrainer:
                 for p in tr.draft.parameters():
                     p.copy_(flat[i:i + p.numel()].view_as(p))
                     i += p.numel()
+
+
+def stage_of(policy, split, s: int, activation_checkpointing: bool = False) -> Transformer:
+    """Stage s of `split` whose parameters ARE the full policy's for the weights stage s owns (_owner): the same
+    nn.Parameter objects, so the rollout copy holds no second copy of this rank's stage (on a 1 x 1 x 1 mesh the
+    stage is the whole policy). Only a weight the stage holds but does not own -- the tied embedding's copy on the
+    last stage under pp > 1 -- is a copy. Built on the meta device: no transient second stage.
+
+    Being the same objects, the stage and the policy share everything a trainer attaches to a parameter: .grad,
+    bf16's .main_grad hook (modeling/mixed_precision.py), and ZeRO-1 / bf16-master flattening (parallel/zero1.py
+    rebinds .data to views of its flat buffer: the policy's tensors become those views too, so the optimizer's
+    all-gather writes straight into the rollout copy). CP / DP peers each alias their own copy; activation
+    checkpointing recomputes through the same tensors; a resume loads the stage in place (load_state_dict), hence
+    the policy. Safe in every mode the trainer has (fp32, bf16, ZeRO-1, both): no mode keeps a copy."""
+    with torch.device("meta"):
+        stage = Transformer(policy.cfg, layers=split[s], activation_checkpointing=activation_checkpointing)
+    full = dict(policy.named_parameters())
+    for name, _ in list(stage.named_parameters()):
+        owner, _, attr = name.rpartition(".")
+        src = full[name]
+        p = src.requires_grad_(True) if _owner(name, split) == s else nn.Parameter(src.detach().clone())
+        setattr(stage.get_submodule(owner), attr, p)
+    return stage
 
 
 def _owner(key: str, split) -> int:

@@ -187,8 +187,9 @@ class Eagle3Draft(nn.Module):
         return full.index_copy_(-1, self.draft_to_target, z)
 
     # -- inference: the draft's own KV cache -----------------------------------------------------------------------
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
-        return KVCache(self.lcfg, batch, max_len, layers=[0], dtype=self.fc.weight.dtype, device=self.fc.weight.device)
+    def new_cache(self, batch: int, max_len: int, block: int = None) -> KVCache:  # grown in blocks (kv_cache.py)
+        return KVCache(self.lcfg, batch, max_len, layers=[0], dtype=self.fc.weight.dtype, device=self.fc.weight.device,
+                       block=block)
 
     def _cached(self, cache: KVCache, e, h, tree=None):  # e, h (B, N, H) -> (B, N, H), N entries appended per row
         N = e.shape[1]

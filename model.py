@@ -277,10 +277,11 @@ class Transformer(nn.Module):
         cache.commit()
         return out
 
-    def new_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+    def new_cache(self, batch: int, max_len: int, dtype=None, block: int = None) -> KVCache:
+        """A KV cache for up to max_len entries per row, allocated in blocks of `block` positions as rows grow."""
         dtype = dtype or next(self.parameters()).dtype
         return KVCache(self.cfg, batch, max_len, layers=[int(k) for k in self.model.layers],
-                       dtype=dtype, device=next(self.parameters()).device)
+                       dtype=dtype, device=next(self.parameters()).device, block=block)
 
     def load_slice(self, full_state_dict: dict, strict: bool = True):
         """Load just this stage's part of a full model's state dict."""

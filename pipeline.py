@@ -99,6 +99,7 @@ class StepResult:  # identical on every rank: summed over microbatches and CP sh
     p2p_bytes: int  # bytes this rank sent on the pipeline group this step
     tap_bytes: int  # bytes this rank sent on TapChannel this step
     draft_seconds: float = 0.0  # this rank's time in the draft hook and its backward (the last stage's only)
+    draft_cpu_seconds: float = 0.0  # the same in this process's CPU seconds
 
 
 _NAMES = {"act": "activations", "grad": "gradients"}  # p2p_plan's payloads, as the wait's error names them
@@ -161,20 +162,23 @@ class PipelineSchedule:
 
     # ------------------------------------------------------------------------------------------------- one step
     def step(self, microbatches, loss_fn: Callable, draft_hook: Optional[Callable] = None) -> StepResult:
+        """F / B of every micro-batch in the schedule's order; draft_hook None: no taps are formed or sent this step
+        (every rank of the step must agree), the update of plain GRPO."""
         mbs = list(microbatches)
         M = len(mbs)
         if M < 1:
             raise ValueError(f"microbatches: got M={M}; a step needs M >= 1")
         self._mbs, self._loss_fn, self._draft_hook = mbs, loss_fn, draft_hook
-        self._saved, self._p2p_bytes, self._draft_seconds = {}, 0, 0.0
+        self._saved, self._p2p_bytes, self._draft_seconds, self._draft_cpu = {}, 0, 0.0, 0.0
+        self._chan = self.channel if draft_hook is not None else None  # this step's tap path (None: no taps)
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         self._loss, self._draft = zero, zero.clone()  # accumulated as tensors: no host sync per microbatch
-        tap_bytes0 = self.channel.bytes_sent if self.channel else 0
+        tap_bytes0 = self.channel.bytes_sent if self.channel else 0  # (the channel's lifetime count)
         for prm in self._params():
             prm.grad = None
             if hasattr(prm, "main_grad"):  # mixed_precision.py: the fp32 accumulator the bf16 grads land in
                 prm.main_grad.zero_()
-        if self.channel is not None and self.last:
+        if self._chan is not None and self.last:
             self.channel.begin([mb.tokens.shape[0] for mb in mbs], self.H, self.dtype, self.device)
         acts = schedule_actions(self.schedule, self.grid.pp, self.grid.pp_rank, M)
         plan = p2p_plan(acts, self.grid.pp_rank, self.grid.pp)
@@ -186,13 +190,13 @@ class PipelineSchedule:
             if kind == "F" and out is not None:
                 self._send_taps(m, out)  # after the activation: async, off the critical path
         pending.wait()
-        if self.channel is not None:
+        if self._chan is not None:
             self.channel.finish()
         self._reduce_grads()
         tap_bytes = (self.channel.bytes_sent if self.channel else 0) - tap_bytes0
         loss, draft = self._reduce_scalars()
         self._saved = self._mbs = None
-        return StepResult(loss, draft, self._p2p_bytes, tap_bytes, self._draft_seconds)
+        return StepResult(loss, draft, self._p2p_bytes, tap_bytes, self._draft_seconds, self._draft_cpu)
 
     def _forward(self, m: int, got):
         """F(m); returns the stage output to send on (None on the last stage)."""
@@ -200,22 +204,23 @@ class PipelineSchedule:
         if self.last:
             self._post_taps(m)  # every source has sent m's taps by now: a device sync cannot wait on a later send
         x = mb.tokens if self.first else self._input(m, got)
-        out = self.stage(x, mb.cu_seqlens, mb.position_ids, attn_fn=self.attn_fn, tap_layers=self.local_taps,
-                         logits=self.logits)
+        out = self.stage(x, mb.cu_seqlens, mb.position_ids, attn_fn=self.attn_fn,
+                         tap_layers=self.local_taps if self._draft_hook is not None else (), logits=self.logits)
         if not self.last:
             self._saved[m] = (x, out.hidden)
             return out
         loss = self._loss_fn(out.logits if self.logits else out.hidden, mb)
-        taps = self._gather_taps(m, out)
         if self._draft_hook is not None:
-            t0 = time.perf_counter()
+            taps = self._gather_taps(m, out)
+            t0, c0 = time.perf_counter(), time.process_time()
             logits = out.logits.detach() if self.logits else None
             d = self._draft_hook(DraftInputs(m, taps, out.hidden.detach(), logits, mb))
             if d is not None:
                 d.backward()  # the draft's backward, now: its inputs are detached, so it never leaves this stage
                 self._draft = self._draft + d.detach().double()
             self._draft_seconds += time.perf_counter() - t0
-        self._release_taps(m)
+            self._draft_cpu += time.process_time() - c0
+            self._release_taps(m)
         self._saved[m] = (x, loss)
         self._loss = self._loss + loss.detach().double()
         return None
@@ -257,20 +262,20 @@ class PipelineSchedule:
         return out.hidden
 
     def _send_taps(self, m: int, out):
-        if self.channel is not None:
+        if self._chan is not None:
             self.channel.send(m, out.taps)
 
     def _post_taps(self, m: int):
-        if self.channel is not None:
+        if self._chan is not None:
             self.channel.post(m)
 
     def _gather_taps(self, m: int, out) -> dict:
-        if self.channel is None:
+        if self._chan is None:
             return {layer: t.detach() for layer, t in sorted(out.taps.items())}
         return self.channel.recv(m, out.taps)  # waits only for m's taps
 
     def _release_taps(self, m: int):
-        if self.channel is not None:
+        if self._chan is not None:
             self.channel.release(m)
 
     # -- reductions ------------------------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ class SpecStats:
     row_forwards: list = field(default_factory=list)  # per prompt: verification forwards it was active in
     seconds: float = 0.0
     tokens_per_s: float = 0.0
+    kv_peak_bytes: int = 0  # the most bytes both KV caches held together, read at each step's poll (host ints)
 
 
 @dataclass
@@ -168,7 +169,8 @@ class _Decode:
 
 @torch.inference_mode()
 def generate(target: Transformer, draft=None, prompts=(), *, max_new_tokens: int, num_draft_tokens: int = 0,
-             temperature: float = 1.0, eos_id: Optional[int] = None, generator=None, tree=None, adapt=None) -> Rollout:
+             temperature: float = 1.0, eos_id: Optional[int] = None, generator=None, tree=None, adapt=None,
+             kv_block: int = None) -> Rollout:
     """Sample up to max_new_tokens per prompt (ragged prompts, per-row EOS) with speculative decoding:
     prefill, then per step compact -> propose (k draft forwards) -> verify (one policy forward) -> commit.
 
@@ -177,7 +179,9 @@ def generate(target: Transformer, draft=None, prompts=(), *, max_new_tokens: int
     None or () is the chain. generator: a torch.Generator (one stream for the batch), or row_streams.RowStreams with
     one stream per prompt: then each row's tokens depend on its own stream alone, not on the rows beside it.
     adapt: a controller (decoding/adaptive_k.py: AdaptiveK, KSchedule) that picks k in {0..num_draft_tokens} before
-    each step of a chain draft; num_draft_tokens is then its ceiling K."""
+    each step of a chain draft; num_draft_tokens is then its ceiling K.
+    kv_block: both KV caches grow (and shrink) in blocks of this many positions per row as the longest row advances
+    (kv_cache.py; None: kv_cache.BLOCK); the outputs do not depend on it."""
     _check(target, draft, prompts, max_new_tokens, num_draft_tokens, temperature, eos_id)
     if adapt is not None and (draft is None or tree):
         raise ValueError("adapt: expected a chain draft (a draft, and tree=None: a tree keeps its fixed shape)")
@@ -193,7 +197,7 @@ def generate(target: Transformer, draft=None, prompts=(), *, max_new_tokens: int
         empty = [torch.zeros(0, dtype=torch.long, device=dev)] * len(prompts)
         return Rollout(empty, [torch.zeros(0, device=dev)] * len(prompts), SpecStats())
     s = prefill(target, draft if k else None, prompts, k, temperature, eos_id, max_new_tokens, generator,
-                span=1 + tree.num_nodes if tree is not None else 0)
+                span=1 + tree.num_nodes if tree is not None else 0, kv_block=kv_block)
     if adapt is not None:
         adapt.begin(k)
     while (n_done := poll(s)) < s.live.numel():  # sync point: one per step
@@ -245,10 +249,12 @@ def _no_clock():
     return 0.0
 
 
-def prefill(target, draft, prompts, k: int, temperature, eos_id, max_new_tokens, generator, span: int = 0) -> _Decode:
+def prefill(target, draft, prompts, k: int, temperature, eos_id, max_new_tokens, generator, span: int = 0,
+            kv_block: int = None) -> _Decode:
     """Step 0. One policy forward over the right-padded prompts (each row then rolls back to its own length), the
     first token y ~ p(. | prompt), and the draft's trunk over the prompt: entry j = (token j+1, taps at j), the last
-    one fed the sampled y. span: entries one step appends past the last kept token (default k+1; a tree's 1+N)."""
+    one fed the sampled y. span: entries one step appends past the last kept token (default k+1; a tree's 1+N).
+    max_len bounds the caches; they allocate the prompt rounded up to a block and grow from there (kv_block)."""
     dev = next(target.parameters()).device
     B = len(prompts)
     lens = torch.tensor([p.numel() for p in prompts], device=dev)
@@ -257,7 +263,7 @@ def prefill(target, draft, prompts, k: int, temperature, eos_id, max_new_tokens,
     x = torch.zeros(B, int(lens.max()), dtype=torch.long, device=dev)
     for b, p in enumerate(prompts):
         x[b, : p.numel()] = p.to(dev)
-    pcache = target.new_cache(B, max_len)
+    pcache = target.new_cache(B, max_len, block=kv_block)
     out = target.forward_cached(x, pcache, tap_layers=draft.tap_layers if k else None, logits_at=lens - 1)
     pcache.rollback(lens)
     z = out.logits  # (B, V) at each row's last prompt token only: no (B, S, V) logits
@@ -275,7 +281,7 @@ def prefill(target, draft, prompts, k: int, temperature, eos_id, max_new_tokens,
     s.row_kept, s.row_fwd = torch.zeros(B, dtype=torch.long, device=dev), torch.zeros(B, dtype=torch.long, device=dev)
     s.row_steps = torch.zeros((), dtype=torch.long, device=dev)
     if k:
-        s.tap_layers, s.dcache = draft.tap_layers, draft.new_cache(B, max_len)
+        s.tap_layers, s.dcache = draft.tap_layers, draft.new_cache(B, max_len, block=kv_block)
         nxt = torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], 1)
         nxt[rows, lens - 1] = y
         s.h, s.zq = draft.extend(s.dcache, nxt, out.taps, lens - 1)
@@ -289,6 +295,7 @@ def poll(s: _Decode) -> int:
     n_done, *longest = torch.stack([s.done.sum()] + [c.lengths.max() for c in caches]).tolist()
     for c, L in zip(caches, longest):
         c.bound = min(c.bound, L)
+    s.stats.kv_peak_bytes = max(s.stats.kv_peak_bytes, sum(c.allocated_bytes() for c in caches))
     return n_done
 
 

@@ -14,6 +14,9 @@ cached in cache/ for reruns).
     python train.py                # the default experiment: 30 steps
     python train.py --preset smoke           # every code path at a small size
     python train.py --cold_start             # the rollout draft starts untrained and is only co-trained online
+    python train.py --no_spec --out runs/plain               # plain GRPO: autoregressive rollouts, no draft; then
+    python -m harness.report runs/default --baseline runs/plain   # the e2e step measured against it (harness/e2e.py)
+    python train.py --draft_every=4          # the draft-training budget: the drafts train on every 4th update
     python train.py --steps=40 --lr=2e-4 --out runs/mine      # any Config field as --key=value or --key value
     python train.py --model PATH --data prompts.jsonl         # HF mode: an HF checkpoint (Llama / Qwen2 / Qwen3 with
                                                               # its tokenizer.json), {"prompt", "answer"} lines,
@@ -64,7 +67,7 @@ from harness.mesh import make_mesh
 from harness.report import HEADER, Report
 from checkpoints.resume import load_run, save_run
 from checkpoints.resume_policy import prepare_run, start_run
-from harness.rollout import rollout
+from harness.rollout import rollout, rollout_draft
 from harness.update import check_finite, update
 from parallel.cli import describe
 from parallel.waits import WaitFailed
@@ -107,11 +110,11 @@ def train(cfg: Config) -> dict:
     rep.print(HEADER)
     for step in range(start + 1, cfg.steps + 1):
         timer = {"eval": t_eval}  # eval 0's time counts in step 1, eval k's in step k
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         problems = s.task.sample(cfg.prompts_per_step, s.rng)  # the same prompts on every rank
         batch, info = rollout(s, mesh, problems, timer)  # every rank generates its blocks -> gather to every rank
-        timer["rollout"] = time.perf_counter() - t0
-        up = update(s, batch, timer)  # `updates` GRPO + co-training steps through the pipeline, each with a refit
+        timer["rollout"], timer["cpu"] = time.perf_counter() - t0, {"rollout": time.process_time() - cpu0}
+        up = update(s, batch, timer, step)  # `updates` GRPO + co-training steps through the pipeline, each refitted
         check_finite(step, up, s)
         ev, t_eval = do_eval(step, up["kl"]) if step % cfg.eval_every == 0 or step == cfg.steps else (None, 0.0)
         timer["eval"] += t_eval
@@ -133,7 +136,7 @@ def serve(s, mesh, out_dir: str, rep: Report, step: int):
     (export.py)."""
     if mesh.main:
         c = s.cfg
-        w = write_servables(out_dir, s.policy, s.drafts["cotrained"].draft, c.model if c.hf_mode else None,
+        w = write_servables(out_dir, s.policy, rollout_draft(s), c.model if c.hf_mode else None,
                             require_draft=False, step=step)
         rep.print(f"servable: {w['policy']}" + (f", {w['draft']}" if w["draft"] else f" (no draft: {w['skipped']})"))
 

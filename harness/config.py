@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import math
 import os
 import textwrap
@@ -27,6 +26,8 @@ import torch
 from harness.logger import BACKENDS, parse_backends
 from parallel.cli import flags_help, print_help, wants_help
 from parallel.cli import show_value as _show
+from harness.config_checks import (_TYPE_CHECKS, AUTO_FLAG, FLAG, _installed, _parses, _problem, _taps_ok,
+                                    _update_sizes, _writable_dir, above, at_least, one_of)
 from harness.presets import PRESETS
 from model import PRESETS as MODEL_PRESETS
 from parallel.pp_schedule import SCHEDULES
@@ -67,8 +68,12 @@ class Config:
     # draft and its warm-up
     cold_start: bool = False  # the rollout draft starts untrained (fc/layer random, head copied) and learns online only
     draft: str = ""  # start from this EAGLE-3 draft (the export's format, e.g. <out>/draft of a run) with no warm-up
-    cold_arm: bool = True  # also co-train a cold-start draft on the same taps, evaluated only (no rollouts)
-    offline_arm: bool = True  # the control: the warm-up draft trained as much, on fresh pi_0 samples (offline_arm.py)
+    no_spec: bool = False  # plain GRPO: autoregressive rollouts, no draft (no warm-up, arms, co-training); the baseline
+    frozen_arm: bool | str = "auto"  # the control: a frozen copy of the warm-up draft (auto: on built-in, off in HF)
+    cold_arm: bool | str = "auto"  # also co-train a cold-start draft on the same taps, evaluated only (auto: as above)
+    offline_arm: bool | str = "auto"  # the control: the warm-up draft trained as much on fresh pi_0 samples (as above)
+    log_kl: bool | str = "auto"  # keep the frozen reference pi_0 to log KL(pi_t || pi_0) per step (auto: as above)
+    draft_every: int = 1  # the drafts train on every n-th policy update only (budget 1/n; the offline arm's alike)
     draft_warmup_steps: int = 800  # optimisation steps of the draft warm-up on the warm policy's own samples
     draft_warmup_batch: int = 32  # sequences per draft warm-up step
     draft_warmup_lr: float = 3e-3  # the offline fit; draft_lr is the online co-training's
@@ -168,6 +173,25 @@ class Config:
         cuda = torch.device(device).type == "cuda"
         return "triton" if cuda and importlib.util.find_spec("triton") is not None else "torch"
 
+    def arm(self, name: str) -> bool:
+        """Is the control `name` ("frozen", "cold", "offline") or the KL log ("kl") on: its flag, where auto is on in
+        the built-in experiment and off in HF mode (a checkpoint's run holds no copy it does not need); never without
+        a draft (--no_spec) nor, for the cold arm, when the rollout draft itself starts cold."""
+        v = getattr(self, {"kl": "log_kl"}.get(name, f"{name}_arm"))
+        on = (not self.hf_mode) if v == "auto" else v
+        return on and (name == "kl" or not self.no_spec) and not (name == "cold" and self.cold_start)
+
+    @property
+    def needs_ref(self) -> bool:
+        """The frozen reference pi_0 is held only when used: the k3 penalty (beta > 0), the offline arm's samples of
+        pi_0, or the KL log."""
+        return self.beta > 0 or self.arm("offline") or self.arm("kl")
+
+    def trains_drafts(self, update: int) -> bool:
+        """The draft-training budget: the drafts train on policy update `update` (0, 1, ... over the run) iff it is a
+        multiple of draft_every."""
+        return not self.no_spec and update % self.draft_every == 0
+
     @property
     def hf_mode(self) -> bool:
         """--model names a directory (an HF checkpoint) rather than a model.ModelConfig preset."""
@@ -178,20 +202,6 @@ class Config:
 # The expectation is the error's text: `--grad_clip=-1: expected > 0`. `{field}` in it is filled from the config, so a
 # row may compare with another field. Every Config field needs a row (tests/test_bad_inputs.py checks); the type
 # (int, float -- finite --, str, bool) is checked before the rows, from the dataclass annotation.
-
-def at_least(lo):
-    return (lambda v, c: v >= lo), f">= {lo}"
-
-
-def above(lo):
-    return (lambda v, c: v > lo), f"> {lo}"
-
-
-def one_of(*choices):
-    return (lambda v, c: v in choices), "one of " + ", ".join(choices)
-
-
-FLAG = (lambda v, c: True, "true or false")  # the type check is the whole check
 
 CHECKS = {
     "name":               ((lambda v, c: v != "" and "/" not in v and v not in (".", "..")), "a run name (no '/')"),
@@ -229,8 +239,15 @@ CHECKS = {
                                                      and not c.draft_vocab and not c.tap_layers)),
                            "'' or an exported EAGLE-3 draft directory (config.json), not with --cold_start, "
                            "--draft_vocab or --tap_layers (the draft brings its own)"),
-    "cold_arm":           FLAG,
-    "offline_arm":        FLAG,
+    "no_spec":            ((lambda v, c: not v or not (c.draft or c.cold_start or c.num_draft_tokens == "auto" or c.tree
+                                                   or True in (c.frozen_arm, c.cold_arm, c.offline_arm))),
+                           "false with --draft, --cold_start, --num_draft_tokens=auto, --tree or a control arm set "
+                           "to true (plain GRPO has no draft)"),
+    "frozen_arm":         AUTO_FLAG,
+    "cold_arm":           AUTO_FLAG,
+    "offline_arm":        AUTO_FLAG,
+    "log_kl":             AUTO_FLAG,
+    "draft_every":        at_least(1),
     "draft_warmup_steps": at_least(0),
     "draft_vocab":        ((lambda v, c: v >= 0), ">= 0 (0 = the full vocabulary)"),
     "draft_warmup_batch": ((lambda v, c: 1 <= v <= c.draft_warmup_pool),
@@ -298,78 +315,6 @@ CHECKS = {
 }
 
 
-def _update_sizes(c) -> list:
-    """Sequences per update: harness/update.py cuts the step's prompts_per_step * group_size with torch.chunk."""
-    S, u = c.prompts_per_step * c.group_size, c.updates
-    size = -(-S // max(u, 1))
-    if size < 1:  # a bad prompts_per_step / group_size has its own error
-        return []
-    return [min(size, S - i) for i in range(0, S, size)]
-
-
-def _parses(parse, value) -> bool:
-    """True when parse(value) accepts it (a task name, a --log list); its ValueError means the value is refused."""
-    try:
-        parse(value)
-        return True
-    except ValueError:
-        return False
-
-
-def _writable_dir(path: str) -> bool:
-    """`path` is a directory this process may write, or one it may create: its nearest existing ancestor is a
-    writable directory (no file in the way, no read-only mount). Read-only: nothing is created here."""
-    p = os.path.abspath(path)
-    while not os.path.exists(p):
-        p = os.path.dirname(p)
-    return os.path.isdir(p) and os.access(p, os.W_OK | os.X_OK)
-
-
-def _installed(backends) -> bool:
-    """Every --log backend's package is importable (tensorboard, wandb), found without importing it."""
-    import importlib.util
-    return all(importlib.util.find_spec(b) is not None for b in backends if b != "jsonl")
-
-
-def _policy_layers(c) -> int | None:
-    """The policy's number of layers: the --model preset's, or an HF checkpoint's config.json; None if unreadable."""
-    if c.model in MODEL_PRESETS:
-        return MODEL_PRESETS[c.model].num_hidden_layers
-    try:
-        with open(os.path.join(c.model, "config.json")) as f:
-            return int(json.load(f)["num_hidden_layers"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # the model's own row reports it
-
-
-def _taps_ok(taps: tuple, c) -> bool:
-    """() or the served format's taps: exactly 3 ascending integer ids in [0, n - 2] (serving/export.py)."""
-    n = _policy_layers(c)
-    if not isinstance(taps, tuple):
-        return False
-    if taps == () or n is None:
-        return True
-    return (len(taps) == 3 and all(type(t) is int for t in taps) and list(taps) == sorted(set(taps))
-            and 0 <= taps[0] and taps[-1] <= n - 2)
-
-
-_TYPE_CHECKS = {
-    "int":   ((lambda v, c: isinstance(v, int) and not isinstance(v, bool)), "an integer"),
-    "float": ((lambda v, c: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)),
-              "a finite number"),
-    "str":   ((lambda v, c: isinstance(v, str)), "a string"),
-    "bool":  ((lambda v, c: isinstance(v, bool)), "true or false"),
-}
-
-
-def _problem(key: str, value, rule, cfg=None) -> str | None:
-    test, expect = rule
-    if test(value, cfg):
-        return None
-    return f"--{key}={_show(value)}: expected {expect.format(**vars(cfg)) if cfg is not None else expect}"
-
-
-
 USAGE = "usage: python train.py [--preset NAME] [--key=value | --key value | --flag] ..."
 
 
@@ -430,6 +375,8 @@ def _convert(key: str, val: str, typ: str):
             return val.lower() in ("true", "1")
         if typ == "tuple":  # --tree=2,2,1; --tree= (empty) is ()
             return tuple(int(v) for v in val.split(",") if v.strip())
+        if typ == "bool | str":  # --cold_arm, --cold_arm=false or =auto
+            return val.lower() in ("true", "1") if val.lower() in ("true", "false", "1", "0") else val
         if typ == "int | str":  # --num_draft_tokens=4 or =auto: a word stays a word, CHECKS says which
             return int(val) if val.strip().lstrip("+-").isdigit() else val
         return {"int": int, "float": float, "str": str}[typ](val)

@@ -43,8 +43,12 @@ EVAL_STREAM = 0x5EED_E7A1  # the eval rows' key prefix: streams apart from the r
 
 
 def arms(s: Setup) -> dict:
-    """arm name -> draft (None: autoregressive)."""
-    out = {"ar": None, "cotrained": s.drafts["cotrained"].draft, "frozen": s.frozen}
+    """arm name -> draft (None: autoregressive), for the arms the run holds (--no_spec: "ar" alone)."""
+    out = {"ar": None}
+    if "cotrained" in s.drafts:
+        out["cotrained"] = s.drafts["cotrained"].draft
+    if s.frozen is not None:
+        out["frozen"] = s.frozen
     if s.offline is not None:
         out["offline"] = s.offline.draft
     if "cold" in s.drafts:
@@ -107,9 +111,10 @@ def pool(s: Setup, probs: list, blocks: list, drafts: dict) -> dict:
             out[f"accept_{name}"] = t["kept"] / t["row_steps"] if t["row_steps"] else None  # no verification: none
             out[f"speedup_{name}"] = statistics.median(a / b for a, b in zip(chunk_tok_s[name], chunk_tok_s["ar"]))
     for other in ("frozen", "offline", "cold"):
-        if other in rows and out[f"accept_{other}"] is not None and out["accept_cotrained"] is not None:
+        if other in rows and out[f"accept_{other}"] is not None and out.get("accept_cotrained") is not None:
             a, b = rows["cotrained"], rows[other]
             out[f"accept_gain_vs_{other}_ci"] = paired_bootstrap(a["row_kept"], a["row_forwards"], b["row_kept"],
                                                                  b["row_forwards"], c.eval_samples, c.bootstrap, c.seed)
-    out["speedup"] = out["speedup_cotrained"]
+    if "cotrained" in drafts:
+        out["speedup"] = out["speedup_cotrained"]
     return out

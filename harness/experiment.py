@@ -5,8 +5,14 @@ this rank's share of the update (its pipeline stage and optimizer).
                              pi_0; the draft arms (co-trained, a frozen copy of the warm-up draft, a cold start); and
                              dist_step.DistCotrainer on the mesh (one process: the 1 x 1 x 1 mesh, the same code)
 
-Every rank keeps a FULL policy and drafts for its rollouts (the stand-in for an inference engine);
-the update trains the pipeline stage and `refit` copies it back. Under torchrun rank 0 builds first, so it alone trains
+Copies are held only when used (Config.arm, Config.needs_ref). Each control arm has its flag (--frozen_arm,
+--cold_arm, --offline_arm), on in the built-in experiment and off in HF mode by default. The reference pi_0 exists for
+the k3 penalty (--beta > 0), the offline arm (it samples pi_0) and the KL log (--log_kl); without it a step logs no KL
+(kl: null) and the update's KL term is zeros, as it is at beta = 0. --no_spec holds no draft at all: plain GRPO.
+
+Every rank keeps a FULL policy and drafts for its rollouts (the stand-in for an inference engine); the update trains
+this rank's pipeline stage, whose parameters ARE the policy's for its layers (dist_step.stage_of), and `refit` copies
+the other stages' layers in. Under torchrun rank 0 builds first, so it alone trains
 and caches the warm-ups, and the others load them.
 
 Letters: G group size, T packed tokens.
@@ -46,9 +52,9 @@ class Setup:
     cfg: Config
     task: object  # tasks/protocol.Task (--task's, or hf_task.HFTask): tok, sample, eval_set, encode_prompt, score, ...
     policy: torch.nn.Module  # the full policy this rank generates with (refitted after every update)
-    ref: torch.nn.Module  # frozen pi_0 (the warm policy): KL drift and the optional k3 penalty
-    drafts: dict  # arm name -> DraftTrainer ("cotrained" drives the rollouts; "cold" is evaluated only)
-    frozen: Eagle3Draft  # the warm-up draft, never updated
+    ref: torch.nn.Module | None  # frozen pi_0 (the warm policy): KL log, k3 penalty, offline arm; None: not used
+    drafts: dict  # arm name -> DraftTrainer ("cotrained" drives the rollouts; "cold" is evaluated only); {}: no_spec
+    frozen: Eagle3Draft | None  # the warm-up draft, never updated (--frozen_arm)
     cotrainer: DistCotrainer  # this rank's pipeline stage + optimizer: the one update path at every world size
     eval_problems: list
     rng: random.Random  # the prompt sampler: the same stream on every rank
@@ -99,9 +105,8 @@ def policy_key(cfg: Config, tsk) -> str:
 
 
 def draft_spec(cfg: Config, tsk, policy_key: str) -> DraftSpec:
-    """What the draft warm-up reads: the config's draft_warmup_* settings, the task, the policy's key, the attention."""
-    return DraftSpec.from_config(cfg, tsk, policy_key, attn_fn=padded_causal_attention,
-                                 draft_attn_fn=padded_branch_attention)
+    """What the draft warm-up reads (warmup.draft_spec): the draft_warmup_* settings, the task, the policy's key."""
+    return warmup.draft_spec(cfg, tsk, policy_key)
 
 
 def build(cfg: Config, mesh: Mesh, log=print) -> Setup:
@@ -123,22 +128,22 @@ def build(cfg: Config, mesh: Mesh, log=print) -> Setup:
 
 
 def watched(s: Setup) -> list:
-    """(arm name, draft) of the arms measured on the rollouts' taps but not trained on them."""
-    return [("frozen", s.frozen)] + ([("offline", s.offline.draft)] if s.offline is not None else [])
+    """(arm name, draft) of the arms measured on the rollouts' taps but not trained on them (those the run holds)."""
+    return ([("frozen", s.frozen)] if s.frozen is not None else []) + (
+        [("offline", s.offline.draft)] if s.offline is not None else [])
 
 
 def build_offline(cfg: Config, s: Setup, warm: Eagle3Draft) -> Setup:
-    """The offline-extended arm (offline_arm.py): a copy of the warm-up draft, reading the live embedding like the
-    frozen copy; cfg.offline_arm = False: none."""
-    if cfg.offline_arm:
-        d = copy.deepcopy(warm)
-        d.attach(s.policy)
-        s.offline = OfflineArm(cfg, s.task, s.ref, d, seed=cfg.run_seed)
+    """The offline-extended arm (offline_arm.py) on a copy of the warm-up draft, reading the live embedding like the
+    frozen copy; it samples pi_0 from the reference."""
+    warm.attach(s.policy)
+    s.offline = OfflineArm(cfg, s.task, s.ref, warm, seed=cfg.run_seed)
     return s
 
 
 def build_models(cfg: Config, dev: torch.device, log=print) -> Setup:
-    """Task, warm policy (SFT'd or the HF checkpoint), reference and draft arms on `dev`; no update yet."""
+    """Task, warm policy (SFT'd or the HF checkpoint), and the copies the run uses on `dev`: the reference when
+    cfg.needs_ref, the draft arms cfg.arm names (none with --no_spec); no update yet."""
     torch.manual_seed(cfg.seed)
     tsk = build_task(cfg)
     threads = torch.get_num_threads()
@@ -147,26 +152,52 @@ def build_models(cfg: Config, dev: torch.device, log=print) -> Setup:
         t0 = time.perf_counter()
         policy, pkey, loaded = build_policy(cfg, tsk, log, dev)
         t1 = time.perf_counter()
-        if cfg.draft:  # a served EAGLE-3 draft: no warm-up (warmup_cached.draft = None in the summary)
-            warm, dloaded = Eagle3Draft.from_export(cfg.draft, policy), None
-        else:
-            warm, dloaded = warmup.warm_draft(policy, draft_spec(cfg, tsk, pkey), cache_dir=cfg.cache_dir,
-                                              log_every=max(cfg.draft_warmup_steps // 4, 1), chunk_mib=cfg.chunk_mib)
+        warm, dloaded = warm_draft(cfg, tsk, policy, pkey)
         t2 = time.perf_counter()
     finally:
         torch.set_num_threads(threads)
-    done = (f"none: the EAGLE-3 draft {cfg.draft}" if cfg.draft else "none (an untrained draft)"
-            if cfg.draft_warmup_steps == 0 else "loaded from cache" if dloaded else "trained")
+    done = ("none: plain GRPO (--no_spec)" if cfg.no_spec else f"none: the EAGLE-3 draft {cfg.draft}" if cfg.draft
+            else "none (an untrained draft)" if cfg.draft_warmup_steps == 0 else "loaded from cache" if dloaded
+            else "trained")
     log(f"draft warm-up: {done} ({t2 - t1:.0f}s)")
     dt = model_dtype(cfg, dev)  # the warm-ups train in fp32; from here on every copy runs in --dtype
     if dt != next(policy.parameters()).dtype:
         policy.to(dt)
-        warm.to(dt).attach(policy)  # the draft shares the (now bf16) embedding again
-    ref = copy.deepcopy(policy).requires_grad_(False)
-    warm_copy = copy.deepcopy(warm)  # the offline arm's start (the co-trained arm trains `warm` itself)
-    frozen = copy.deepcopy(warm).requires_grad_(False)
-    frozen.attach(policy)  # like the co-trained draft it reads the live policy's embedding; its own weights stay put
+        if warm is not None:
+            warm.to(dt).attach(policy)  # the draft shares the (now bf16) embedding again
+    ref = copy.deepcopy(policy).requires_grad_(False) if cfg.needs_ref else None  # held only when used
+    drafts, frozen, warm_copy = {}, None, None
+    if warm is not None:
+        warm_copy = copy.deepcopy(warm) if cfg.arm("offline") else None  # the offline arm's start
+        if cfg.arm("frozen"):
+            frozen = copy.deepcopy(warm).requires_grad_(False)
+            frozen.attach(policy)  # like the co-trained draft it reads the live policy's embedding; its weights stay
+        drafts = draft_arms(cfg, policy, warm)
+    grpo = GRPOConfig(eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta=cfg.beta, std_norm=cfg.std_norm,
+                      loss_norm=cfg.loss_norm, max_len=tsk.max_new_tokens, temperature=cfg.temperature)
+    r = cfg.run_seed  # the RL phase's streams; the warm-ups and the held-out prompts follow cfg.seed (shared)
+    s = Setup(cfg, tsk, policy, ref, drafts, frozen, None, tsk.eval_set(cfg.eval_prompts, cfg.seed + 1234),
+              random.Random(r), torch.Generator(device=dev).manual_seed(r), torch.Generator().manual_seed(r + 31), grpo,
+              {"sft_s": t1 - t0, "draft_warmup_s": t2 - t1, "policy_cached": loaded, "draft_cached": dloaded})
+    if warm_copy is not None:
+        build_offline(cfg, s, warm_copy)
+    return s
 
+
+def warm_draft(cfg: Config, tsk, policy, pkey: str) -> tuple:
+    """-> (the warm-up draft, loaded from cache): the cached offline fit, an exported EAGLE-3 draft (--draft; loaded
+    None), or (None, None) with --no_spec."""
+    if cfg.no_spec:
+        return None, None
+    if cfg.draft:  # a served EAGLE-3 draft: no warm-up (warmup_cached.draft = None in the summary)
+        return Eagle3Draft.from_export(cfg.draft, policy), None
+    return warmup.warm_draft(policy, draft_spec(cfg, tsk, pkey), cache_dir=cfg.cache_dir,
+                             log_every=max(cfg.draft_warmup_steps // 4, 1), chunk_mib=cfg.chunk_mib)
+
+
+def draft_arms(cfg: Config, policy, warm: Eagle3Draft) -> dict:
+    """arm name -> DraftTrainer of the drafts trained on the rollouts' taps: "cotrained" (the warm-up draft itself,
+    or with --cold_start an untrained one) and, with --cold_arm, "cold" (untrained, evaluated only)."""
     def trainer(d):
         opt = master_optimizer(d.parameters(), lambda ps: torch.optim.AdamW(ps, lr=cfg.draft_lr, weight_decay=0.0))
         return DraftTrainer(d, opt, lam=cfg.draft_lam, grad_clip=cfg.draft_grad_clip, num_passes=cfg.ttt_passes,
@@ -178,13 +209,6 @@ def build_models(cfg: Config, dev: torch.device, log=print) -> Setup:
     taps = warm.tap_layers  # --tap_layers, or the default rule: every arm reads the same taps
     drafts = {"cotrained": trainer(Eagle3Draft.from_target(policy, tap_layers=taps, draft_vocab=vocab)
                                    if cfg.cold_start else warm)}
-    if cfg.cold_arm and not cfg.cold_start:
+    if cfg.arm("cold"):
         drafts["cold"] = trainer(Eagle3Draft.from_target(policy, tap_layers=taps, draft_vocab=vocab))
-    grpo = GRPOConfig(eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta=cfg.beta, std_norm=cfg.std_norm,
-                      loss_norm=cfg.loss_norm, max_len=tsk.max_new_tokens, temperature=cfg.temperature)
-    r = cfg.run_seed  # the RL phase's streams; the warm-ups and the held-out prompts follow cfg.seed (shared)
-    s = Setup(cfg, tsk, policy, ref, drafts, frozen, None, tsk.eval_set(cfg.eval_prompts, cfg.seed + 1234),
-              random.Random(r), torch.Generator(device=dev).manual_seed(r), torch.Generator().manual_seed(r + 31), grpo,
-              {"sft_s": t1 - t0, "draft_warmup_s": t2 - t1, "policy_cached": loaded, "draft_cached": dloaded})
-    build_offline(cfg, s, warm_copy)
-    return s
+    return drafts

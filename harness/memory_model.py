@@ -10,12 +10,13 @@ Per rank of pipeline stage s (the stage's DP x CP ranks are alike; global rank 0
     optimizer    AdamW m, v (+ fp32 master slice with bf16 or --zero1), over n = dp * cp ranks with --zero1 else 1:
                  bf16: 12 N / n;  fp32: 8 N (12 N / n with --zero1)
     copy:<name>  each full copy the rank keeps (held_copies: the rule), weights in --dtype; the drafts share the
-                 policy's embedding
+                 policy's embedding, and the rollout policy's layers of this stage are the stage's weights (aliased)
     draft_optim  the drafts' grads and AdamW state where they are trained (the last stage; the offline arm on rank 0);
                  bf16: masters and fp32 accumulators on every rank (made with the trainer)
     tap_slots    TapChannel's landing slots on the last stage: one (T_mb, H) per tapped layer of an earlier stage
   transient (a phase's peak; the run's peak is the larger phase)
-    rollout      kv_cache (policy: layers x B x Hkv x L x D x 2; the draft's one layer) + verify_logits (the
+    rollout      kv_cache (policy: layers x B x Hkv x L x D x 2, L grown in blocks to the longest row, at worst the
+                 budget: kv_slots; the draft's one layer) + verify_logits (the
                  verification's vocabulary-sized working set) + prefill (the policy's taps over the prompts, held while
                  the draft's trunk runs over them); or the reference forward's working set over rollout_batch
                  sequences, whichever is larger (the caches are freed first)
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from backends.fused_logprob import budget_rows
+from modeling.kv_cache import BLOCK
 from draft import DraftConfig, Eagle3Draft
 from model import ModelConfig, Transformer, default_tap_layers
 from parallel.pp_schedule import schedule_actions, split_layers
@@ -75,13 +77,16 @@ def taps_of(cfg, run: Run) -> tuple:
 
 def held_copies(cfg) -> dict:
     """THE rule for which full copies a rank keeps, as harness/experiment.build_models makes them: name -> (kind,
-    where it is trained: "last" stage, "rank0", or None). One place to align when the build's rules change."""
-    out = {"policy": ("policy", None), "reference": ("policy", None),
-           "cotrained": ("draft", "last"), "frozen": ("draft", None)}
-    if cfg.cold_arm and not cfg.cold_start:
-        out["cold"] = ("draft", "last")
-    if cfg.offline_arm:
-        out["offline"] = ("draft", "rank0")
+    where it is trained: "last" stage, "rank0", or None). One place to align when the build's rules change: the
+    reference only when used (Config.needs_ref), each control arm by its flag (Config.arm), no draft with --no_spec.
+    The policy copy is the rollout engine's; the stage's own layers are its parameters (dist_step.stage_of)."""
+    out = {"policy": ("policy", None)}
+    if cfg.needs_ref:
+        out["reference"] = ("policy", None)
+    if not cfg.no_spec:
+        out["cotrained"] = ("draft", "last")
+        out.update({arm: ("draft", where) for arm, where in (("frozen", None), ("cold", "last"), ("offline", "rank0"))
+                    if cfg.arm(arm)})
     return out
 
 
@@ -173,9 +178,12 @@ def persistent(cfg, run: Run, stage: int, rank0: bool) -> dict:
     out = optimizer_parts(stage_numel(m, split[stage]), n, b)
     full, (Nd, dbuf) = stage_numel(m, (0, m.num_hidden_layers)), draft_numel(m, cfg, taps_of(cfg, run))
     last = stage == run.pp - 1
+    own = stage_numel(m, split[stage]) - (m.vocab_size * m.hidden_size if last and run.pp > 1 and
+                                          m.tie_word_embeddings else 0)  # the tied embedding's copy: not aliased
     optim = 0
     for name, (kind, where) in held_copies(cfg).items():
-        out[f"copy:{name}"] = (full if kind == "policy" else Nd) * b + (dbuf if kind == "draft" else 0)
+        size = (full - own if name == "policy" else full) if kind == "policy" else Nd  # the stage IS the policy's
+        out[f"copy:{name}"] = size * b + (dbuf if kind == "draft" else 0)
         trained = (where == "last" and last) or (where == "rank0" and rank0)
         if where is not None and b == 2:  # master + main_grad made with the trainer, m and v once trained
             optim += 8 * Nd + (8 * Nd if trained else 0)
@@ -185,20 +193,30 @@ def persistent(cfg, run: Run, stage: int, rank0: bool) -> dict:
     T, _ = micro_batch(cfg, run)
     taps = taps_of(cfg, run) + (-1,)
     remote = [t for t in taps if t < split[-1][0]]  # produced on an earlier stage (the embedding tap on stage 0)
-    out["tap_slots"] = int(len(remote) * T * m.hidden_size * b) if last and run.pp > 1 else 0
+    out["tap_slots"] = int(len(remote) * T * m.hidden_size * b) if last and run.pp > 1 and not cfg.no_spec else 0
     return out
 
 
-def rollout_transient(cfg, run: Run, max_new_tokens: int) -> dict:
+def kv_slots(prompt: int, max_new_tokens: int, longest_new: int = None, k: int = 0) -> int:
+    """Slots per row a KV cache holds at its largest (modeling/kv_cache.KVCache grows in blocks of kv_cache.BLOCK up
+    to max_len = prompt + max_new_tokens + k + 1): the longest row's prompt + response (longest_new; None: the budget,
+    the worst case) + the k + 1 entries of a verification, rounded up to a block."""
+    max_len = prompt + max_new_tokens + k + 1
+    need = prompt + (max_new_tokens if longest_new is None else longest_new) + k + 1
+    return min(max_len, -(-need // BLOCK) * BLOCK)
+
+
+def rollout_transient(cfg, run: Run, max_new_tokens: int, longest_new: int = None) -> dict:
     """The rollout phase's components: the generate call's KV caches and vocabulary-sized working set, the prefill's
-    and the reference forward's working sets (max_new_tokens: the response budget actually used)."""
+    and the reference forward's working sets (max_new_tokens: the response budget; longest_new: the longest response
+    a block generates, None: the budget)."""
     m, b = run.model, 2 if run.dtype == "bf16" else 4
-    k = draft_tokens(cfg)
+    k = 0 if cfg.no_spec else draft_tokens(cfg)
     rows = cfg.prompts_per_step * cfg.group_size
     B = min(cfg.rollout_batch, rows)
-    L = run.prompt + max_new_tokens + k + 1
+    L = kv_slots(run.prompt, max_new_tokens, longest_new, k)
     per_layer = 2 * B * m.num_key_value_heads * L * m.head_dim * b
-    kv = per_layer * (m.num_hidden_layers + 1) + 2 * 8 * B  # the policy's layers and the draft's one; lengths
+    kv = per_layer * (m.num_hidden_layers + (0 if cfg.no_spec else 1))  # the policy's layers and the draft's one
     verify = (VERIFY_BLOCKS * (k + 1) + 1) * B * m.vocab_size * 4
     Q, KV, I, H = (m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim, m.intermediate_size,
                    m.hidden_size)
@@ -206,7 +224,7 @@ def rollout_transient(cfg, run: Run, max_new_tokens: int) -> dict:
     T = B * (run.rollout_seq or run.seq)  # the reference forward's tokens: rollout_batch sequences at once
     ref = T * work + LOGIT_BLOCKS * min(T, _rows(cfg, m)) * m.vocab_size * 4
     # the prefill's peak: the policy's taps over the prompts, held while the draft's trunk runs over them
-    prefill = B * run.prompt * (len(taps_of(cfg, run)) * H + 4 * H + Q + 2 * KV + 3 * I) * b
+    prefill = B * run.prompt * (work if cfg.no_spec else (len(taps_of(cfg, run)) * H + 4 * H + Q + 2 * KV + 3 * I) * b)
     return {"kv_cache": kv, "verify_logits": verify, "prefill": prefill, "reference_forward": ref}
 
 
@@ -243,11 +261,13 @@ def update_transient(cfg, run: Run, stage: int) -> dict:
             "head_buffers": int(heads), "comm_buffers": int(comm), "refit_bucket": int(refit)}
 
 
-def rank_plan(cfg, run: Run, stage: int, rank0: bool = False, max_new_tokens: int = None) -> dict:
-    """Every component of a rank of `stage`, the two phases' peaks and the total (persistent + the larger phase)."""
+def rank_plan(cfg, run: Run, stage: int, rank0: bool = False, max_new_tokens: int = None,
+              longest_new: int = None) -> dict:
+    """Every component of a rank of `stage`, the two phases' peaks and the total (persistent + the larger phase).
+    longest_new: the longest response a rollout block generates (None: the budget, the worst case)."""
     out = persistent(cfg, run, stage, rank0)
     new = max_new_tokens if max_new_tokens is not None else cfg.max_new_tokens or max(run.seq - run.prompt, 0)
-    roll, upd = rollout_transient(cfg, run, new), update_transient(cfg, run, stage)
+    roll, upd = rollout_transient(cfg, run, new, longest_new), update_transient(cfg, run, stage)
     out.update(roll)
     out.update(upd)
     out["rollout_peak"] = max(roll["kv_cache"] + roll["verify_logits"] + roll["prefill"], roll["reference_forward"])

@@ -14,12 +14,12 @@ blur):
     the largest live total of the storages that did not survive the phase (those that did are the step's persistent
     state, counted by `held`), also per category (KV caches by shape, vocabulary-sized tensors).
 
-KV caches are counted where they are made: `kv_caches()` records the bytes of every modeling.kv_cache.KVCache built
-while it is active (k, v and lengths at construction; keep_rows's smaller copies are the tracker's transient).
+KV caches grow in blocks (modeling/kv_cache.py): `kv_peaks()` records each generate call's largest allocation of its
+two caches (speculative.SpecStats.kv_peak_bytes).
 
-    with kv_caches() as kv, StorageTracker(classify) as tr:   # a rollout phase
+    with kv_peaks() as kv, StorageTracker(classify) as tr:   # a rollout phase
         ...
-    tr.peak(), tr.peak("logits"), kv.sizes
+    tr.peak(), tr.peak("logits"), max(kv.peaks)
 
 Letters: V vocabulary, H hidden.
 """
@@ -92,11 +92,11 @@ class StorageTracker(TorchDispatchMode):
 
 
 def vocab_classifier(vocab_size: int, hidden_size: int, kv_heads: int, head_dim: int):
-    """classify(tensor): "kv" for a KV cache block (layers, B, Hkv, L, D), "logits" for a tensor with a dimension of
-    size V that is not shaped like the LM head (V, H), else None."""
+    """classify(tensor): "kv" for a KV cache layer (B, Hkv, L, D), "logits" for a tensor with a dimension of size V
+    that is not shaped like the LM head (V, H), else None."""
     def classify(t):
         shape = tuple(t.shape)
-        if t.dim() == 5 and shape[2] == kv_heads and shape[4] == head_dim:
+        if t.dim() == 4 and shape[1] == kv_heads and shape[3] == head_dim:
             return "kv"
         if vocab_size in shape and shape not in ((vocab_size, hidden_size), (hidden_size, vocab_size)):
             return "logits"
@@ -105,22 +105,24 @@ def vocab_classifier(vocab_size: int, hidden_size: int, kv_heads: int, head_dim:
 
 
 @contextlib.contextmanager
-def kv_caches():
-    """Records (layers, bytes) of every KVCache constructed inside: k, v and lengths as allocated."""
-    from modeling.kv_cache import KVCache
+def kv_peaks():
+    """Records, per speculative.generate call made inside, the most bytes its two KV caches held together
+    (SpecStats.kv_peak_bytes: read at each step's poll)."""
+    import speculative
     rec = type("KVRecord", (), {})()
-    rec.sizes = []
-    init = KVCache.__init__
+    rec.peaks = []
+    generate = speculative.generate
 
-    def recording(self, *a, **k):
-        init(self, *a, **k)
-        rec.sizes.append((len(self.layers), nbytes(self.k, self.v, self.lengths)))
+    def recording(*a, **k):
+        r = generate(*a, **k)
+        rec.peaks.append(r.stats.kv_peak_bytes)
+        return r
 
-    KVCache.__init__ = recording
+    speculative.generate = recording
     try:
         yield rec
     finally:
-        KVCache.__init__ = init
+        speculative.generate = generate
 
 
 def nbytes(*tensors, seen: set = None) -> int:
@@ -152,7 +154,8 @@ def grads(params) -> list:
 
 def held(s) -> dict:
     """Component -> bytes this rank holds after a step of harness.experiment's Setup `s`, each storage counted
-    once; names as memory_plan.rank_plan's persistent components."""
+    once (the stage first: the rollout policy's layers of this stage are its parameters); names as
+    memory_model.rank_plan's persistent components."""
     seen, ct = set(), s.cotrainer
     stage = list(ct.stage.parameters()) + list(ct.stage.buffers())
     flat = [ct.opt.flat] if hasattr(ct.opt, "flat") else []  # ZeRO-1 / bf16: the parameters are views of it
@@ -173,13 +176,11 @@ def held(s) -> dict:
 
 
 def copies(s) -> dict:
-    """name -> module of every full copy this rank keeps, the names memory_plan.held_copies gives them."""
-    out = {"policy": s.policy, "reference": s.ref, "cotrained": s.drafts["cotrained"].draft, "frozen": s.frozen}
-    if "cold" in s.drafts:
-        out["cold"] = s.drafts["cold"].draft
-    if s.offline is not None:
-        out["offline"] = s.offline.draft
-    return out
+    """name -> module of every full copy this rank holds, the names memory_model.held_copies gives them."""
+    out = {"policy": s.policy, "reference": s.ref, "frozen": s.frozen,
+           **{name: tr.draft for name, tr in s.drafts.items()},
+           "offline": s.offline.draft if s.offline is not None else None}
+    return {k: m for k, m in out.items() if m is not None}
 
 
 def rss_bytes() -> int:

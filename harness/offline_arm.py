@@ -1,7 +1,8 @@
 """The offline-extended control arm: the warm-up draft given the co-trained draft's extra training, without the drift.
 
-Each RL step the co-trained draft takes `updates` TTT steps, each on a minibatch of that step's fresh rollouts of
-pi_t (n prompts x G samples / updates sequences). The offline-extended draft takes the SAME number of steps with the
+Each RL step the co-trained draft takes `updates` TTT steps (fewer under a budget, --draft_every), each on a minibatch
+of that step's fresh rollouts of pi_t (n prompts x G samples / updates sequences). The offline-extended draft takes the
+SAME number of steps with the
 same optimizer (AdamW), lr (draft_lr), gradient clipping, passes and minibatch size -- on FRESH samples of the initial
 policy pi_0 (the frozen reference), n x G new ones every step, never a reused pool, with pi_0's taps and pi_0's
 distribution at the rollout temperature as the teacher. So it sees as much new data as the co-trained draft; only the
@@ -74,9 +75,12 @@ class OfflineArm:
         zeros = torch.zeros(len(prompts))
         return RolloutBatch.from_rollouts(prompts, toks, [torch.zeros(t.numel()) for t in toks], zeros, zeros.bool())
 
-    def step(self) -> dict:
-        """One RL step's worth of training: `updates` TTT steps on minibatches of fresh pi_0 samples. Call on every rank
-        (each samples its blocks); rank 0 trains, then `broadcast`."""
+    def step(self, n_steps: int | None = None) -> dict:
+        """One RL step's worth of training: n_steps (default `updates`: the co-trained draft's TTT steps this RL step)
+        TTT steps on minibatches of fresh pi_0 samples, the first n_steps of the `updates` minibatches -- the
+        co-trained draft's minibatch size. Call on every rank (each samples its blocks); rank 0 trains, then
+        `broadcast`."""
+        n_steps = self.cfg.updates if n_steps is None else n_steps
         t0 = time.perf_counter()
         batch = self.sample()
         t1 = time.perf_counter()
@@ -85,7 +89,7 @@ class OfflineArm:
             return {"offline_sample": t1 - t0}
         dev = next(self.ref.parameters()).device
         chunk = budget_rows(self.ref.cfg.vocab_size, self.cfg.chunk_mib)  # rows of the teacher's logits per chunk
-        for idx in torch.randperm(batch.num_seqs, generator=self.perm).chunk(self.cfg.updates):
+        for idx in torch.randperm(batch.num_seqs, generator=self.perm).chunk(self.cfg.updates)[:n_steps]:
             mb = batch.select(idx.sort().values).to(dev)
             with torch.no_grad():  # pi_0's taps and teacher: the distribution the warm-up draft was fitted to
                 out = self.ref(mb.tokens, mb.cu_seqlens, attn_fn=padded_causal_attention,

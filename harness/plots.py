@@ -44,18 +44,21 @@ def plot_run(train_rows: list, eval_rows: list, path: str, title: str = "") -> s
     ax[0].set(xlabel="RL step", title="reward and accuracy", ylim=(0, None))
     ax[0].legend(fontsize=7)
 
-    kls = [r["kl"] for r in train_rows]
     for key, label, color in ARMS:
         pts = [(r["step"], r[f"accept_{key}"]) for r in eval_rows if r.get(f"accept_{key}") is not None]
         if pts:
             ax[1].plot(*zip(*pts), "o-", color=color, label=label)
-        tau = [r.get(f"tau_hat_{key}") for r in train_rows]
-        if any(t is not None for t in tau):
-            ax[2].plot(steps, tau, color=color, alpha=0.3)
-            ax[2].plot(steps, _smooth(tau), color=color, label=label)
-            ax[3].scatter(kls, tau, color=color, s=8, alpha=0.6, label=label)
-        alpha = [r.get(f"alpha_{key}") for r in train_rows[-max(len(train_rows) // 10, 1):]]
-        if alpha and alpha[0] is not None:
+        pts = [(r["step"], r.get(f"tau_hat_{key}"), r["kl"]) for r in train_rows
+               if r.get(f"tau_hat_{key}") is not None]  # steps whose updates trained the drafts (--draft_every)
+        if pts:
+            at, tau, kl = zip(*pts)
+            ax[2].plot(at, tau, color=color, alpha=0.3)
+            ax[2].plot(at, _smooth(list(tau)), color=color, label=label)
+            if all(k is not None for k in kl):  # no KL without a reference (--log_kl)
+                ax[3].scatter(kl, tau, color=color, s=8, alpha=0.6, label=label)
+        alpha = [r[f"alpha_{key}"] for r in train_rows if r.get(f"alpha_{key}") is not None]
+        alpha = alpha[-max(len(alpha) // 10, 1):]
+        if alpha:
             mean = [sum(a[j] for a in alpha) / len(alpha) for j in range(len(alpha[0]))]
             ax[4].plot(range(1, len(mean) + 1), mean, "o-", color=color, label=label)
     ax[1].axhline(1.0, color="k", lw=0.5)
@@ -66,7 +69,8 @@ def plot_run(train_rows: list, eval_rows: list, path: str, title: str = "") -> s
               title="staleness: acceptance vs drift")
     ax[4].set(xlabel="draft position j", ylabel="alpha_j", title="per-position acceptance, last 10% of steps")
     for a in ax[1:5]:
-        a.legend(fontsize=7)
+        if a.get_legend_handles_labels()[0]:  # --no_spec: no arm to plot
+            a.legend(fontsize=7)
 
     parts = [("rollout", "tab:orange"), ("policy_train", "tab:purple"), ("draft_train", "tab:blue"),
              ("eval", "tab:gray"), ("watch", "tab:pink"), ("offline_sample", "tab:olive"),

@@ -6,10 +6,13 @@ every other rank's Report is silent (world size 1 is a plain program: its one pr
     summary = rep.finish(warm_info, wall_s)     summary.json + train.png, returns the summary
 
     python -m harness.report runs/default runs/seed1 runs/seed2      # the seeds table (mean +- sd over runs), markdown
+    python -m harness.report runs/default --baseline runs/plain      # the e2e step measured against plain GRPO
+                                                                     # (train.py --no_spec; harness/e2e.py)
 
 Records: {"kind": "train", "step", reward..., "rank_rows", "time": {"rollout", "rollout_rank_s", "rollout_rank_cpu_s",
-"policy_train", "draft_train", "eval"}} (rank_rows / rollout_rank_*: per rank, the rows it generated and its wall / CPU
-seconds for them; the live table shows the slowest and fastest rank's wall seconds, r_max / r_min) and
+"policy_train", "draft_train", "watch", "eval", "cpu": {"rollout", "policy_train", "draft_train", "watch"}}}
+(rank_rows / rollout_rank_*: per rank, the rows it generated and its wall / CPU seconds for them; the live table shows
+the slowest and fastest rank's wall seconds, r_max / r_min; "cpu": this process's CPU seconds per phase) and
 {"kind": "eval", "step", "kl", reward..., accept_<arm>, tok_s_<arm>, speedup_<arm>}.
 """
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import os
 from typing import TYPE_CHECKING
 
+from harness.e2e import trained_drafts
 from harness.logger import MetricsLogger, parse_backends
 from harness.plots import plot_run
 
@@ -60,10 +64,12 @@ class Report:
         self._write(row)
         t = row["time"]
         ranks = t.get("rollout_rank_s") or [t["rollout"]]  # each rank's generate + score + reference seconds
+        # none: an arm the run does not hold or did not train this step, a KL without a reference
+        tau = " ".join(_num(row.get(f"tau_hat_{a}"), 5) for a in ("cotrained", "frozen", "offline"))
         self.print(f"{row['step']:4d} {row['reward']:6.3f} {row['correct']:5.2f} {row['explicit']:5.2f} "
-                   f"{row['resp_len']:5.1f} {row['kl']:6.3f} {row['zero_var_groups']:4d} {row['clip_frac']:5.3f} "
-                   f"{_num(row['accept_len'], 6)} {row['tau_hat_cotrained']:5.2f} {row.get('tau_hat_frozen', 0):5.2f} "
-                   f"{row.get('tau_hat_offline', 0):5.2f} {row['rollout_tok_s']:6.0f} "
+                   f"{row['resp_len']:5.1f} {_num(row['kl'], 6, 3)} {row['zero_var_groups']:4d} "
+                   f"{row['clip_frac']:5.3f} "
+                   f"{_num(row['accept_len'], 6)} {tau} {row['rollout_tok_s']:6.0f} "
                    f"{t['rollout']:6.2f} {max(ranks):5.2f} {min(ranks):5.2f} {t['policy_train']:5.2f} "
                    f"{t['draft_train']:5.2f}")
 
@@ -72,14 +78,18 @@ class Report:
             return
         self.evals.append(ev)
         self._write(ev)
-        more = "".join(f" {a} {_num(ev[f'accept_{a}'])}" for a in ("offline", "cold") if f"accept_{a}" in ev)
+        head = (f"  eval @ {ev['step']}: held-out reward {ev['reward']:.3f} (acc {ev['correct']:.2f}, explicit "
+                f"{ev['explicit']:.2f})")
+        if "accept_cotrained" not in ev:  # --no_spec: autoregressive only
+            self.print(f"{head} | AR {ev['tok_s_ar']:.0f} tok/s")
+            return
+        more = "".join(f" {a} {_num(ev[f'accept_{a}'])}" for a in ("frozen", "offline", "cold") if f"accept_{a}" in ev)
         ci = "".join(f" | c-{a[:3]} [{ev[k][0]:+.2f}, {ev[k][1]:+.2f}]" for a in ("frozen", "offline")
                      if (k := f"accept_gain_vs_{a}_ci") in ev and ev[k] is not None)
-        self.print(f"  eval @ {ev['step']}: held-out reward {ev['reward']:.3f} (acc {ev['correct']:.2f}, explicit "
-                   f"{ev['explicit']:.2f}) | acceptance (k={ev.get('eval_k', '?')}) co-trained "
-                   f"{_num(ev['accept_cotrained'])} frozen {_num(ev['accept_frozen'])}{more}{ci} | spec "
-                   f"{ev['tok_s_cotrained']:.0f} vs AR {ev['tok_s_ar']:.0f} tok/s, speedup {ev['speedup']:.2f}x "
-                   f"(frozen {ev['speedup_frozen']:.2f}x)")
+        frozen = f" (frozen {ev['speedup_frozen']:.2f}x)" if "speedup_frozen" in ev else ""
+        self.print(f"{head} | acceptance (k={ev.get('eval_k', '?')}) co-trained {_num(ev['accept_cotrained'])}{more}"
+                   f"{ci} | spec {ev['tok_s_cotrained']:.0f} vs AR {ev['tok_s_ar']:.0f} tok/s, speedup "
+                   f"{ev['speedup']:.2f}x{frozen}")
 
     def finish(self, warm: dict, wall_s: float, eval_prompts: int | None = None) -> dict:
         """summary.json and train.png (rank 0); returns the summary ({} on other ranks). eval_prompts: how many
@@ -103,9 +113,10 @@ class Report:
         return summary
 
 
-def _num(v, width: int = 0) -> str:
-    """A metric for the console: two decimals, or "none" (an acceptance without any verification forward)."""
-    return f"{'none' if v is None else f'{v:.2f}':>{width}}"
+def _num(v, width: int = 0, digits: int = 2) -> str:
+    """A metric for the console: two decimals, or "none" (an acceptance without any verification forward, an arm the
+    run does not hold or did not train this step, a KL without a reference)."""
+    return f"{'none' if v is None else f'{v:.{digits}f}':>{width}}"
 
 
 def summarize(cfg: Config, rows: list, evals: list, warm: dict, wall_s: float) -> dict:
@@ -119,26 +130,32 @@ def summarize(cfg: Config, rows: list, evals: list, warm: dict, wall_s: float) -
            "eval_reward_first": first["reward"], "eval_reward_last": last["reward"],
            "correct_first": first["correct"], "correct_last": last["correct"],
            "explicit_first": first["explicit"], "explicit_last": last["explicit"],
-           "kl_last": rows[-1]["kl"],
-           "accept_len_cotrained": last["accept_cotrained"], "accept_len_frozen": last["accept_frozen"],
-           "accept_len_cotrained_first": first["accept_cotrained"], "accept_len_frozen_first": first["accept_frozen"],
-           "rollout_speedup": last["speedup"], "rollout_speedup_frozen": last["speedup_frozen"],
-           "spec_tok_s": last["tok_s_cotrained"], "ar_tok_s": last["tok_s_ar"],
+           "kl_last": rows[-1]["kl"], "ar_tok_s": last["tok_s_ar"],
            "time_s": {**{k: round(v, 1) for k, v in tsum.items()}, "sft_warmup": round(warm["sft_s"], 1),
                       "draft_warmup": round(warm["draft_warmup_s"], 1)},
            "warmup_cached": {"policy": warm["policy_cached"], "draft": warm["draft_cached"]},
-           "cold_start": cfg.cold_start, "wall_s": round(wall_s, 1)}
-    for arm in ("cold", "offline"):
+           "cold_start": cfg.cold_start, "no_spec": cfg.no_spec, "draft_every": cfg.draft_every,
+           "wall_s": round(wall_s, 1)}
+    out["time_s"]["cpu"] = {k: round(sum(r["time"].get("cpu", {}).get(k, 0.0) for r in rows), 1)
+                            for k in ("rollout", "policy_train", "draft_train")}
+    if "speedup" in last:  # a draft drove the rollouts (not --no_spec)
+        out.update(rollout_speedup=last["speedup"], spec_tok_s=last["tok_s_cotrained"])
+    for arm in ("cotrained", "frozen", "cold", "offline"):
         if f"accept_{arm}" in last:
             out[f"accept_len_{arm}_first"], out[f"accept_len_{arm}"] = first[f"accept_{arm}"], last[f"accept_{arm}"]
     for arm in ("frozen", "offline"):
         if f"accept_gain_vs_{arm}_ci" in last:
             out[f"accept_gain_vs_{arm}_ci"] = last[f"accept_gain_vs_{arm}_ci"]
-    for arm in ("cotrained", "frozen", "offline", "cold"):  # teacher-forced, on the last 10% of steps' rollouts
-        if f"tau_hat_{arm}" in rows[-1]:
-            out[f"tau_hat_{arm}_last"] = sum(r[f"tau_hat_{arm}"] for r in rows[-n:]) / n
-    out["speedup_agreement_eval0"] = first["speedup_frozen"] / first["speedup_cotrained"]  # same draft at eval 0
-    out.update(e2e_step_times(rows, evals, trained_drafts=1 + (cfg.cold_arm and not cfg.cold_start)))
+    if "speedup_frozen" in last:
+        out["rollout_speedup_frozen"] = last["speedup_frozen"]
+        out["speedup_agreement_eval0"] = first["speedup_frozen"] / first["speedup_cotrained"]  # same draft at eval 0
+    for arm in ("cotrained", "frozen", "offline", "cold"):  # teacher-forced, on the last 10% of the steps that
+        vals = [r[f"tau_hat_{arm}"] for r in rows if r.get(f"tau_hat_{arm}") is not None]  # trained the drafts
+        if vals:
+            tail = vals[-max(1, len(vals) // 10):]
+            out[f"tau_hat_{arm}_last"] = sum(tail) / len(tail)
+    if "speedup" in last:
+        out.update(e2e_step_times(rows, evals, trained_drafts=trained_drafts(rows[-1])))
     out["temperature"], out["eval_k"], out["rl_seed"], out["lr"] = cfg.temperature, cfg.eval_k, cfg.run_seed, cfg.lr
     return out
 
@@ -154,6 +171,7 @@ def e2e_step_times(rows: list, evals: list, trained_drafts: int = 1) -> dict:
     the co-trained one's share is 1 / trained_drafts; timers "watch", "offline_*") and the eval are not part of
     either. e2e_step_speedup = sum ar / sum spec over the run."""
     spec = ar = 0.0
+    trained_drafts = max(trained_drafts, 1)
     for r in rows:
         sp = max((e for e in evals if e["step"] < r["step"]), key=lambda e: e["step"], default=evals[0])["speedup"]
         t = r["time"]
@@ -170,7 +188,9 @@ SEED_KEYS = (("accept_len_cotrained", "acceptance, co-trained"), ("accept_len_of
              ("tau_hat_frozen_last", "tau_hat (teacher-forced), frozen"),
              ("eval_reward_last", "held-out reward"), ("correct_last", "held-out accuracy"),
              ("kl_last", "KL at the end"),
-             ("rollout_speedup", "rollout speedup, co-trained"), ("e2e_step_speedup", "e2e step speedup"))
+             ("rollout_speedup", "rollout speedup, co-trained"), ("e2e_step_speedup", "e2e step speedup (computed)"),
+             ("e2e_step_speedup_measured", "e2e step speedup vs plain GRPO (measured, wall)"),
+             ("e2e_step_speedup_measured_cpu", "e2e step speedup vs plain GRPO (measured, CPU)"))
 
 
 def seeds_table(summaries: dict) -> str:
@@ -194,10 +214,42 @@ def seeds_table(summaries: dict) -> str:
     return "\n".join(lines)
 
 
+def add_baseline(run: str, base: str) -> dict:
+    """The measured e2e step of `run` against the plain-GRPO run `base` (harness/e2e.py), added to run's
+    summary.json (written atomically) -> the measurement."""
+    from harness.e2e import measured_e2e, read_rows
+    m = {"baseline": base, **measured_e2e(read_rows(run), read_rows(base))}
+    path = os.path.join(run, "summary.json")
+    with open(path) as f:
+        summary = json.load(f)
+    summary.update(m)
+    with open(path + ".tmp", "w") as f:
+        json.dump(summary, f, indent=2)
+    os.replace(path + ".tmp", path)
+    return m
+
+
+def main(argv: list):
+    """RUN ... : the seeds table; RUN --baseline BASE: the measured e2e step."""
+    if "--baseline" in argv:
+        i = argv.index("--baseline")
+        if len(argv) != 3 or i != 1:
+            raise SystemExit("usage: python -m harness.report RUN --baseline BASE_RUN")
+        from harness.e2e import table
+        m = add_baseline(argv[0], argv[2])
+        print(table(m))
+        print(f"wrote the e2e_step_* fields into {os.path.join(argv[0], 'summary.json')}")
+        return
+    runs = argv or ["runs/default"]
+    print(seeds_table({os.path.basename(r.rstrip("/")): json.load(open(os.path.join(r, "summary.json")))
+                       for r in runs}))
+
+
 if __name__ == "__main__":
     from parallel.cli import answer_help
     answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
     import sys
-    runs = sys.argv[1:] or ["runs/default"]
-    print(seeds_table({os.path.basename(r.rstrip("/")): json.load(open(os.path.join(r, "summary.json")))
-                       for r in runs}))
+    try:
+        main(sys.argv[1:])
+    except (OSError, ValueError) as e:
+        sys.exit(f"harness.report: {e}")

@@ -9,7 +9,7 @@ rank j mod world (mesh.row_blocks: every rank of every DP replica, each from its
                 its own stream, keyed by (the step's seed, r // G, r % G) (decoding/row_streams.py): the step's seed is
                 the step-th draw of s.gen, seeded by run_seed on every rank and checkpointed;
   2. score      rewards from the task;
-  3. reference  log pi_ref per token from the frozen reference (k3 penalty and the KL drift): no-grad forwards of
+  3. reference  log pi_ref per token from the frozen reference, when held (k3 penalty, KL log): no-grad forwards of
                 rollout_batch sequences each, the LM head applied --chunk_mib at a time (no (T, V) logits);
 then
   4. gather     every rank receives every block (all_gather_object), in block order: the whole batch in row order;
@@ -84,13 +84,19 @@ def rollout_block(s: Setup, problems: list, rows: range, keys: torch.Tensor) -> 
     c = s.cfg
     probs = [problems[r // c.group_size] for r in rows]
     prompts = [s.task.encode_prompt(p) for p in probs]
-    toks, lps, st = generate(s, s.drafts["cotrained"].draft, prompts, keys)
+    toks, lps, st = generate(s, rollout_draft(s), prompts, keys)
     R, parts = s.task.score(probs, toks)
     batch = RolloutBatch.from_rollouts(prompts, toks, lps, torch.zeros(len(rows)), torch.ones(len(rows), dtype=bool))
-    batch.ref_logp = reference_logp(s.ref, batch, attn_fn=padded_causal_attention, temperature=c.temperature,
-                                    logprob_chunk=budget_rows(s.ref.cfg.vocab_size, c.chunk_mib),
-                                    seqs=c.rollout_batch)  # rollout_batch sequences per forward, the head in chunks
+    if s.ref is not None:  # held only when used (Config.needs_ref)
+        batch.ref_logp = reference_logp(s.ref, batch, attn_fn=padded_causal_attention, temperature=c.temperature,
+                                        logprob_chunk=budget_rows(s.ref.cfg.vocab_size, c.chunk_mib),
+                                        seqs=c.rollout_batch)  # rollout_batch sequences per forward, head in chunks
     return batch, R, parts, st
+
+
+def rollout_draft(s: Setup):
+    """The draft that drives the rollouts: the co-trained one; None with --no_spec (autoregressive sampling)."""
+    return s.drafts["cotrained"].draft if "cotrained" in s.drafts else None
 
 
 def explicit_share(parts: dict) -> float:
@@ -106,7 +112,7 @@ def rollout(s: Setup, mesh: Mesh, problems: list, timer: dict = None) -> tuple[R
     seed = int(torch.randint(2 ** 62, (1,), generator=s.gen, device=s.gen.device))  # the step's, on every rank
     r = torch.arange(n)
     keys = row_keys(seed, r // c.group_size, r % c.group_size)  # (n,) one stream per row
-    t0, cpu0 = time.perf_counter(), time.process_time()
+    t0, cpu0 = time.perf_counter(), time.process_time()  # (the whole phase's: timer["cpu"]["rollout"], train.py)
     mine = [(j, rollout_block(s, problems, rows, keys[rows.start: rows.stop])) for j, rows in mesh.blocks(
         n, c.rollout_batch)]
     me = {"blocks": mine, "s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0,
@@ -136,4 +142,4 @@ def concat_batches(parts: list) -> RolloutBatch:
     cu = cu_seqlens_from_lengths(torch.cat([seq_lengths(b.cu_seqlens) for b in parts]))
     cat = lambda k: torch.cat([getattr(b, k) for b in parts])  # noqa: E731
     return RolloutBatch(cat("tokens"), cu, cat("resp_mask"), cat("old_logp"), cat("adv"), cat("valid"),
-                        cat("ref_logp"))
+                        cat("ref_logp") if parts[0].ref_logp is not None else None)

@@ -1,6 +1,10 @@
 """One RL step's update: `updates` optimisation steps of the policy (GRPO) and of every draft (TTT), each followed by
 a refit of the full copies the next rollouts use. The same path at every world size.
 
+The draft-training budget (--draft_every n): over the run's updates u = 0, 1, 2, ... the drafts train on u % n = 0
+only, a 1/n share of the policy's updates; on the others the pipeline runs without taps or draft hook, like plain
+GRPO's update. The offline-extended control is given the same number of TTT steps ("trained as much").
+
     up = update(s, batch, timer)      # {"loss_policy", "loss_draft", "kl", "clip_frac", "ratio", "grad_norm",
                                       #  "tau_hat_<arm>", "alpha_<arm>" for every arm}
 
@@ -10,8 +14,8 @@ a refit of the full copies the next rollouts use. The same path at every world s
                  each stage), GRPO on its log-probs, every draft's TTT loss on its taps (TapChannel) on the last stage;
                  rl_loop.cotrain_step is the naive single-process reference it equals (tests/test_dist_step.py);
   4. refit       the full policy and drafts re-assembled from the stages (DistCotrainer.refit).
-  5. control     the offline-extended arm's step on fresh pi_0 samples (offline_arm.py; sampled on every rank, trained
-                 on rank 0, then broadcast),
+  5. control     the offline-extended arm's steps on fresh pi_0 samples (offline_arm.py; sampled on every rank,
+                 trained on rank 0, then broadcast): as many TTT steps as the co-trained draft took this step,
                  timed apart ("offline"): it is the control's cost, not the co-trained run's.
 
 Teacher-forced acceptance per arm and step: the draft hook's metrics on this step's rollouts, every micro-batch of
@@ -37,30 +41,45 @@ if TYPE_CHECKING:
     from harness.experiment import Setup
 
 
-def update(s: Setup, batch: RolloutBatch, timer: dict) -> dict:
-    """Steps 1-4. timer gains policy_train (the step without the drafts, and the refit) and draft_train."""
-    t0 = time.perf_counter()
-    kl = rollout_kl(batch)
+def update(s: Setup, batch: RolloutBatch, timer: dict, step: int = 1) -> dict:
+    """Steps 1-5 of RL step `step` (1, 2, ...). timer gains policy_train (the step without the drafts, and the refit),
+    draft_train and watch, in wall seconds and, under "cpu", in this process's CPU seconds. The drafts train (and the
+    taps travel) only on the updates the budget picks (cfg.trains_drafts); the offline arm takes as many steps."""
+    c = s.cfg
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    kl = rollout_kl(batch) if batch.ref_logp is not None else None  # None: no reference held (cfg.needs_ref)
     perm = torch.randperm(batch.num_seqs, generator=s.perm_gen)
+    trains = [c.trains_drafts((step - 1) * c.updates + j) for j in range(c.updates)]
     stats = []
-    for idx in perm.chunk(s.cfg.updates):
-        stats.append(s.cotrainer.step(batch.select(idx.sort().values), s.grpo, s.cfg.micro_batches))
+    for idx, train in zip(perm.chunk(c.updates), trains):
+        stats.append(s.cotrainer.step(batch.select(idx.sort().values), s.grpo, c.micro_batches, train_drafts=train))
         s.cotrainer.refit(s.policy)
-    draft_s = sum(st["draft_seconds"] for st in stats)
-    timer["draft_train"] = timer.get("draft_train", 0.0) + draft_s
-    watch_s = sum(st["watch_seconds"] for st in stats)
-    timer["policy_train"] = timer.get("policy_train", 0.0) + time.perf_counter() - t0 - draft_s - watch_s
-    timer["watch"] = timer.get("watch", 0.0) + watch_s  # the controls' teacher-forced metrics: not the run's cost
-    if s.offline is not None:
-        timer.update(s.offline.step())  # every rank samples its share, rank 0 trains
+    cpu = timer.setdefault("cpu", {})
+    for key, wall, proc in (("draft_train", "draft_seconds", "draft_cpu_seconds"),
+                            ("watch", "watch_seconds", "watch_cpu_seconds")):  # watch: the controls' metrics
+        timer[key] = timer.get(key, 0.0) + sum(st[wall] for st in stats)
+        cpu[key] = cpu.get(key, 0.0) + sum(st[proc] for st in stats)
+    timer["policy_train"] = timer.get("policy_train", 0.0) + time.perf_counter() - t0 - sum(
+        st["draft_seconds"] + st["watch_seconds"] for st in stats)
+    cpu["policy_train"] = cpu.get("policy_train", 0.0) + time.process_time() - cpu0 - sum(
+        st["draft_cpu_seconds"] + st["watch_cpu_seconds"] for st in stats)
+    if s.offline is not None and any(trains):
+        timer.update(s.offline.step(sum(trains)))  # as many TTT steps; every rank samples its share, rank 0 trains
         s.offline.broadcast()
     out = {k: sum(st[k] for st in stats) / len(stats) for k in ("loss_policy", "clip_frac", "ratio", "grad_norm")}
-    names = list(s.drafts) + [n for n, _ in watched(s)]
-    for i, name in enumerate(names):
-        m = merge_metrics([(st["draft_metrics"] + st["watch_metrics"])[i] for st in stats])
-        out[f"tau_hat_{name}"], out[f"alpha_{name}"] = m["tau_hat"], m["alpha"]
-    out["loss_draft"] = sum(st["loss_draft"][0] for st in stats) / len(stats)
+    out.update(draft_metrics(s, [st for st, train in zip(stats, trains) if train]))
     out["kl"] = kl
+    return out
+
+
+def draft_metrics(s: Setup, stats: list) -> dict:
+    """tau_hat_<arm>, alpha_<arm> pooled over the updates that trained the drafts, and loss_draft (the co-trained
+    draft's); None where no update of the step did."""
+    out, names = {}, list(s.drafts) + [n for n, _ in watched(s)]
+    for i, name in enumerate(names):
+        m = merge_metrics([(st["draft_metrics"] + st["watch_metrics"])[i] for st in stats]) or {}
+        out[f"tau_hat_{name}"], out[f"alpha_{name}"] = m.get("tau_hat"), m.get("alpha")
+    out["loss_draft"] = sum(st["loss_draft"][0] for st in stats) / len(stats) if stats and s.drafts else None
     return out
 
 
@@ -71,7 +90,7 @@ def check_finite(step: int, up: dict, s: Setup):
     too, once per step."""
     hint = "stopping. Try a lower --lr / --draft_lr or a smaller --grad_clip / --draft_grad_clip"
     for key in ("loss_policy", "loss_draft", "grad_norm"):
-        if not math.isfinite(up[key]):
+        if up[key] is not None and not math.isfinite(up[key]):  # loss_draft None: no draft trained this step
             raise FloatingPointError(f"step {step}: {key} = {up[key]} (not finite); {hint}")
     for name, m in {"policy": s.policy, **{f"{name} draft": tr.draft for name, tr in s.drafts.items()}}.items():
         check_finite_weights(m, f"step {step}: after the update, the {name}", hint)

@@ -20,7 +20,8 @@ complete one (a concurrent run finished first) is kept, and the temporary never 
 (the next run deletes those of processes that are gone). A cached entry that cannot be read, or holds NaN/inf
 weights, is a one-line error naming the file.
 
-    python -m harness.warmup                   # SFT (or load) the default policy; report its held-out greedy /
+    python -m harness.warmup                   # SFT (or load) the default policy, then its draft (none with
+                                               # --no_spec or --draft); report the policy's held-out greedy /
                                                # sampled reward
     python -m harness.warmup --preset smoke    # any train.py preset / --key=value: the same cache entries as train.py
 
@@ -47,7 +48,7 @@ from serving.export import pid_alive
 from serving.hf_io import from_pretrained, read_json, save_pretrained
 from serving.draft_vocab import select_draft_vocab
 from model import Transformer
-from backends.attention_padded import padded_causal_attention
+from backends.attention_padded import padded_branch_attention, padded_causal_attention
 from backends.fused_logprob import DEFAULT_CHUNK_MIB, budget_rows
 from rl_loop import DraftTrainer, RolloutBatch, check_finite_weights, draft_loss, pack, packed_logp
 
@@ -179,6 +180,13 @@ def load_draft(path: str, policy) -> Eagle3Draft:
     return draft
 
 
+def draft_spec(cfg, tsk, policy_key: str) -> DraftSpec:
+    """What a run's draft warm-up reads (train.py and this module's command alike): the config's draft_warmup_*
+    settings, the task, the policy's key, the padded attention kernels."""
+    return DraftSpec.from_config(cfg, tsk, policy_key, attn_fn=padded_causal_attention,
+                                 draft_attn_fn=padded_branch_attention)
+
+
 def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache", log_every: int = 0,
                chunk_mib: float = DEFAULT_CHUNK_MIB) -> tuple[Eagle3Draft, bool]:
     """A draft fitted offline to the warm policy's own samples (cached). Returns (draft, loaded).
@@ -279,6 +287,11 @@ if __name__ == "__main__":
     policy, key, loaded = warm_policy(PolicySpec.from_config(c, tsk), cache_dir=c.cache_dir,
                                       log_every=max(c.sft_steps // 12, 1), chunk_mib=c.chunk_mib)
     print(f"policy {key} ({'loaded' if loaded else 'trained'}) in {time.time() - t0:.0f}s")
+    if not (c.no_spec or c.draft):  # then the draft's warm-up, as train.py would: a later run finds both cached
+        t0 = time.time()
+        _, loaded = warm_draft(policy, draft_spec(c, tsk, key), cache_dir=c.cache_dir,
+                               log_every=max(c.draft_warmup_steps // 4, 1), chunk_mib=c.chunk_mib)
+        print(f"draft ({'loaded' if loaded else 'trained'}) in {time.time() - t0:.0f}s")
     for T in (0.0, 1.0):
         print(f"held-out, temperature {T}:", evaluate_policy(policy, tsk, tsk.eval_set(256), tsk.max_new_tokens,
                                                             temperature=T, rows=c.rollout_batch))

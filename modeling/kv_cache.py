@@ -13,13 +13,24 @@ causal mask hides them), which speculative.poll avoids by tightening the bound i
 The range checks are device-side asserts (torch._assert_async: an error on CPU, a device assert on GPU), not host
 reads.
 
+Growth in blocks. max_len is the LIMIT (rows past it are an overflow), not what is allocated: the cache holds `cap`
+slots per row, a multiple of `block` (or max_len), and every forward first makes room for what it attends,
+need = Lk = min(bound + S, max_len), from the host's bound alone (no host sync):
+    need > cap                                    -> grow to  ceil(need / block) * block      (clamped to max_len)
+    cap > need + block  and  cap > 1.1 * need     -> shrink to the same (the longest row finished; bound fell)
+so after begin  cap <= max(need + block, 1.1 * need): the allocation tracks the longest live row, within 10% or one
+block. keep_rows (finished rows leave) reallocates only the kept rows and the same fit for bound. A resize copies only
+the filled prefix (slots < bound; the rest is zeros, as a fresh preallocated cache's would be -- past a row's length a
+slot is masked and never changes a result), one layer's K or V at a time (K and V are per-layer tensors), so the
+transient is one layer's tensor, not a second cache. `allocated_bytes()` is what the cache holds now.
+
 Tree drafts (speculative_tree.py) append tree nodes instead of a chain: a `TreeLayout`, built once per step, gives
 node s the position base + depth[s] and lets it see the rows' committed prefix plus its own ancestors; `begin_nodes`
 appends its nodes lo..hi-1 (the policy all at once, the draft level by level, each level a slice of the one layout);
 after verification `keep_path` moves each row's accepted root-to-leaf path to the front of the block, so the cache
 again holds one sequence per row.
 
-Letters: B rows, S new entries per row, L = max_len, Hkv heads, D head dim.
+Letters: B rows, S new entries per row, L = cap (allocated slots per row), Hkv heads, D head dim.
 """
 from __future__ import annotations
 
@@ -27,26 +38,65 @@ from typing import NamedTuple
 
 import torch
 
+BLOCK = 64  # default growth step of a cache, in positions per row
+
 
 class KVCache:
     """Per-layer K/V for B rows, each row with its own length (see the module docstring)."""
 
-    def __init__(self, cfg, batch: int, max_len: int, layers=None, dtype=torch.float32, device=None):
-        if batch < 1 or max_len < 1:
-            raise ValueError(f"KVCache: batch={batch} and max_len={max_len} must be >= 1")
+    def __init__(self, cfg, batch: int, max_len: int, layers=None, dtype=torch.float32, device=None,
+                 block: int = None):
+        """max_len: the most entries a row may hold; block: the growth step (None: BLOCK; >= max_len: preallocated)."""
+        block = BLOCK if block is None else block
+        if batch < 1 or max_len < 1 or block < 1:
+            raise ValueError(f"KVCache: batch={batch}, max_len={max_len} and block={block} must be >= 1")
         self.layers = list(range(cfg.num_hidden_layers)) if layers is None else list(layers)
-        self.max_len = max_len
-        shape = (len(self.layers), batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (layers, B, Hkv, L, D)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len, self.block = max_len, block
+        self._row_shape = (cfg.num_key_value_heads, cfg.head_dim)  # (Hkv, D)
+        cap = min(block, max_len)
+        self.k = [torch.zeros((batch, cfg.num_key_value_heads, cap, cfg.head_dim), dtype=dtype, device=device)
+                  for _ in self.layers]  # per layer (B, Hkv, L, D)
+        self.v = [torch.zeros_like(t) for t in self.k]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # (B,) committed entries per row
         self._slot = {l: i for i, l in enumerate(self.layers)}
         self._pending = None  # (S, positions, rows, mask) of the forward in progress; lengths advance at commit
         self.bound = 0  # host int >= max(lengths): what a forward attends up to, known without a host sync
 
     @property
+    def cap(self) -> int:
+        """Slots allocated per row now (<= max_len)."""
+        return self.k[0].shape[2]
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one row's K and V at one position over all layers."""
+        t = self.k[0]
+        return 2 * len(self.k) * self._row_shape[0] * self._row_shape[1] * t.element_size()
+
+    def allocated_bytes(self) -> int:
+        """Bytes the cache's K and V hold now (batch x cap x slot_bytes); lengths and masks excluded."""
+        return self.batch * self.cap * self.slot_bytes
+
+    def _fit(self, need: int) -> int:
+        """The capacity for a forward that attends `need` slots (module docstring: grow / shrink in blocks)."""
+        want = min(self.max_len, max(1, -(-need // self.block)) * self.block)  # never below one block
+        if need > self.cap or (self.cap > need + self.block and self.cap > 1.1 * need):
+            return want
+        return self.cap
+
+    def _resize(self, cap: int, rows=None):
+        """Reallocate to cap slots per row (and only `rows`, if given), copying the filled prefix, layer by layer."""
+        L = min(self.bound, self.cap, cap)  # the filled prefix, or a little more: no host sync
+        B = self.batch if rows is None else rows.numel()
+        for ts in (self.k, self.v):
+            for i, old in enumerate(ts):
+                new = old.new_zeros((B, old.shape[1], cap, old.shape[3]))
+                new[:, :, :L] = old[:, :, :L] if rows is None else old[rows, :, :L]
+                ts[i] = new  # the old layer is freed before the next is allocated
+
+    @property
     def batch(self) -> int:
-        return self.k.shape[1]
+        return self.k[0].shape[0]
 
     def positions(self, S: int) -> torch.Tensor:  # (B, S) absolute positions of the next S tokens of each row
         return self.lengths[:, None] + torch.arange(S, device=self.lengths.device)
@@ -59,6 +109,7 @@ class KVCache:
             return self.begin_nodes(tree) if isinstance(tree, TreeNodes) else self.begin_tree(*tree)
         self._check_room(S)
         Lk = min(self.bound + S, self.max_len)  # >= every row's length + S; no host sync
+        self._reserve(Lk)
         pos = self.positions(S)  # (B, S)
         rows = torch.arange(self.batch, device=pos.device)[:, None].expand(-1, S)  # (B, S)
         mask = torch.arange(Lk, device=pos.device)[None, None, :] <= pos[:, :, None]  # (B, S, Lk) causal per row
@@ -94,6 +145,7 @@ class KVCache:
                             f"new nodes, so every row must hold the {lo} earlier tree nodes past its base")
         Lk, S = min(t.top + hi, self.max_len), hi - lo
         self._check_room(S)
+        self._reserve(Lk)
         slots = t.base[:, None] + t.slot[lo:hi]  # (B, S) where the nodes are written
         self._pending = (S, slots, t.rows[:, :S], t.mask[:, lo:hi, :Lk])
         return t.pos[:, lo:hi]
@@ -108,8 +160,8 @@ class KVCache:
         src = base[:, None] + path  # (B, m)
         dst = base[:, None] + torch.arange(m, device=path.device)
         rows = torch.arange(self.batch, device=path.device)[:, None]
-        for t in (self.k, self.v):  # (layers, B, Hkv, L, D); the indexed view is (B, m, layers, Hkv, D)
-            t[:, rows, :, dst] = t[:, rows, :, src]
+        for t in self.k + self.v:  # (B, Hkv, L, D) per layer; the indexed view is (B, m, Hkv, D)
+            t[rows, :, dst] = t[rows, :, src]
         self.lengths = base + m
 
     def write(self, layer: int, k, v):
@@ -118,10 +170,11 @@ class KVCache:
             raise RuntimeError("KVCache.write outside a forward: call begin(S) first")
         _, pos, rows, mask = self._pending
         i = self._slot[layer]
-        self.k[i][rows, :, pos] = k.to(self.k.dtype)  # advanced indices first: (B, S, Hkv, D)
-        self.v[i][rows, :, pos] = v.to(self.v.dtype)
+        K, V = self.k[i], self.v[i]  # (B, Hkv, L, D)
+        K[rows, :, pos] = k.to(K.dtype)  # advanced indices first: (B, S, Hkv, D)
+        V[rows, :, pos] = v.to(V.dtype)
         Lk = mask.shape[-1]
-        return self.k[i, :, :, :Lk], self.v[i, :, :, :Lk], mask
+        return K[:, :, :Lk], V[:, :, :Lk], mask
 
     @property
     def key_len(self) -> int:
@@ -132,20 +185,21 @@ class KVCache:
         torch._assert_async(self.lengths.max() + S <= self.max_len,
                             f"KV cache overflow: a row would pass max_len={self.max_len} with {S} more entries")
 
+    def _reserve(self, need: int):  # room for a forward over slots 0..need-1, from host ints only
+        cap = self._fit(need)
+        if cap != self.cap:
+            self._resize(cap)
+
     def commit(self):
         self.lengths += self._pending[0]
         self.bound += self._pending[0]
         self._pending = None
 
     def keep_rows(self, rows: torch.Tensor):
-        """Shrink the cache to `rows` (B',) (finished rows leave the batch). Copies only the filled prefix; the rest
-        stays zero (never attended, but finite: a masked NaN would still poison the attention)."""
-        L = min(self.bound, self.max_len)  # the filled prefix, or a little more: no host sync
-        for name in ("k", "v"):
-            old = getattr(self, name)  # (layers, B, Hkv, max_len, D)
-            new = old.new_zeros((old.shape[0], rows.numel()) + tuple(old.shape[2:]))
-            new[:, :, :, :L] = old[:, rows, :, :L]
-            setattr(self, name, new)
+        """Shrink the cache to `rows` (B',) (finished rows leave the batch), and its slots to fit `bound` (_fit).
+        Copies only the filled prefix; the rest stays zero (never attended, but finite: a masked NaN would still
+        poison the attention)."""
+        self._resize(self._fit(min(self.bound, self.max_len)), rows)
         self.lengths = self.lengths[rows]
 
     def rollback(self, lengths: torch.Tensor, bound: int = None):

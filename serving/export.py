@@ -158,6 +158,8 @@ def write_servables(out_dir: str, policy, draft, tokenizer_dir: str | None = Non
     "skipped": None or why}."""
     from serving.hf_io import save_pretrained  # here, not at the top: the draft export needs no policy code
     try:
+        if draft is None:  # a run without a draft (plain GRPO)
+            raise ValueError("the run has no draft")
         check_exportable(draft.cfg.tap_layers, draft.cfg.target_num_layers)
         skipped = None
     except ValueError as e:
@@ -167,7 +169,8 @@ def write_servables(out_dir: str, policy, draft, tokenizer_dir: str | None = Non
     if policy.layer_range != (0, policy.cfg.num_hidden_layers):
         raise ValueError("policy: needs the whole model (re-assemble the pipeline stages first), got layers "
                          f"{policy.layer_range} of {policy.cfg.num_hidden_layers}")
-    if draft.cfg.target_num_layers != policy.cfg.num_hidden_layers or draft.cfg.vocab_size != policy.cfg.vocab_size:
+    if draft is not None and (draft.cfg.target_num_layers != policy.cfg.num_hidden_layers
+                              or draft.cfg.vocab_size != policy.cfg.vocab_size):
         raise ValueError(f"draft: built for a {draft.cfg.target_num_layers}-layer, V={draft.cfg.vocab_size} target; "
                          f"the policy has {policy.cfg.num_hidden_layers} layers, V={policy.cfg.vocab_size}")
     if tokenizer_dir is not None and not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):

@@ -57,6 +57,7 @@ BAD_VALUE = {
     "attn_backend": "cuda", "chunk_mib": "-1",
     "rl_seed": "-2", "eval_draft_tokens": "-1", "bootstrap": "0", "task": "nope",
     "ttt_decay": "1.5", "tap_layers": "0,1", "dtype": "fp16", "max_draft_tokens": "0",
+    "frozen_arm": "maybe", "cold_arm": "yes", "offline_arm": "on", "log_kl": "2", "draft_every": "0",
     "zero1": "maybe",
 }
 FIELDS = {f.name: f.type for f in dataclasses.fields(Config)}
@@ -89,6 +90,8 @@ def test_every_field_refuses_a_value_out_of_its_range(key, tmp_path):
     ({"lr": "fast"}, "--lr=fast: expected a finite number"),
     ({"name": 3}, "--name=3: expected a string"),
     ({"resume": True, "overwrite": True}, "--overwrite=true: expected false with --resume"),
+    ({"no_spec": True, "cold_arm": True}, "--no_spec=true: expected false with --draft, --cold_start"),
+    ({"no_spec": True, "num_draft_tokens": "auto"}, "--no_spec=true: expected false with"),
 ])
 def test_types_and_contradictions_are_refused(kw, message):
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -416,7 +416,7 @@ def test_one_step_hf_run_reports_none_acceptance_and_the_prompts_it_evaluated(ll
         (out / name / "f").write_text(name)
     data = write_jsonl(tmp_path / "p.jsonl", ROWS)
     summary = train(_hf_cfg(llama, data, out, "--steps=1", "--max_new_tokens=1", "--eval_prompts=500",
-                            "--offline_arm=false"))
+                            "--frozen_arm"))
     assert summary["eval_prompts"] == 3 and "--eval_prompts=500" in summary["eval_prompts_note"]
     assert summary["accept_len_cotrained"] is None and summary["accept_len_frozen"] is None
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

@@ -60,14 +60,16 @@ def classifier(m):
     return classify
 
 
-def lengths(batch, tokens: int, cfg, cp: int) -> tuple:
-    """(tokens per sequence of the update's largest micro-batch, the longest prompt, the mean sequence) -- what the
-    plan is for: its micro-batches are alike, the step's differ, and its peak is the largest's. tokens: that
-    micro-batch's tokens on one CP rank."""
+def lengths(batch, tokens: int, cfg, mesh) -> tuple:
+    """(tokens per sequence of the update's largest micro-batch, and of this rank's rollout rows: the longest prompt,
+    the longest response, the mean sequence) -- what the plan is for: its micro-batches are alike, the step's differ,
+    and its peak is the largest's. tokens: that micro-batch's tokens on one CP rank."""
     cu = batch.cu_seqlens.tolist()
-    prompts = [b - a - int(batch.resp_mask[a:b].sum()) for a, b in zip(cu[:-1], cu[1:])]
+    rows = [r for _, block in mesh.blocks(batch.num_seqs, cfg.rollout_batch) for r in block]
+    resp = [int(batch.resp_mask[cu[r]:cu[r + 1]].sum()) for r in rows]
+    n = [cu[r + 1] - cu[r] for r in rows]
     seqs = cfg.prompts_per_step * cfg.group_size / cfg.updates / cfg.micro_batches
-    return tokens * cp / seqs, max(prompts), cu[-1] / (len(cu) - 1)
+    return tokens * mesh.grid.cp / seqs, max(a - b for a, b in zip(n, resp)), max(resp), sum(n) / len(n)
 
 
 class LargestMicrobatch:
@@ -95,7 +97,7 @@ def measure(s, mesh) -> tuple:
     rope_cos_sin(torch.zeros(1, dtype=torch.long), m.head_dim, m.rope_theta, dt, bound=m.max_position_embeddings)
     # builds it in the warm-ups): its one-time fp64 construction is not a step's memory
     problems = s.task.sample(s.cfg.prompts_per_step, s.rng)
-    with mt.kv_caches() as kv, mt.StorageTracker(classifier(m)) as roll:
+    with mt.kv_peaks() as kv, mt.StorageTracker(classifier(m)) as roll:
         batch, _ = rollout(s, mesh, problems, {})
     offline, s.offline = s.offline, None  # the control's own step is timed and sized apart
     with mt.StorageTracker(classifier(m)) as upd, LargestMicrobatch() as largest:
@@ -104,22 +106,22 @@ def measure(s, mesh) -> tuple:
     if offline is not None:
         offline.step()
     out = mt.held(s)
-    out["kv_cache"] = (max(b for n, b in kv.sizes if n == m.num_hidden_layers)
-                       + max(b for n, b in kv.sizes if n == 1))
+    out["kv_cache"] = max(kv.peaks)
     out["rollout_peak"], out["update_peak"] = roll.peak(), upd.peak()
     out["draft_activations"], out["logits_chunks"] = upd.peak("draft"), upd.peak("logits")
     out["activations"] = upd.peak("policy")
     out["head_buffers"], out["verify_logits"] = upd.peak("head"), roll.peak("logits")
     out["persistent"] = sum(v for k, v in out.items() if k in mt.held(s))
     out["total"] = out["persistent"] + max(out["rollout_peak"], out["update_peak"])
-    return out, lengths(batch, largest.tokens, s.cfg, mesh.grid.cp), mt.rss_bytes() - rss0
+    return out, lengths(batch, largest.tokens, s.cfg, mesh), mt.rss_bytes() - rss0
 
 
 def compare(cfg, s, grid, measured, lens, rss, rank0=True) -> list:
     """The plan for this rank beside the measurement: a printed table, and the rows outside their tolerance."""
     run = mm.Run(s.policy.cfg, pp=grid.pp, cp=grid.cp, dp=grid.dp, seq=lens[0], prompt=lens[1],
-                 rollout_seq=lens[2], dtype="bf16" if next(s.policy.parameters()).dtype == torch.bfloat16 else "fp32")
-    plan = mm.rank_plan(cfg, run, grid.pp_rank, rank0=rank0, max_new_tokens=s.task.max_new_tokens)
+                 rollout_seq=lens[3], dtype="bf16" if next(s.policy.parameters()).dtype == torch.bfloat16 else "fp32")
+    plan = mm.rank_plan(cfg, run, grid.pp_rank, rank0=rank0, max_new_tokens=s.task.max_new_tokens,
+                        longest_new=lens[2])
     bad, rows = [], [f"{cfg.name} stage {grid.pp_rank} (RSS growth over the step {rss / 2**20:.1f} MiB)"]
     for key, got in measured.items():
         if key in BY_VOCAB and s.policy.cfg.vocab_size < 1000:

@@ -104,8 +104,9 @@ def test_the_step_reports_every_update_merged():
     seen = []
     ct = DistCotrainer(policy, [tr], Grid(), lambda ps: torch.optim.SGD(ps, lr=0.1), grad_clip=1e9, watch=(frozen,))
     real = ct.step
-    ct.step = lambda *a: seen.append(real(*a)) or seen[-1]
-    s = SimpleNamespace(cfg=SimpleNamespace(updates=2, micro_batches=2), perm_gen=torch.Generator().manual_seed(0),
+    ct.step = lambda *a, **k: seen.append(real(*a, **k)) or seen[-1]
+    cfg = SimpleNamespace(updates=2, micro_batches=2, trains_drafts=lambda u: True)  # every update trains the drafts
+    s = SimpleNamespace(cfg=cfg, perm_gen=torch.Generator().manual_seed(0),
                         cotrainer=ct, grpo=GRPOConfig(), offline=None, drafts={"cotrained": tr}, frozen=frozen,
                         policy=policy)
     out = update(s, b, {})

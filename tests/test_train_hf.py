@@ -62,6 +62,8 @@ def test_hf_rollout_is_scored_by_the_math_answer_reward(hf_files, tmp_path):
     mesh = make_mesh(cfg)
     s = build(cfg, mesh, log=lambda *a, **k: None)
     assert isinstance(s.task, HFTask) and s.task.max_new_tokens == 10
+    # HF mode holds only what it uses by default: no control arm, no reference (beta = 0, no KL log)
+    assert list(s.drafts) == ["cotrained"] and s.frozen is None and s.offline is None and s.ref is None
     assert s.policy.cfg.vocab_size == s.task.model_vocab_size and s.policy.cfg.architecture == "LlamaForCausalLM"
     train_prompts = {e.prompt for e in s.task.splits["train"]}
     assert len(s.eval_problems) == 2 and not train_prompts & {e.prompt for e in s.eval_problems}  # eval_prompts=2
@@ -79,7 +81,8 @@ def test_hf_rollout_is_scored_by_the_math_answer_reward(hf_files, tmp_path):
 
 
 def test_hf_mode_runs_end_to_end(hf_files, tmp_path):
-    s = train(parse_args(hf_argv(hf_files, tmp_path) + ["--steps=3"]))
+    """With the controls and the KL log asked for (off by default in HF mode)."""
+    s = train(parse_args(hf_argv(hf_files, tmp_path) + ["--steps=3", "--frozen_arm", "--cold_arm", "--log_kl"]))
     for key in ("reward_first", "reward_last", "kl_last", "accept_len_cotrained", "accept_len_frozen",
                 "rollout_speedup", "accept_len_cold"):
         assert math.isfinite(s[key]), key
@@ -99,4 +102,6 @@ def test_hf_mode_under_torchrun_pp2_cp2(hf_files, tmp_path):
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
     assert "mesh: dp=1 x pp=2 x cp=2" in r.stdout and "policy: HF checkpoint" in r.stdout
     s = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert s["steps"] == 3 and all(math.isfinite(s[k]) for k in ("reward_last", "kl_last", "accept_len_cotrained"))
+    assert s["steps"] == 3 and all(math.isfinite(s[k]) for k in ("reward_last", "accept_len_cotrained"))
+    # the defaults: no control arm, no reference, so no KL
+    assert s["kl_last"] is None and not any(f"accept_len_{a}" in s for a in ("frozen", "offline", "cold"))

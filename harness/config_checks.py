@@ -1,0 +1,101 @@
+"""The pieces Config's per-field checks (harness/config.CHECKS) are built from: the row makers (a range, a choice, a
+flag), the type checks and the helpers some rows call (can this directory be written, does the policy have these
+layers, which sizes do the updates cut).
+
+May import parallel, tasks and model (the presets), nothing of harness but presets.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from model import PRESETS as MODEL_PRESETS
+from parallel.cli import show_value as _show
+
+
+def at_least(lo):
+    return (lambda v, c: v >= lo), f">= {lo}"
+
+
+def above(lo):
+    return (lambda v, c: v > lo), f"> {lo}"
+
+
+def one_of(*choices):
+    return (lambda v, c: v in choices), "one of " + ", ".join(choices)
+
+
+FLAG = (lambda v, c: True, "true or false")  # the type check is the whole check
+AUTO_FLAG = (lambda v, c: v in (True, False, "auto"), "true, false or auto")
+
+
+def _update_sizes(c) -> list:
+    """Sequences per update: harness/update.py cuts the step's prompts_per_step * group_size with torch.chunk."""
+    S, u = c.prompts_per_step * c.group_size, c.updates
+    size = -(-S // max(u, 1))
+    if size < 1:  # a bad prompts_per_step / group_size has its own error
+        return []
+    return [min(size, S - i) for i in range(0, S, size)]
+
+
+def _parses(parse, value) -> bool:
+    """True when parse(value) accepts it (a task name, a --log list); its ValueError means the value is refused."""
+    try:
+        parse(value)
+        return True
+    except ValueError:
+        return False
+
+
+def _writable_dir(path: str) -> bool:
+    """`path` is a directory this process may write, or one it may create: its nearest existing ancestor is a
+    writable directory (no file in the way, no read-only mount). Read-only: nothing is created here."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    return os.path.isdir(p) and os.access(p, os.W_OK | os.X_OK)
+
+
+def _installed(backends) -> bool:
+    """Every --log backend's package is importable (tensorboard, wandb), found without importing it."""
+    import importlib.util
+    return all(importlib.util.find_spec(b) is not None for b in backends if b != "jsonl")
+
+
+def _policy_layers(c) -> int | None:
+    """The policy's number of layers: the --model preset's, or an HF checkpoint's config.json; None if unreadable."""
+    if c.model in MODEL_PRESETS:
+        return MODEL_PRESETS[c.model].num_hidden_layers
+    try:
+        with open(os.path.join(c.model, "config.json")) as f:
+            return int(json.load(f)["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # the model's own row reports it
+
+
+def _taps_ok(taps: tuple, c) -> bool:
+    """() or the served format's taps: exactly 3 ascending integer ids in [0, n - 2] (serving/export.py)."""
+    n = _policy_layers(c)
+    if not isinstance(taps, tuple):
+        return False
+    if taps == () or n is None:
+        return True
+    return (len(taps) == 3 and all(type(t) is int for t in taps) and list(taps) == sorted(set(taps))
+            and 0 <= taps[0] and taps[-1] <= n - 2)
+
+
+_TYPE_CHECKS = {
+    "int":   ((lambda v, c: isinstance(v, int) and not isinstance(v, bool)), "an integer"),
+    "float": ((lambda v, c: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)),
+              "a finite number"),
+    "str":   ((lambda v, c: isinstance(v, str)), "a string"),
+    "bool":  ((lambda v, c: isinstance(v, bool)), "true or false"),
+}
+
+
+def _problem(key: str, value, rule, cfg=None) -> str | None:
+    test, expect = rule
+    if test(value, cfg):
+        return None
+    return f"--{key}={_show(value)}: expected {expect.format(**vars(cfg)) if cfg is not None else expect}"
