@@ -222,7 +222,7 @@ def rollout_transient(cfg, run: Run, max_new_tokens: int, longest_new: int = Non
                    m.hidden_size)
     work = (2 * H + Q + 2 * KV + 3 * I) * b  # per token, a no-grad layer's live tensors at once
     T = B * (run.rollout_seq or run.seq)  # the reference forward's tokens: rollout_batch sequences at once
-    ref = T * work + LOGIT_BLOCKS * min(T, _rows(cfg, m)) * m.vocab_size * 4
+    ref = (T * work + LOGIT_BLOCKS * min(T, _rows(cfg, m)) * m.vocab_size * 4) if cfg.needs_ref else 0  # held?
     # the prefill's peak: the policy's taps over the prompts, held while the draft's trunk runs over them
     prefill = B * run.prompt * (work if cfg.no_spec else (len(taps_of(cfg, run)) * H + 4 * H + Q + 2 * KV + 3 * I) * b)
     return {"kv_cache": kv, "verify_logits": verify, "prefill": prefill, "reference_forward": ref}

@@ -76,6 +76,9 @@ def parse(argv: list) -> tuple:
                          "gpus >= 0 (0: pp x cp x dp), device_gib > 0, seq >= 0")
     spec = own.pop("model", "mini")
     cfg = parse_args(rest + ([f"--model={spec}"] if spec in MODEL_PRESETS else []))
+    if spec not in MODEL_PRESETS:  # a checkpoint: the arms' auto is HF mode's (off), as Config.arm reads it there
+        cfg = dataclasses.replace(cfg, **{f: False for f in ("frozen_arm", "cold_arm", "offline_arm", "log_kl")
+                                          if getattr(cfg, f) == "auto"})
     try:  # ids of --model's layers, checked once the model is read (Config's check reads its default preset)
         own["tap_layers"] = tuple(int(t) for t in own.get("tap_layers", "").split(",") if t.strip())
     except ValueError:
