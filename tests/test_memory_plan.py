@@ -12,8 +12,8 @@ RSS growth over the step is printed beside it, never asserted.
 
     python -m pytest -q -s tests/test_memory_plan.py      # -s prints the plan-vs-measured tables (docs/memory.md)
 
-Seconds added (pytest --durations, 2 shared cores): fp32 5 s, bf16 3 s, V = 151936 15 s, pp 2 x cp 2 22 s; the
-plan command and --zero1=auto < 1 s; 45 s in all.
+Seconds added (pytest --durations, 2 shared cores, two runs): fp32 4-5 s, bf16 3 s, V = 151936 7-15 s, pp 2 x cp 2
+22-32 s; the plan command and --zero1=auto < 1 s; 40-50 s in all.
 """
 from __future__ import annotations
 
