@@ -69,11 +69,11 @@ import train
 from harness import config
 real = train.update
 calls = []
-def update(s, batch, timer):  # rank 1 raises in its second update; the others block in a collective
+def update(s, batch, timer, *step):  # rank 1 raises in its second update; the others block in a collective
     calls.append(1)
     if os.environ["RANK"] == "1" and len(calls) == 2:
         raise RuntimeError("injected failure on rank 1 at step 2")
-    return real(s, batch, timer)
+    return real(s, batch, timer, *step)
 train.update = update
 train.train(config.parse_args(sys.argv[1:]))
 """
