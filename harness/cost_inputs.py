@@ -26,6 +26,7 @@ this CPU's; the GPU presets state their sources and assumptions):
     bytes         bytes per weight / KV value (4 fp32, 2 bf16)
     o_*           fixed seconds per call (docs in bench/probe_cost.py); 0 where a device has none worth counting
     cores         processes that run at full speed at once (CPU cores; GPUs: one process each)
+    oversub       the CPU-time inflation when processes outnumber cores (time slices refill caches); 1 on GPUs
 """
 from __future__ import annotations
 
@@ -136,6 +137,7 @@ class Device:
     kvbytes: float = 4  # bytes per KV-cache value
     F_train: float = 0.0  # FLOP/s of the update's and the TTT's matmuls (0: = F)
     cores: float = 1  # processes that run at full speed at once
+    oversub: float = 1.0  # CPU seconds per solo CPU second when more processes than cores share them (time slices)
     source: str = ""  # the command or the publication the figures come from, and the conditions
     overheads: dict = field(default_factory=dict)  # o_* seconds per call (bench/probe_cost.py names them)
 

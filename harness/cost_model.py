@@ -30,20 +30,22 @@ engine that refills its batch, continuous batching):
     steps_AR   = tail r - 1,            steps_spec = (tail r - 1) / E[kept]
     prefill    = L t_layer(B p, B) (+ the draft's trunk over the prompts, t_ext(B p))
     reference  = L (flops_layer((p + r)/2) B (p + r) / F + o_layer_pad) + t_head(B (p + r)) + o_ref   (no-grad, padded)
-    rollout    = ceil(blocks / W) (prefill + steps x step + reference) x max(1, W / cores)
+    rollout    = ceil(blocks / W) (prefill + steps x step + reference) x C(W)
+    C(A)       = 1 if A <= cores, else A / cores x oversub        (A processes sharing the cores; oversub: the CPU
+                                                                   time's inflation under time slicing, probed)
 
 Policy update (GRPO: forward + backward ~ 3x the forward FLOPs, 4x with activation checkpointing), per micro-batch on
 one stage rank: T = rows (p + r) / (u M dp cp) tokens, S = rows / (u M dp) sequences, L / pp layers:
 
     t_stage = (L/pp) (x flops_layer((p+r)/2) T / F_t + o_layer_fb + cp S o_seq_fb) + [last] x t_head(T) F / F_t
-    update  = u ((M + pp - 1) t_stage + AdamW 28 bytes / weight / BW) x max(1, A / cores),  A = dp cp (M = 1: one
+    update  = u ((M + pp - 1) t_stage + AdamW 28 bytes / weight / BW) x C(A),  A = dp cp (M = 1: one
               stage at a time), W (M > 1)
 
 Draft training (TTT, on the last stage, every trained draft, per micro-batch; F_t):
 
     pass 1  = (3 draft_flops_fc(T) + 2 H V T) / F_t + o_pass1 + cp S o_pass1_seq     (the teacher's head: no grad)
     pass d  = (3 draft_flops(T) + 2 H V T) / F_t + o_pass + cp S o_pass_seq           (d = 2..P: with the branch)
-    draft   = u M drafts (pass 1 + (P - 1) pass d) x max(1, dp cp / cores)
+    draft   = u M drafts (pass 1 + (P - 1) pass d) x C(dp cp)
 
 The step and the speedup (the controls a run may add -- watched drafts, the offline arm, eval -- are not the step):
 
@@ -148,8 +150,9 @@ def rollout_block(a: Arch, d: Arch, dev: Device, w: Workload, k: int) -> dict:
 
 
 def _contention(active: float, dev: Device) -> float:
-    """Wall seconds per CPU second when `active` processes share dev.cores."""
-    return max(1.0, active / dev.cores)
+    """Wall seconds per solo CPU second when `active` processes share dev.cores: 1 up to one process a core, else
+    active / cores time slices, each slower by oversub."""
+    return 1.0 if active <= dev.cores else active / dev.cores * dev.oversub
 
 
 def rollout(a: Arch, d: Arch, dev: Device, w: Workload, k: int) -> dict:
@@ -190,6 +193,11 @@ def draft_train(a: Arch, d: Arch, dev: Device, w: Workload, drafts: int) -> floa
     return w.updates * w.micro_batches * drafts * per * _contention(w.dp * w.cp, dev)
 
 
+def kv_cache_bytes(a: Arch, dev: Device, w: Workload) -> float:
+    """One generate call's policy KV cache at its longest: B rows x (p + tail r) positions x L layers x 2 n_kv d."""
+    return w.rollout_batch * (w.prompt_len + w.tail * w.resp_len) * a.layers * 2 * a.kv_dim * dev.kvbytes
+
+
 def predict(a: Arch, dev: Device, w: Workload) -> dict:
     """Every component (s) of both steps, the measured step's draft training (w.drafts drafts) and the speedups."""
     d = Arch.draft_of(a, 3, w.draft_vocab)
@@ -200,7 +208,7 @@ def predict(a: Arch, dev: Device, w: Workload) -> dict:
     plain = ar["generate"] + ar["reference"] + up
     out = {"rollout_ar": ar["generate"], "reference": ar["reference"], "policy_train": up, "draft_train_1": one,
            "draft_train": one * w.drafts, "e_kept": w.kept, "steps_per_block_ar": ar["steps_per_block"],
-           "step_plain": plain}
+           "step_plain": plain, "kv_gib": kv_cache_bytes(a, dev, w) / 2 ** 30}
     if spec is not None:
         cospec = spec["generate"] + spec["reference"] + up + one
         out.update(rollout_spec=spec["generate"], steps_per_block_spec=spec["steps_per_block"], step_cospec=cospec,
@@ -259,7 +267,8 @@ def report(a: Arch, dev: Device, w: Workload, out: dict) -> str:
     lines = [f"A MODEL, not a measurement. policy: {a.layers} layers, H {a.hidden}, {a.params / 1e9:.3g}B weights; "
              f"device {dev.name} (F {dev.F:.3g} FLOP/s, BW {dev.BW:.3g} B/s, {dev.cores:g} cores)",
              f"workload: {w.rows} rows x ({w.prompt_len:g} + {w.resp_len:g}) tokens, tail {w.tail:g}, batch "
-             f"{w.rollout_batch}, k {w.k}, E[kept] {out['e_kept']:.3f}, mesh pp {w.pp} cp {w.cp} dp {w.dp}", "",
+             f"{w.rollout_batch}, k {w.k}, E[kept] {out['e_kept']:.3f}, mesh pp {w.pp} cp {w.cp} dp {w.dp}; "
+             f"KV cache per generate call at its longest {out['kv_gib']:.3g} GiB", "",
              f"{'component':<22}{'plain GRPO s':>14}{'co-trained spec s':>20}"]
     spec = out.get("rollout_spec")
     rows = [("rollout (generate)", out["rollout_ar"], spec), ("reference log-probs", out["reference"],
