@@ -83,11 +83,14 @@ def task_shape(cfg, explicit: float, blocks: int = 200, seed: int = 0) -> tuple[
     return sum(prompts) / len(prompts), sum(ratios) / len(ratios)
 
 
-def workload(cfg, rec: dict, prompt_len: float, tail: float) -> Workload:
-    """The step's Workload: the run's config, the record's rows / response length / acceptance."""
+def workload(cfg, rec: dict, prompt_len: float, tail: float, drafts: bool = True, world: int = 0) -> Workload:
+    """The step's Workload: the run's config, the record's rows / response length / acceptance. drafts False: the
+    run trained none (its draft_train is 0 throughout, e.g. plain GRPO)."""
     if cfg.num_draft_tokens == "auto":
         raise ValueError("--num_draft_tokens=auto: k changes per step; the check models a fixed k")
-    world = len(rec.get("rank_rows") or [1])
+    world = len(rec.get("rank_rows") or []) or world
+    if not world:
+        raise ValueError("the run's records carry no rank_rows (older runs): pass --world N, its processes")
     dp = cfg.dp or max(1, world // (cfg.pp * cfg.cp))
     pp, cp = (cfg.pp, cfg.cp) if world > 1 else (1, 1)
     acc = rec.get("accept_len")
@@ -96,11 +99,12 @@ def workload(cfg, rec: dict, prompt_len: float, tail: float) -> Workload:
                     resp_len=float(rec["resp_len"]), tail=tail, rollout_batch=cfg.rollout_batch,
                     k=cfg.num_draft_tokens if spec else 0, accept_len=float(acc) if spec else 0.0,
                     updates=cfg.updates, micro_batches=cfg.micro_batches, ttt_passes=cfg.ttt_passes,
-                    drafts=(1 + int(cfg.cold_arm)) if spec else int(cfg.cold_arm), pp=pp, cp=cp, dp=dp,
+                    drafts=(int(spec) + int(cfg.cold_arm)) if drafts else 0, pp=pp, cp=cp, dp=dp,
                     checkpointing=cfg.activation_checkpointing, draft_vocab=cfg.draft_vocab)
 
 
-def check(run: str, device: Device, argv: list = (), tail: float = 0.0, prompt_len: float = 0.0) -> dict:
+def check(run: str, device: Device, argv: list = (), tail: float = 0.0, prompt_len: float = 0.0,
+          world: int = 0) -> dict:
     """{component: (measured mean s, predicted mean s, relative error)} over the run's RL steps."""
     steps, stored = load_run(run)
     cfg = run_config(stored, list(argv))
@@ -109,10 +113,11 @@ def check(run: str, device: Device, argv: list = (), tail: float = 0.0, prompt_l
         explicit = sum(r.get("explicit", cfg.p_explicit) for r in steps) / len(steps)
         p, t = task_shape(cfg, explicit)
         tail, prompt_len = tail or t, prompt_len or p
+    trains = any(float(r["time"].get("draft_train", 0.0)) > 0 for r in steps)  # which drafts exist, not how fast
     meas = {c: 0.0 for c in COMPONENTS}
     pred = {c: 0.0 for c in COMPONENTS}
     for rec in steps:
-        w = workload(cfg, rec, prompt_len, tail)
+        w = workload(cfg, rec, prompt_len, tail, trains, world)
         out = predict(arch, device, w)
         roll = out["rollout_spec"] if w.k else out["rollout_ar"]
         for c, v in (("rollout", roll + out["reference"]), ("policy_train", out["policy_train"]),
@@ -120,9 +125,10 @@ def check(run: str, device: Device, argv: list = (), tail: float = 0.0, prompt_l
             pred[c] += v / len(steps)
             meas[c] += float(rec["time"].get(c, 0.0)) / len(steps)
     meas["step"], pred["step"] = sum(meas.values()), sum(pred.values())
-    res = {c: (meas[c], pred[c], pred[c] / meas[c] - 1 if meas[c] else float("nan")) for c in meas}
+    res = {c: (meas[c], pred[c], pred[c] / meas[c] - 1 if meas[c] else (0.0 if not pred[c] else float("inf")))
+           for c in meas}
     res["_inputs"] = {"steps": len(steps), "tail": tail, "prompt_len": prompt_len, "model": cfg.model,
-                      "world": len(steps[0].get("rank_rows") or [1]), "device": device.name}
+                      "world": w.world, "device": device.name}
     return res
 
 
@@ -147,8 +153,13 @@ def main(argv=None) -> int:
     ap.add_argument("--tol", type=float, default=0.15, help="relative error allowed per component")
     ap.add_argument("--tail", type=float, default=0.0, help="E[longest]/E[response] per generate call (0: the task's)")
     ap.add_argument("--prompt_len", type=float, default=0.0, help="mean prompt tokens (0: the task's)")
+    ap.add_argument("--world", type=int, default=0, help="processes, for records without rank_rows")
     a = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
-    res = check(a.run, Device.load(a.device), rest, a.tail, a.prompt_len)
+    try:
+        res = check(a.run, Device.load(a.device), rest, a.tail, a.prompt_len, a.world)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(table(res, a.tol))
     bad = [c for c in COMPONENTS if not abs(res[c][2]) <= a.tol]
     print(f"{'every component' if not bad else ', '.join(bad) + ': NOT'} within ±{a.tol:.0%}")

@@ -132,7 +132,7 @@ def _draft_ext(d: Arch, dev: Device, tokens: float, ctx: float) -> float:
 
 def rollout_block(a: Arch, d: Arch, dev: Device, w: Workload, k: int) -> dict:
     """Seconds of one generate call (B rows) and of its reference log-probs, on one process at full speed."""
-    B, p, r = w.rollout_batch, w.prompt_len, w.resp_len
+    B, p, r = min(w.rollout_batch, w.rows), w.prompt_len, w.resp_len  # a call holds at most the step's rows
     c = p + r / 2
     longest = max(w.tail * r, 1.0)
     prefill = a.layers * _layer(a, dev, B * p, B, p / 2) + _head(a, dev, B)
