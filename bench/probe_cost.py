@@ -7,12 +7,13 @@ Every figure is CPU seconds (time.process_time) of one process at --threads (1: 
 uses), the best of --repeats calls in each of --rounds rounds of the whole suite; the cost model turns CPU seconds into
 wall seconds with the run's processes per core. CPU seconds are less sensitive to other processes than wall seconds
 but not immune (cache and time-slice sharing): on this 2-core machine at a load average of ~6 the TTT figures came out
-up to ~50% higher than at ~2, so the probe first waits (up to --wait s) for the load average to fall below --quiet and
-records the load it ran at. The probes run the project's own code paths at shapes like the run's, on random weights of
-the --model preset:
+up to ~2x higher than at ~2 (time slices shared with other processes refill caches), so the probe runs at niceness
+--nice (-20: other processes then take ~1% of its core) and records the niceness and load it ran at. The probes run
+the project's own code paths at shapes like the run's, on random weights of the --model preset:
 
   F            FLOP/s of fp32 matmuls at the policy's layer shapes (T x H) @ (H x I), T = 2048
   BW           bytes/s of a 256 MiB copy (read + write)
+  F_attn       FLOP/s of the packed attention (per-sequence tiles), from the per-sequence cost at --seq_len and twice it
   o_layer      per layer-forward call, packed varlen forward (ring attention, torch blocks, no CP), past flops / F:
   o_seq          plus this much per sequence in the call (the attention's per-sequence segments)
   o_layer_fb   the same for forward + backward, and o_seq_fb per sequence
@@ -52,7 +53,8 @@ from decoding.row_streams import RowStreams, row_keys  # noqa: E402
 from draft import Eagle3Draft  # noqa: E402
 from backends.fused_logprob import budget_rows  # noqa: E402
 from rl_loop import RolloutBatch, reference_logp  # noqa: E402
-from harness.cost_inputs import Arch, draft_pass_flops, head_flops, layer_flops  # noqa: E402
+from harness.cost_inputs import (Arch, attn_flops, dense_flops, draft_pass_flops, head_flops,  # noqa: E402
+                                 layer_flops)
 from model import ModelConfig, Transformer  # noqa: E402
 
 
@@ -99,25 +101,33 @@ def probe_bw(repeats: int) -> float:
 
 
 def probe_train_layer(m1, m5, arch: Arch, F: float, seqs: tuple, T: int, repeats: int) -> dict:
-    """o_layer, o_seq (forward) and o_layer_fb, o_seq_fb (forward + backward) of the packed varlen layer."""
+    """F_attn (the packed attention's FLOP/s, from the per-sequence cost at T and 2T tokens), o_layer, o_seq (forward)
+    and o_layer_fb, o_seq_fb (forward + backward) of the packed varlen layer, past dense flops / F and attention flops
+    / F_attn (x 3 with the backward)."""
     att = functools.partial(ring_branch_attention, group=None, backend="torch")
     per = {}
-    for S in seqs:
-        x, cu = packed(m1.cfg, S, T)
+    for n in (T, 2 * T):
+        for S in seqs:
+            x, cu = packed(m1.cfg, S, n)
 
-        def fwd(m):
-            with torch.no_grad():
-                m(x, cu, attn_fn=att, logits=False)
+            def fwd(m):
+                with torch.no_grad():
+                    m(x, cu, attn_fn=att, logits=False)
 
-        def fb(m):
-            m(x, cu, attn_fn=att, logits=False).hidden.sum().backward()
+            def fb(m):
+                m(x, cu, attn_fn=att, logits=False).hidden.sum().backward()
 
-        fl = layer_flops(arch, S * T, T / 2)
-        per[S] = ((cpu_s(lambda: fwd(m5), repeats) - cpu_s(lambda: fwd(m1), repeats)) / 4 - fl / F,
-                  (cpu_s(lambda: fb(m5), repeats) - cpu_s(lambda: fb(m1), repeats)) / 4 - 3 * fl / F)
-    (s1, (f1, b1)), (s2, (f2, b2)) = sorted(per.items())
-    o_seq, o_seq_fb = (f2 - f1) / (s2 - s1), (b2 - b1) / (s2 - s1)
-    return {"o_layer": f1 - s1 * o_seq, "o_seq": o_seq, "o_layer_fb": b1 - s1 * o_seq_fb, "o_seq_fb": o_seq_fb}
+            fl = dense_flops(arch, S * n)
+            per[n, S] = ((cpu_s(lambda: fwd(m5), repeats) - cpu_s(lambda: fwd(m1), repeats)) / 4 - fl / F,
+                         (cpu_s(lambda: fb(m5), repeats) - cpu_s(lambda: fb(m1), repeats)) / 4 - 3 * fl / F)
+    s1, s2 = sorted(seqs)
+    slope = {n: [(per[n, s2][i] - per[n, s1][i]) / (s2 - s1) for i in (0, 1)] for n in (T, 2 * T)}  # s / sequence
+    a1, a2 = attn_flops(arch, T, T / 2), attn_flops(arch, 2 * T, T)  # one sequence's attention FLOPs
+    F_attn = 3 * (a2 - a1) / (slope[2 * T][1] - slope[T][1])
+    o = {"F_attn": F_attn, "o_seq": slope[T][0] - a1 / F_attn, "o_seq_fb": slope[T][1] - 3 * a1 / F_attn}
+    o["o_layer"] = per[T, s1][0] - s1 * slope[T][0]
+    o["o_layer_fb"] = per[T, s1][1] - s1 * slope[T][1]
+    return o
 
 
 def probe_reference(m1, m5, arch: Arch, F: float, B: int, T: int, repeats: int) -> dict:
@@ -220,7 +230,7 @@ def probe_oversub(model: str, B: int, repeats: int) -> float:
     return run(2) / run(1)
 
 
-def probe_ttt(m5, arch: Arch, F: float, seqs: tuple, T: int, repeats: int) -> dict:
+def probe_ttt(m5, arch: Arch, F: float, F_attn: float, seqs: tuple, T: int, repeats: int) -> dict:
     """o_pass1, o_pass1_seq (TTT pass 1, forward + backward) and o_pass, o_pass_seq (each later pass) from
     draft_ttt.ttt_loss on random taps, with the fused teacher (the policy's final hidden and head) as the run has."""
     torch.manual_seed(2)
@@ -240,13 +250,14 @@ def probe_ttt(m5, arch: Arch, F: float, seqs: tuple, T: int, repeats: int) -> di
             t[S, P] = cpu_s(lambda: loss(P), repeats)
     (s1, s2), first, later = sorted(seqs), {}, {}
     for S in (s1, s2):  # pass 1: fc over the taps, the trunk, the head, the teacher; passes 2..P add the branch
-        later[S] = (t[S, 3] - t[S, 1]) / 2 - (3 * draft_pass_flops(darch, S * T, T / 2, fc=False)
-                                              + head_flops(arch, S * T)) / F
-        first[S] = t[S, 1] - (3 * draft_pass_flops(darch, S * T, T / 2, fc=True) + head_flops(arch, S * T)) / F
+        later[S] = (t[S, 3] - t[S, 1]) / 2 - (3 * (draft_pass_flops(darch, S * T, T / 2, fc=False)
+                                                   - attn_flops(darch, S * T, T / 2)) + head_flops(arch, S * T)) / F
+        first[S] = t[S, 1] - (3 * (draft_pass_flops(darch, S * T, T / 2, fc=True) - attn_flops(darch, S * T, T / 2))
+                              + head_flops(arch, S * T)) / F
     o = {}
     for name, v in (("o_pass1", first), ("o_pass", later)):
-        o[name + "_seq"] = (v[s2] - v[s1]) / (s2 - s1)
-        o[name] = v[s1] - s1 * o[name + "_seq"]
+        o[name + "_seq"] = (v[s2] - v[s1]) / (s2 - s1) - 3 * attn_flops(darch, T, T / 2) / F_attn
+        o[name] = v[s1] - s1 * (v[s2] - v[s1]) / (s2 - s1)
     return o
 
 
@@ -255,17 +266,24 @@ def main(argv=None):
     ap.add_argument("--model", default="mini", help="model.ModelConfig preset the probes' random weights take")
     ap.add_argument("--batch", type=int, default=32, help="rows per decode call (the run's --rollout_batch)")
     ap.add_argument("--k", type=int, default=4, help="draft tokens per verify step")
-    ap.add_argument("--seq_len", type=int, default=64, help="tokens per packed training sequence")
+    ap.add_argument("--seq_len", type=int, default=32, help="tokens per packed training sequence (and twice it)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the run's --threads)")
     ap.add_argument("--repeats", type=int, default=7, help="best of this many timings per probe")
     ap.add_argument("--rounds", type=int, default=3, help="the whole suite this many times, each timing's best kept")
-    ap.add_argument("--quiet", type=float, default=2.0,
-                    help="wait until the 1-minute load average is below this (the figures assume the cores are free)")
+    ap.add_argument("--nice", type=int, default=-20,
+                    help="run at this niceness (needs privileges; else the current one): other processes barely time-"
+                         "slice the probe, as the figures assume a core of its own")
+    ap.add_argument("--quiet", type=float, default=1e9,
+                    help="first wait until the 1-minute load average is below this (default: no wait)")
     ap.add_argument("--wait", type=float, default=600, help="give up waiting for --quiet after this many seconds")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "cost_device_cpu.json"))
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, a.nice)  # the oversub probe's children inherit it
+    except OSError as e:
+        print(f"--nice={a.nice}: not permitted here ({e}); probing at niceness {os.getpriority(os.PRIO_PROCESS, 0)}")
     arch = Arch.load(a.model)
     m1, m5 = models(a.model)
     t0 = time.perf_counter()
@@ -280,15 +298,18 @@ def main(argv=None):
         o.update(probe_reference(m1, m5, arch, F, a.batch, a.seq_len, a.repeats))
         o.update(probe_decode(m1, m5, arch, F, a.batch, 11, 48, a.repeats))
         o.update(probe_spec(m5, arch, F, o, a.batch, 11, 48, a.k, a.repeats))
-        o.update(probe_ttt(m5, arch, F, (16, 64), a.seq_len, a.repeats))
+        o.update(probe_ttt(m5, arch, F, o["F_attn"], (16, 64), a.seq_len, a.repeats))
         ratios.append(probe_oversub(a.model, a.batch, a.repeats))
     oversub = sorted(ratios)[len(ratios) // 2]  # a ratio of two timings: the median round's, not a best
     cmd = "python bench/probe_cost.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    dev = {"name": f"cpu-{platform.machine()}-{a.threads}thread", "F": F, "BW": BW, "wbytes": 4, "kvbytes": 4,
+    F_attn = o.pop("F_attn")
+    dev = {"name": f"cpu-{platform.machine()}-{a.threads}thread", "F": F, "F_attn": F_attn, "BW": BW, "wbytes": 4,
+           "kvbytes": 4,
            "cores": os.cpu_count(), "oversub": oversub, "overheads": o,
            "source": f"{cmd.strip()} (CPU seconds, best of {a.repeats} x {a.rounds} rounds; {os.cpu_count()} cores, "
                      f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
-                     f"{time.perf_counter() - t0:.0f} s wall, load average {load0:.2f} at the start and "
+                     f"{time.perf_counter() - t0:.0f} s wall, niceness {os.getpriority(os.PRIO_PROCESS, 0)}, "
+                     f"load average {load0:.2f} at the start and "
                      f"{os.getloadavg()[0]:.2f} at the end)"}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:

@@ -26,7 +26,7 @@ import json
 import os
 import random
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from harness.cost_inputs import Arch, Device
 from harness.cost_model import Workload, predict
@@ -56,9 +56,12 @@ def run_config(stored: dict | None, argv: list):
     """harness.config.Config: the stored fields (unknown ones dropped), then `argv` as train.py's flags."""
     from harness.config import Config, parse_args
     cfg = parse_args(argv)
-    if stored:
-        known = {f for f in Config.__dataclass_fields__}
-        kw = {k: tuple(v) if isinstance(v, list) else v for k, v in stored.items() if k in known}
+    if stored:  # fields this checkout's Config lacks, or holds with another type (a newer run's), are left out
+        types = {f.name: f.type for f in fields(Config)}
+        ok = {"bool": bool, "int": int, "float": (int, float), "str": str, "tuple": list}
+        kw = {k: tuple(v) if isinstance(v, list) else v for k, v in stored.items()
+              if k in types and (types[k] not in ok or (isinstance(v, ok[types[k]])
+                                                         and (types[k] == "bool") == isinstance(v, bool)))}
         cfg = replace(cfg, **kw)
     return cfg
 
@@ -83,7 +86,8 @@ def task_shape(cfg, explicit: float, blocks: int = 200, seed: int = 0) -> tuple[
     return sum(prompts) / len(prompts), sum(ratios) / len(ratios)
 
 
-def workload(cfg, rec: dict, prompt_len: float, tail: float, drafts: bool = True, world: int = 0) -> Workload:
+def workload(cfg, rec: dict, prompt_len: float, tail: float, drafts: bool = True, world: int = 0,
+             no_spec: bool = False) -> Workload:
     """The step's Workload: the run's config, the record's rows / response length / acceptance. drafts False: the
     run trained none (its draft_train is 0 throughout, e.g. plain GRPO)."""
     if cfg.num_draft_tokens == "auto":
@@ -94,7 +98,7 @@ def workload(cfg, rec: dict, prompt_len: float, tail: float, drafts: bool = True
     dp = cfg.dp or max(1, world // (cfg.pp * cfg.cp))
     pp, cp = (cfg.pp, cfg.cp) if world > 1 else (1, 1)
     acc = rec.get("accept_len")
-    spec = acc is not None and not getattr(cfg, "no_spec", False)
+    spec = acc is not None and not (no_spec or getattr(cfg, "no_spec", False))  # a plain run logs accept_len 1
     return Workload(rows=sum(rec.get("rank_rows") or [cfg.prompts_per_step * cfg.group_size]), prompt_len=prompt_len,
                     resp_len=float(rec["resp_len"]), tail=tail, rollout_batch=cfg.rollout_batch,
                     k=cfg.num_draft_tokens if spec else 0, accept_len=float(acc) if spec else 0.0,
@@ -104,8 +108,11 @@ def workload(cfg, rec: dict, prompt_len: float, tail: float, drafts: bool = True
 
 
 def check(run: str, device: Device, argv: list = (), tail: float = 0.0, prompt_len: float = 0.0,
-          world: int = 0) -> dict:
-    """{component: (measured mean s, predicted mean s, relative error)} over the run's RL steps."""
+          world: int = 0, cpu: bool = False) -> dict:
+    """{component: (measured mean s, predicted mean s, relative error)} over the run's RL steps. cpu: the records'
+    per-phase CPU seconds (time["cpu"], one rank's) against the prediction without contention (one process)."""
+    if cpu:
+        device = replace(device, cores=float("inf"))
     steps, stored = load_run(run)
     cfg = run_config(stored, list(argv))
     arch = Arch.load(cfg.model)
@@ -117,13 +124,13 @@ def check(run: str, device: Device, argv: list = (), tail: float = 0.0, prompt_l
     meas = {c: 0.0 for c in COMPONENTS}
     pred = {c: 0.0 for c in COMPONENTS}
     for rec in steps:
-        w = workload(cfg, rec, prompt_len, tail, trains, world)
+        w = workload(cfg, rec, prompt_len, tail, trains, world, bool((stored or {}).get("no_spec")))
         out = predict(arch, device, w)
         roll = out["rollout_spec"] if w.k else out["rollout_ar"]
         for c, v in (("rollout", roll + out["reference"]), ("policy_train", out["policy_train"]),
                      ("draft_train", out["draft_train"])):
             pred[c] += v / len(steps)
-            meas[c] += float(rec["time"].get(c, 0.0)) / len(steps)
+            meas[c] += float((rec["time"]["cpu"] if cpu else rec["time"]).get(c, 0.0)) / len(steps)
     meas["step"], pred["step"] = sum(meas.values()), sum(pred.values())
     res = {c: (meas[c], pred[c], pred[c] / meas[c] - 1 if meas[c] else (0.0 if not pred[c] else float("inf")))
            for c in meas}
@@ -154,9 +161,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tail", type=float, default=0.0, help="E[longest]/E[response] per generate call (0: the task's)")
     ap.add_argument("--prompt_len", type=float, default=0.0, help="mean prompt tokens (0: the task's)")
     ap.add_argument("--world", type=int, default=0, help="processes, for records without rank_rows")
+    ap.add_argument("--cpu", action="store_true", help="compare CPU seconds (records with time['cpu']), not wall")
     a = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     try:
-        res = check(a.run, Device.load(a.device), rest, a.tail, a.prompt_len, a.world)
+        res = check(a.run, Device.load(a.device), rest, a.tail, a.prompt_len, a.world, a.cpu)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -21,7 +21,8 @@ B rows x c keys x 2 n_kv d values x b_kv bytes per layer.
 
 Device figures (every one named; where they come from is the device file's business -- bench/probe_cost.py measures
 this CPU's; the GPU presets state their sources and assumptions):
-    F             FLOP/s reached on the model's matmuls (peak x efficiency on a GPU)
+    F             FLOP/s reached on the model's matmuls (peak x efficiency on a GPU); F_train the update's and TTT's;
+                  F_attn their packed attention's (per-sequence blocks: small matmuls, far below F on a CPU)
     BW            bytes/s of memory
     bytes         bytes per weight / KV value (4 fp32, 2 bf16)
     o_*           fixed seconds per call (docs in bench/probe_cost.py); 0 where a device has none worth counting
@@ -109,7 +110,17 @@ class Arch:
 
 def layer_flops(a: Arch, tokens: float, ctx: float) -> float:
     """Forward FLOPs of ONE policy layer over `tokens` tokens, each attending to `ctx` keys on average."""
-    return tokens * (2 * a.layer_params + 4 * a.q_dim * ctx)
+    return dense_flops(a, tokens) + attn_flops(a, tokens, ctx)
+
+
+def dense_flops(a: Arch, tokens: float) -> float:
+    """The weights' share of layer_flops: 2 P_layer per token."""
+    return tokens * 2 * a.layer_params
+
+
+def attn_flops(a: Arch, tokens: float, ctx: float) -> float:
+    """The attention's share of layer_flops: q.k and p.v, 4 n_q d per token and key."""
+    return tokens * 4 * a.q_dim * ctx
 
 
 def head_flops(a: Arch, tokens: float) -> float:
@@ -136,6 +147,7 @@ class Device:
     wbytes: float = 4  # bytes per weight (4 fp32, 2 bf16)
     kvbytes: float = 4  # bytes per KV-cache value
     F_train: float = 0.0  # FLOP/s of the update's and the TTT's matmuls (0: = F)
+    F_attn: float = 0.0  # FLOP/s of the update's and the TTT's attention, per-sequence blocks (0: = F_train)
     cores: float = 1  # processes that run at full speed at once
     oversub: float = 1.0  # CPU seconds per solo CPU second when more processes than cores share them (time slices)
     source: str = ""  # the command or the publication the figures come from, and the conditions
@@ -149,6 +161,10 @@ class Device:
     @property
     def Ft(self) -> float:
         return self.F_train or self.F
+
+    @property
+    def Fa(self) -> float:
+        return self.F_attn or self.Ft
 
     @classmethod
     def load(cls, spec: str, root: str = os.path.dirname(HERE)) -> "Device":

@@ -37,7 +37,8 @@ engine that refills its batch, continuous batching):
 Policy update (GRPO: forward + backward ~ 3x the forward FLOPs, 4x with activation checkpointing), per micro-batch on
 one stage rank: T = rows (p + r) / (u M dp cp) tokens, S = rows / (u M dp) sequences, L / pp layers:
 
-    t_stage = (L/pp) (x flops_layer((p+r)/2) T / F_t + o_layer_fb + cp S o_seq_fb) + [last] x t_head(T) F / F_t
+    t_stage = (L/pp) (x (dense T / F_t + attn((p+r)/2) T / F_a) + o_layer_fb + cp S o_seq_fb) + [last] 3 head(T) / F_t
+              (dense = 2 P_layer per token, attn = 4 n_q d c per token: F_a, the per-sequence attention blocks' rate)
     update  = u ((M + pp - 1) t_stage + AdamW 28 bytes / weight / BW) x C(A),  A = dp cp (M = 1: one
               stage at a time), W (M > 1)
 
@@ -45,6 +46,7 @@ Draft training (TTT, on the last stage, every trained draft, per micro-batch; F_
 
     pass 1  = (3 draft_flops_fc(T) + 2 H V T) / F_t + o_pass1 + cp S o_pass1_seq     (the teacher's head: no grad)
     pass d  = (3 draft_flops(T) + 2 H V T) / F_t + o_pass + cp S o_pass_seq           (d = 2..P: with the branch)
+              (the attention's share of draft_flops at F_a instead of F_t)
     draft   = u M drafts (pass 1 + (P - 1) pass d) x C(dp cp)
 
 The step and the speedup (the controls a run may add -- watched drafts, the offline arm, eval -- are not the step):
@@ -63,7 +65,8 @@ import math
 import sys
 from dataclasses import dataclass, fields, replace
 
-from harness.cost_inputs import Arch, Device, draft_pass_flops, head_flops, layer_bytes, layer_flops
+from harness.cost_inputs import (Arch, Device, attn_flops, dense_flops, draft_pass_flops, head_flops, layer_bytes,
+                                 layer_flops)
 
 
 def expected_kept(k: int, alpha=(), accept_len: float = 0.0) -> float:
@@ -172,7 +175,8 @@ def update(a: Arch, dev: Device, w: Workload) -> float:
     """The policy update's wall seconds (GRPO forward + backward through the pipeline, AdamW), without the drafts."""
     T, S, ctx = _per_rank(w)
     x = 4 if w.checkpointing else 3
-    per_layer = x * layer_flops(a, T, ctx) / dev.Ft + dev.o("o_layer_fb") + w.cp * S * dev.o("o_seq_fb")
+    per_layer = (x * (dense_flops(a, T) / dev.Ft + attn_flops(a, T, ctx) / dev.Fa) + dev.o("o_layer_fb")
+                 + w.cp * S * dev.o("o_seq_fb"))
     if w.checkpointing:
         per_layer += dev.o("o_layer") + w.cp * S * dev.o("o_seq")
     stage = a.layers / w.pp * per_layer + 3 * head_flops(a, T) / dev.Ft
@@ -184,10 +188,10 @@ def update(a: Arch, dev: Device, w: Workload) -> float:
 def draft_train(a: Arch, d: Arch, dev: Device, w: Workload, drafts: int) -> float:
     """TTT's wall seconds: `drafts` drafts, P passes each, every micro-batch of every update, on the last stage."""
     T, S, ctx = _per_rank(w)
-    teacher = head_flops(a, T)
-    first = ((3 * draft_pass_flops(d, T, ctx, fc=True) + teacher) / dev.Ft + dev.o("o_pass1")
+    teacher, att = head_flops(a, T), 3 * attn_flops(d, T, ctx)
+    first = ((3 * draft_pass_flops(d, T, ctx, fc=True) - att + teacher) / dev.Ft + att / dev.Fa + dev.o("o_pass1")
              + w.cp * S * dev.o("o_pass1_seq"))
-    later = ((3 * draft_pass_flops(d, T, ctx, fc=False) + teacher) / dev.Ft + dev.o("o_pass")
+    later = ((3 * draft_pass_flops(d, T, ctx, fc=False) - att + teacher) / dev.Ft + att / dev.Fa + dev.o("o_pass")
              + w.cp * S * dev.o("o_pass_seq"))
     per = first + (w.ttt_passes - 1) * later
     return w.updates * w.micro_batches * drafts * per * _contention(w.dp * w.cp, dev)
