@@ -1,10 +1,10 @@
 """A cost model of one RL step, plain GRPO vs GRPO with speculative rollouts and draft co-training: seconds per
 component and the end-to-end speedup, from acceptance, model sizes, token counts and device figures. A MODEL: its
-numbers are predictions, checked against measured runs with `check` (harness/cost_check.py).
+numbers are predictions, checked against measured runs by harness/cost_check.py (docs/cost_model.md).
 
     python -m harness.cost_model --model mini --device cpu --rows 256 --resp_len 50 --k 4 --accept_len 4.0
     python -m harness.cost_model --model docs/examples/qwen3_8b_config.json --device h100 --resp_len 8192 ...
-    python -m harness.cost_model check RUN_DIR [--device cpu]        # measured vs predicted per component
+    python -m harness.cost_check RUN_DIR [--device cpu]              # measured vs predicted per component
 
 Inputs (harness/cost_inputs.py: Arch, Device): the policy (L layers, H, heads, I, V) and its draft (one layer, fc over
 3 taps, head over V_d); the device (F FLOP/s, BW bytes/s, bytes per weight b_w, fixed seconds per call o_*, cores);
