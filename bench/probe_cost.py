@@ -33,7 +33,6 @@ difference between two sequence counts. The fits are exact solves of 2 x 2 syste
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
@@ -56,6 +55,7 @@ from rl_loop import RolloutBatch, reference_logp  # noqa: E402
 from harness.cost_inputs import (Arch, attn_flops, dense_flops, draft_pass_flops, head_flops,  # noqa: E402
                                  layer_flops)
 from model import ModelConfig, Transformer  # noqa: E402
+from parallel.cli import parser  # noqa: E402
 
 
 BEST, CALL = {}, [0]  # the k-th timing of a round -> its best over every round so far; the round's call counter
@@ -262,7 +262,7 @@ def probe_ttt(m5, arch: Arch, F: float, F_attn: float, seqs: tuple, T: int, repe
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, __file__)
     ap.add_argument("--model", default="mini", help="model.ModelConfig preset the probes' random weights take")
     ap.add_argument("--batch", type=int, default=32, help="rows per decode call (the run's --rollout_batch)")
     ap.add_argument("--k", type=int, default=4, help="draft tokens per verify step")

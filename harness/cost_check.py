@@ -21,13 +21,13 @@ step's measured explicit share; other tasks: --tail).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 import sys
 from dataclasses import fields, replace
 
+from parallel.cli import parser
 from harness.cost_inputs import Arch, Device
 from harness.cost_model import Workload, predict
 
@@ -154,7 +154,7 @@ def table(res: dict, tol: float) -> str:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     rest = argv[argv.index("--") + 1:] if "--" in argv else []
-    ap = argparse.ArgumentParser(description="the cost model vs a measured run (module docstring)")
+    ap = parser(__doc__, __file__)
     ap.add_argument("run", help="a run directory (metrics.jsonl) or a metrics.jsonl")
     ap.add_argument("--device", default="cpu", help="a device preset (cpu, h100) or a device JSON file")
     ap.add_argument("--tol", type=float, default=0.15, help="relative error allowed per component")

@@ -60,11 +60,11 @@ rollout gather), the host's tokenisation and scoring, and any difference between
 """
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from dataclasses import dataclass, fields, replace
 
+from parallel.cli import parser
 from harness.cost_inputs import (Arch, Device, attn_flops, dense_flops, draft_pass_flops, head_flops, layer_bytes,
                                  layer_flops)
 
@@ -235,7 +235,7 @@ HELP = {  # the CLI's flags: Workload's fields
 
 
 def parse(argv: list) -> tuple[Arch, Device, Workload]:
-    ap = argparse.ArgumentParser(prog="python -m harness.cost_model", description=__doc__.split("\n")[0])
+    ap = parser(__doc__, __file__)
     ap.add_argument("--model", default="mini", help="a model.ModelConfig preset, an HF config.json or its directory")
     ap.add_argument("--device", default="cpu", help="a device preset (cpu: this machine's probe; h100) or a JSON file")
     ap.add_argument("--flops", type=float, default=0, help="override the device's F (FLOP/s)")
