@@ -86,6 +86,18 @@ def task_shape(cfg, explicit: float, blocks: int = 200, seed: int = 0) -> tuple[
     return sum(prompts) / len(prompts), sum(ratios) / len(ratios)
 
 
+def _trained_drafts(cfg, spec: bool) -> int:
+    """Drafts a step trains: the co-trained one (speculative runs) and the cold arm where it is on."""
+    cold = cfg.arm("cold") if hasattr(cfg, "arm") else bool(cfg.cold_arm)
+    return int(spec) + int(bool(cold) and spec)
+
+
+def _draft_share(cfg, step: int) -> float:
+    """Share of step `step`'s updates that train the drafts (--draft_every n: global update indices divisible by n)."""
+    n, u = getattr(cfg, "draft_every", 1), cfg.updates
+    return sum((i % n) == 0 for i in range((step - 1) * u, step * u)) / u
+
+
 def workload(cfg, rec: dict, prompt_len: float, tail: float, drafts: bool = True, world: int = 0,
              no_spec: bool = False) -> Workload:
     """The step's Workload: the run's config, the record's rows / response length / acceptance. drafts False: the
@@ -103,8 +115,9 @@ def workload(cfg, rec: dict, prompt_len: float, tail: float, drafts: bool = True
                     resp_len=float(rec["resp_len"]), tail=tail, rollout_batch=cfg.rollout_batch,
                     k=cfg.num_draft_tokens if spec else 0, accept_len=float(acc) if spec else 0.0,
                     updates=cfg.updates, micro_batches=cfg.micro_batches, ttt_passes=cfg.ttt_passes,
-                    drafts=(int(spec) + int(cfg.cold_arm)) if drafts else 0, pp=pp, cp=cp, dp=dp,
-                    checkpointing=cfg.activation_checkpointing, draft_vocab=cfg.draft_vocab)
+                    drafts=_trained_drafts(cfg, spec) if drafts else 0, pp=pp, cp=cp, dp=dp,
+                    checkpointing=cfg.activation_checkpointing, draft_vocab=cfg.draft_vocab,
+                    draft_share=_draft_share(cfg, int(rec.get("step", 1))))
 
 
 def check(run: str, device: Device, argv: list = (), tail: float = 0.0, prompt_len: float = 0.0,

@@ -3,7 +3,7 @@ component and the end-to-end speedup, from acceptance, model sizes, token counts
 numbers are predictions, checked against measured runs by harness/cost_check.py (docs/cost_model.md).
 
     python -m harness.cost_model --model mini --device cpu --rows 256 --resp_len 50 --k 4 --accept_len 4.0
-    python -m harness.cost_model --model docs/examples/qwen3_8b_config.json --device h100 --resp_len 8192 ...
+    python -m harness.cost_model --model docs/examples/qwen3_8b/config.json --device h100 --resp_len 8192 ...
     python -m harness.cost_check RUN_DIR [--device cpu]              # measured vs predicted per component
 
 Inputs (harness/cost_inputs.py: Arch, Device): the policy (L layers, H, heads, I, V) and its draft (one layer, fc over
@@ -47,7 +47,7 @@ Draft training (TTT, on the last stage, every trained draft, per micro-batch; F_
     pass 1  = (3 draft_flops_fc(T) + 2 H V T) / F_t + o_pass1 + cp S o_pass1_seq     (the teacher's head: no grad)
     pass d  = (3 draft_flops(T) + 2 H V T) / F_t + o_pass + cp S o_pass_seq           (d = 2..P: with the branch)
               (the attention's share of draft_flops at F_a instead of F_t)
-    draft   = u M drafts (pass 1 + (P - 1) pass d) x C(dp cp)
+    draft   = share u M drafts (pass 1 + (P - 1) pass d) x C(dp cp)      (share: updates that train the drafts)
 
 The step and the speedup (the controls a run may add -- watched drafts, the offline arm, eval -- are not the step):
 
@@ -104,6 +104,7 @@ class Workload:
     dp: int = 1
     checkpointing: bool = False  # activation checkpointing: the update's forward runs twice
     draft_vocab: int = 0  # the draft head's vocabulary (0: the policy's)
+    draft_share: float = 1.0  # share of the updates that train the drafts (a draft-training budget, --draft_every)
 
     @property
     def world(self) -> int:
@@ -194,7 +195,7 @@ def draft_train(a: Arch, d: Arch, dev: Device, w: Workload, drafts: int) -> floa
     later = ((3 * draft_pass_flops(d, T, ctx, fc=False) - att + teacher) / dev.Ft + att / dev.Fa + dev.o("o_pass")
              + w.cp * S * dev.o("o_pass_seq"))
     per = first + (w.ttt_passes - 1) * later
-    return w.updates * w.micro_batches * drafts * per * _contention(w.dp * w.cp, dev)
+    return w.draft_share * w.updates * w.micro_batches * drafts * per * _contention(w.dp * w.cp, dev)
 
 
 def kv_cache_bytes(a: Arch, dev: Device, w: Workload) -> float:
@@ -231,6 +232,7 @@ HELP = {  # the CLI's flags: Workload's fields
     "pp": "pipeline stages", "cp": "context-parallel ranks", "dp": "data-parallel replicas (W = pp cp dp processes)",
     "checkpointing": "activation checkpointing in the update (4x instead of 3x the forward)",
     "draft_vocab": "the draft head's vocabulary (0: the policy's)",
+    "draft_share": "share of the updates that train the drafts (1: every update)",
 }
 
 

@@ -40,7 +40,7 @@ def test_sizes_by_hand():
     dt = Arch.draft_of(TOY, 3, vocab=6)
     assert draft_pass_flops(dt, 1, 0.0, fc=True) == 2 * dt.layer_params + 2 * 4 * 6 + 2 * 3 * 16
     assert layer_bytes(TOY, 2, 10, 2, 2) == 160 * 2 + 2 * 10 * 2 * 4 * 2
-    q = Arch.load("docs/examples/qwen3_8b_config.json")
+    q = Arch.load("docs/examples/qwen3_8b/config.json")
     assert 8.1e9 < q.params < 8.3e9  # Qwen3-8B: 8.2B parameters as published
 
 
