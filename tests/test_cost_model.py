@@ -135,3 +135,20 @@ def test_check_reads_a_plain_single_process_run(tmp_path):
     assert res["draft_train"][:2] == (0.0, 0.0) and res["draft_train"][2] == 0.0
     cpu = cost_check.check(str(tmp_path), dev, cpu=True)
     assert cpu["rollout"][0] == 1.5 and cpu["rollout"][1] == pytest.approx(res["rollout"][1])  # one process: no C(A)
+
+
+def test_draft_budget_share_and_the_documented_qwen3_8b_prediction():
+    """--draft_every n trains the drafts on global updates divisible by n; the docs' Qwen3-8B table (a model on the
+    assumed H100 figures of docs/examples/cost_device_h100.json) is what the model computes."""
+    from harness.config import Config
+    assert [cost_check._draft_share(Config(draft_every=4, updates=2), s) for s in (1, 2, 3)] == [0.5, 0.0, 0.5]
+    assert cost_check._draft_share(Config(), 7) == 1.0
+    q = Arch.load("docs/examples/qwen3_8b/config.json")
+    w = Workload(rows=1024, prompt_len=512, resp_len=8192, rollout_batch=32, k=3, accept_len=2.47, updates=4, dp=8,
+                 checkpointing=True, draft_vocab=32000)
+    out = predict(q, Device.load("h100"), w)
+    got = [out[k] for k in ("rollout_ar", "rollout_spec", "reference", "policy_train", "draft_train_1")]
+    assert got == pytest.approx([485.5, 224.3, 39.9, 196.3, 30.9], abs=0.06)
+    assert (out["rollout_speedup"], out["e2e_speedup"]) == pytest.approx((2.165, 1.469), abs=5e-4)
+    half = predict(q, Device.load("h100"), replace(w, draft_share=0.5))
+    assert half["draft_train_1"] == pytest.approx(out["draft_train_1"] / 2)
