@@ -1,6 +1,6 @@
 """Device figures for harness/cost_model.py, measured on THIS machine by small probes on random weights (never a run).
 
-    python bench/probe_cost.py        # ~1 min, after waiting for a quiet machine: bench/results/cost_device_cpu.json
+    python bench/probe_cost.py        # ~1-2 min (126 s with --rounds 5): bench/results/cost_device_cpu.json
     python bench/probe_cost.py --out /tmp/dev.json --model mini --batch 32
 
 Every figure is CPU seconds (time.process_time) of one process at --threads (1: what each rank of the default run

@@ -1,7 +1,7 @@
 """harness/cost_model.py: the math against hand-computed cases, its monotonicity, k = 0 as autoregressive decoding, and
 the check of the stored default run against the stored CPU device figures within the tolerance docs/cost_model.md
-claims. Adds ~1 s (measured: `timeout 300 python -m pytest -q tests/test_cost_model.py`: 0.3 s of tests, 2 shared
-cores)."""
+claims. Adds ~1 s (measured: `timeout 300 python -m pytest -q tests/test_cost_model.py`: 0.9 s of tests, 7 s with
+pytest's start-up, 2 shared cores)."""
 import json
 import math
 from dataclasses import replace
