@@ -1,0 +1,322 @@
+"""Device figures for harness/cost_model.py, measured on THIS machine by small probes on random weights (never a run).
+
+    python bench/probe_cost.py        # ~1-2 min (126 s with --rounds 5): bench/results/cost_device_cpu.json
+    python bench/probe_cost.py --out /tmp/dev.json --model mini --batch 32
+
+Every figure is CPU seconds (time.process_time) of one process at --threads (1: what each rank of the default run
+uses), the best of --repeats calls in each of --rounds rounds of the whole suite; the cost model turns CPU seconds into
+wall seconds with the run's processes per core. CPU seconds are less sensitive to other processes than wall seconds
+but not immune (cache and time-slice sharing): on this 2-core machine at a load average of ~6 the TTT figures came out
+up to ~2x higher than at ~2 (time slices shared with other processes refill caches), so the probe runs at niceness
+--nice (-20: other processes then take ~1% of its core) and records the niceness and load it ran at. The probes run
+the project's own code paths at shapes like the run's, on random weights of the --model preset:
+
+  F            FLOP/s of fp32 matmuls at the policy's layer shapes (T x H) @ (H x I), T = 2048
+  BW           bytes/s of a 256 MiB copy (read + write)
+  F_attn       FLOP/s of the packed attention (per-sequence tiles), from the per-sequence cost at --seq_len and twice it
+  o_layer      per layer-forward call, packed varlen forward (ring attention, torch blocks, no CP), past flops / F:
+  o_seq          plus this much per sequence in the call (the attention's per-sequence segments)
+  o_layer_fb   the same for forward + backward, and o_seq_fb per sequence
+  o_layer_pad  per layer-forward call of the padded batched no-grad forward (the reference log-probs of a rollout
+               block), and o_ref per reference_logp call outside its layers (embedding, padding, the head's log-probs)
+  o_dec        per layer-forward call in cached decoding (one layer, B rows, 1..k+1 new tokens each)
+  o_step       per autoregressive decode step, outside the layers (embedding, head, sampling, commit, the host sync)
+  o_vstep      per speculative verify step, outside the policy's layers and the draft's calls (verify rule, commit)
+  o_dstep      per draft forward step in cached decoding (its layer, norm, head, sampling)
+  o_dext       per draft trunk extension after a verify (fc over the taps, its layer over k + 1 entries)
+  o_pass       per TTT pass, forward + backward (draft layer over the packed batch, its head and loss), past flops / F
+  o_pass_seq     plus this much per sequence
+  o_ttt        per TTT loss call outside the passes (the fc over the taps, the teacher's softmax)
+
+Layers are isolated as the difference between a 5-layer and a 1-layer model (/ 4); per-sequence terms as the
+difference between two sequence counts. The fits are exact solves of 2 x 2 systems on the probe's own timings.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import speculative  # noqa: E402
+from attention_cp import ring_branch_attention  # noqa: E402
+from backends.attention_padded import padded_causal_attention  # noqa: E402
+from branch_mask import cu_seqlens_from_lengths  # noqa: E402
+from decoding.row_streams import RowStreams, row_keys  # noqa: E402
+from draft import Eagle3Draft  # noqa: E402
+from backends.fused_logprob import budget_rows  # noqa: E402
+from rl_loop import RolloutBatch, reference_logp  # noqa: E402
+from harness.cost_inputs import (Arch, attn_flops, dense_flops, draft_pass_flops, head_flops,  # noqa: E402
+                                 layer_flops)
+from model import ModelConfig, Transformer  # noqa: E402
+from parallel.cli import parser  # noqa: E402
+
+
+BEST, CALL = {}, [0]  # the k-th timing of a round -> its best over every round so far; the round's call counter
+
+
+def cpu_s(fn, repeats: int) -> float:
+    """Best CPU seconds of fn() over `repeats` calls (after one warm-up call) in this round and the same call of every
+    earlier round (rounds run the same probes in the same order: a burst of load hits one round, not every one)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.process_time()
+        fn()
+        best = min(best, time.process_time() - t)
+    i = CALL[0]
+    CALL[0] += 1
+    BEST[i] = min(BEST.get(i, best), best)
+    return BEST[i]
+
+
+def models(name: str, seed: int = 0):
+    """(1-layer, 5-layer) random policies of preset `name`, and a random draft on the 3-layer one (taps 0, 1, 1)."""
+    torch.manual_seed(seed)
+    m1 = Transformer(ModelConfig.preset(name, num_hidden_layers=1))
+    m5 = Transformer(ModelConfig.preset(name, num_hidden_layers=5))
+    return m1, m5
+
+
+def packed(cfg, S: int, T: int):  # S sequences of T tokens
+    cu = cu_seqlens_from_lengths(torch.full((S,), T))
+    return torch.randint(0, cfg.vocab_size, (S * T,)), cu
+
+
+def probe_gemm(arch: Arch, repeats: int) -> float:
+    a, b = torch.randn(2048, arch.hidden), torch.randn(arch.hidden, arch.intermediate)
+    return 2 * 2048 * arch.hidden * arch.intermediate / cpu_s(lambda: a @ b, repeats * 5)
+
+
+def probe_bw(repeats: int) -> float:
+    src = torch.empty(64 * 2 ** 20)  # 256 MiB fp32
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / cpu_s(lambda: dst.copy_(src), repeats)
+
+
+def probe_train_layer(m1, m5, arch: Arch, F: float, seqs: tuple, T: int, repeats: int) -> dict:
+    """F_attn (the packed attention's FLOP/s, from the per-sequence cost at T and 2T tokens), o_layer, o_seq (forward)
+    and o_layer_fb, o_seq_fb (forward + backward) of the packed varlen layer, past dense flops / F and attention flops
+    / F_attn (x 3 with the backward)."""
+    att = functools.partial(ring_branch_attention, group=None, backend="torch")
+    per = {}
+    for n in (T, 2 * T):
+        for S in seqs:
+            x, cu = packed(m1.cfg, S, n)
+
+            def fwd(m):
+                with torch.no_grad():
+                    m(x, cu, attn_fn=att, logits=False)
+
+            def fb(m):
+                m(x, cu, attn_fn=att, logits=False).hidden.sum().backward()
+
+            fl = dense_flops(arch, S * n)
+            per[n, S] = ((cpu_s(lambda: fwd(m5), repeats) - cpu_s(lambda: fwd(m1), repeats)) / 4 - fl / F,
+                         (cpu_s(lambda: fb(m5), repeats) - cpu_s(lambda: fb(m1), repeats)) / 4 - 3 * fl / F)
+    s1, s2 = sorted(seqs)
+    slope = {n: [(per[n, s2][i] - per[n, s1][i]) / (s2 - s1) for i in (0, 1)] for n in (T, 2 * T)}  # s / sequence
+    a1, a2 = attn_flops(arch, T, T / 2), attn_flops(arch, 2 * T, T)  # one sequence's attention FLOPs
+    F_attn = 3 * (a2 - a1) / (slope[2 * T][1] - slope[T][1])
+    o = {"F_attn": F_attn, "o_seq": slope[T][0] - a1 / F_attn, "o_seq_fb": slope[T][1] - 3 * a1 / F_attn}
+    o["o_layer"] = per[T, s1][0] - s1 * slope[T][0]
+    o["o_layer_fb"] = per[T, s1][1] - s1 * slope[T][1]
+    return o
+
+
+def probe_reference(m1, m5, arch: Arch, F: float, B: int, T: int, repeats: int) -> dict:
+    """o_layer_pad (per layer of the padded no-grad forward) and o_ref (per call outside the layers: embedding,
+    padding, the head's chunked log-probs) of rl_loop.reference_logp, as a rollout block calls it."""
+    x, cu = packed(m1.cfg, B, T)
+    batch = RolloutBatch(x, cu, torch.ones_like(x, dtype=torch.bool), torch.zeros(B * T), torch.zeros(B),
+                         torch.ones(B, dtype=torch.bool))
+    t = [cpu_s(lambda: reference_logp(m, batch, attn_fn=padded_causal_attention, logprob_chunk=budget_rows(
+        arch.vocab, 256.0), seqs=B), repeats) for m in (m1, m5)]
+    per_layer = (t[1] - t[0]) / 4
+    o_pad = per_layer - layer_flops(arch, B * T, T / 2) / F
+    return {"o_layer_pad": o_pad, "o_ref": t[0] - per_layer - head_flops(arch, B * T) / F}
+
+
+def timed_generate(m, d, prompts, new: int, k: int, repeats: int) -> tuple:
+    """(best CPU seconds, verify / decode forwards after the prefill) of speculative.generate (no EOS)."""
+    keys = row_keys(0, torch.arange(len(prompts)), torch.zeros(len(prompts), dtype=torch.long))
+    run = lambda: speculative.generate(m, d, prompts, max_new_tokens=new, num_draft_tokens=k,  # noqa: E731
+                                       temperature=1.0, generator=RowStreams(keys))  # per-row streams, as the run
+    return cpu_s(run, repeats), run().stats.policy_forwards
+
+
+def probe_decode(m1, m5, arch: Arch, F: float, B: int, prompt: int, new: int, repeats: int) -> dict:
+    """o_dec, o_step from autoregressive generate (no EOS: every row runs `new` tokens, new - 1 decode steps)."""
+    prompts = [torch.randint(0, m1.cfg.vocab_size, (prompt,)) for _ in range(B)]
+    (t1, n), (t5, _) = (timed_generate(m, None, prompts, new, 0, repeats) for m in (m1, m5))
+    per_layer = (t5 - t1) / 4 / (n + 1)  # n decode calls per layer, and the prefill's call
+    o_dec = per_layer - layer_flops(arch, B, prompt + new / 2) / F
+    o_step = (t1 - per_layer * (n + 1)) / n
+    return {"o_dec": o_dec, "o_step": o_step}
+
+
+def probe_spec(m5, arch: Arch, F: float, dev: dict, B: int, prompt: int, new: int, k: int, repeats: int) -> dict:
+    """o_dstep, o_dext from the draft's own calls; o_vstep from speculative generate on random weights (acceptance
+    ~ 1/V: one kept token per step, so `new` verify steps)."""
+    torch.manual_seed(1)
+    d = Eagle3Draft.from_target(m5, tap_layers=(0, 1, 2))
+    darch = Arch.draft_of(arch, 3)
+    with torch.no_grad():
+        cache = d.new_cache(B, prompt + 4 * new)
+        taps = {l: torch.randn(B, prompt, arch.hidden) for l in d.tap_layers}
+        toks = torch.randint(0, arch.vocab, (B, prompt))
+        last = torch.full((B,), prompt - 1)
+        h, _ = d.extend(cache, toks, taps, last)
+        L0 = cache.lengths.clone()
+
+        def ext():
+            cache.rollback(L0)
+            tk = {l: torch.randn(B, k + 1, arch.hidden) for l in d.tap_layers}
+            d.extend(cache, torch.randint(0, arch.vocab, (B, k + 1)), tk, torch.full((B,), k))
+
+        def step():
+            cache.rollback(L0)
+            d.step(cache, torch.randint(0, arch.vocab, (B,)), h)
+        o_dext = cpu_s(ext, repeats * 5) - draft_pass_flops(darch, B * (k + 1), prompt, fc=True) / F
+        o_dstep = cpu_s(step, repeats * 5) - draft_pass_flops(darch, B, prompt, fc=False) / F
+    prompts = [torch.randint(0, arch.vocab, (prompt,)) for _ in range(B)]
+    t, steps = timed_generate(m5, d, prompts, new, k, repeats)
+    layers = 5 * (dev["o_dec"] + layer_flops(arch, B * (k + 1), prompt + new / 2) / F)
+    drafts = (k - 1) * (o_dstep + draft_pass_flops(darch, B, prompt, fc=False) / F) + o_dext \
+        + draft_pass_flops(darch, B * (k + 1), prompt, fc=True) / F
+    o_vstep = (t - 5 * dev["o_dec"] - o_dext) / steps - layers - drafts  # the prefill ~ one call per layer + extend
+    return {"o_dstep": o_dstep, "o_dext": o_dext, "o_vstep": o_vstep}
+
+
+def _pinned_work(core: int, model: str, B: int, new: int, repeats: int, q) -> None:
+    """Child process: pinned to `core`, one thread, the best CPU seconds of an autoregressive generate -> q."""
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    m1, _ = models(model)
+    prompts = [torch.randint(0, m1.cfg.vocab_size, (11,)) for _ in range(B)]
+    run = lambda: speculative.generate(m1, None, prompts, max_new_tokens=new, temperature=1.0)  # noqa: E731
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.process_time()
+        run()
+        best = min(best, time.process_time() - t)
+    q.put(best)
+
+
+def probe_oversub(model: str, B: int, repeats: int) -> float:
+    """oversub: CPU seconds of the same work when two processes share one core, over the same work alone on it (the
+    cost of time slices: caches refilled, switches). One process per core costs 1; the model applies oversub where a
+    run puts more processes than cores (the default run's rollouts: 4 ranks on 2 cores)."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    core = sorted(os.sched_getaffinity(0))[-1]
+
+    def run(n):
+        q = ctx.Queue()
+        ps = [ctx.Process(target=_pinned_work, args=(core, model, B, 48, repeats, q)) for _ in range(n)]
+        for p in ps:
+            p.start()
+        out = [q.get(timeout=600) for _ in ps]
+        for p in ps:
+            p.join()
+        return sum(out) / len(out)
+    return run(2) / run(1)
+
+
+def probe_ttt(m5, arch: Arch, F: float, F_attn: float, seqs: tuple, T: int, repeats: int) -> dict:
+    """o_pass1, o_pass1_seq (TTT pass 1, forward + backward) and o_pass, o_pass_seq (each later pass) from
+    draft_ttt.ttt_loss on random taps, with the fused teacher (the policy's final hidden and head) as the run has."""
+    torch.manual_seed(2)
+    d = Eagle3Draft.from_target(m5, tap_layers=(0, 1, 2))
+    darch = Arch.draft_of(arch, 3)
+    t = {}
+    for S in seqs:
+        x, cu = packed(m5.cfg, S, T)
+        taps = {l: torch.randn(S * T, arch.hidden) for l in d.tap_layers}
+        hid = torch.randn(S * T, arch.hidden)
+
+        def loss(P):
+            L, _ = d.ttt_loss(taps, x, cu, teacher_hidden=hid, teacher_head=m5.head_weight.detach(), num_passes=P,
+                              backend="torch")
+            L.backward()
+        for P in (1, 3):
+            t[S, P] = cpu_s(lambda: loss(P), repeats)
+    (s1, s2), first, later = sorted(seqs), {}, {}
+    for S in (s1, s2):  # pass 1: fc over the taps, the trunk, the head, the teacher; passes 2..P add the branch
+        later[S] = (t[S, 3] - t[S, 1]) / 2 - (3 * (draft_pass_flops(darch, S * T, T / 2, fc=False)
+                                                   - attn_flops(darch, S * T, T / 2)) + head_flops(arch, S * T)) / F
+        first[S] = t[S, 1] - (3 * (draft_pass_flops(darch, S * T, T / 2, fc=True) - attn_flops(darch, S * T, T / 2))
+                              + head_flops(arch, S * T)) / F
+    o = {}
+    for name, v in (("o_pass1", first), ("o_pass", later)):
+        o[name + "_seq"] = (v[s2] - v[s1]) / (s2 - s1) - 3 * attn_flops(darch, T, T / 2) / F_attn
+        o[name] = v[s1] - s1 * (v[s2] - v[s1]) / (s2 - s1)
+    return o
+
+
+def main(argv=None):
+    ap = parser(__doc__, __file__)
+    ap.add_argument("--model", default="mini", help="model.ModelConfig preset the probes' random weights take")
+    ap.add_argument("--batch", type=int, default=32, help="rows per decode call (the run's --rollout_batch)")
+    ap.add_argument("--k", type=int, default=4, help="draft tokens per verify step")
+    ap.add_argument("--seq_len", type=int, default=32, help="tokens per packed training sequence (and twice it)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (the run's --threads)")
+    ap.add_argument("--repeats", type=int, default=7, help="best of this many timings per probe")
+    ap.add_argument("--rounds", type=int, default=3, help="the whole suite this many times, each timing's best kept")
+    ap.add_argument("--nice", type=int, default=-20,
+                    help="run at this niceness (needs privileges; else the current one): other processes barely time-"
+                         "slice the probe, as the figures assume a core of its own")
+    ap.add_argument("--quiet", type=float, default=1e9,
+                    help="first wait until the 1-minute load average is below this (default: no wait)")
+    ap.add_argument("--wait", type=float, default=600, help="give up waiting for --quiet after this many seconds")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                  "cost_device_cpu.json"))
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, a.nice)  # the oversub probe's children inherit it
+    except OSError as e:
+        print(f"--nice={a.nice}: not permitted here ({e}); probing at niceness {os.getpriority(os.PRIO_PROCESS, 0)}")
+    arch = Arch.load(a.model)
+    m1, m5 = models(a.model)
+    t0 = time.perf_counter()
+    while os.getloadavg()[0] >= a.quiet and time.perf_counter() - t0 < a.wait:
+        time.sleep(5)
+    load0, t0 = os.getloadavg()[0], time.perf_counter()
+    ratios = []
+    for _ in range(a.rounds):
+        CALL[0] = 0
+        F, BW = probe_gemm(arch, a.repeats), probe_bw(a.repeats)
+        o = probe_train_layer(m1, m5, arch, F, (16, 64), a.seq_len, a.repeats)
+        o.update(probe_reference(m1, m5, arch, F, a.batch, a.seq_len, a.repeats))
+        o.update(probe_decode(m1, m5, arch, F, a.batch, 11, 48, a.repeats))
+        o.update(probe_spec(m5, arch, F, o, a.batch, 11, 48, a.k, a.repeats))
+        o.update(probe_ttt(m5, arch, F, o["F_attn"], (16, 64), a.seq_len, a.repeats))
+        ratios.append(probe_oversub(a.model, a.batch, a.repeats))
+    oversub = sorted(ratios)[len(ratios) // 2]  # a ratio of two timings: the median round's, not a best
+    cmd = "python bench/probe_cost.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    F_attn = o.pop("F_attn")
+    dev = {"name": f"cpu-{platform.machine()}-{a.threads}thread", "F": F, "F_attn": F_attn, "BW": BW, "wbytes": 4,
+           "kvbytes": 4,
+           "cores": os.cpu_count(), "oversub": oversub, "overheads": o,
+           "source": f"{cmd.strip()} (CPU seconds, best of {a.repeats} x {a.rounds} rounds; {os.cpu_count()} cores, "
+                     f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
+                     f"{time.perf_counter() - t0:.0f} s wall, niceness {os.getpriority(os.PRIO_PROCESS, 0)}, "
+                     f"load average {load0:.2f} at the start and "
+                     f"{os.getloadavg()[0]:.2f} at the end)"}
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(dev, f, indent=1)
+    print(json.dumps(dev, indent=1))
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,300 @@
+"""A cost model of one RL step, plain GRPO vs GRPO with speculative rollouts and draft co-training: seconds per
+component and the end-to-end speedup, from acceptance, model sizes, token counts and device figures. A MODEL: its
+numbers are predictions, checked against measured runs by harness/cost_check.py (docs/cost_model.md).
+
+    python -m harness.cost_model --model mini --device cpu --rows 256 --resp_len 50 --k 4 --accept_len 4.0
+    python -m harness.cost_model --model docs/examples/qwen3_8b/config.json --device h100 --resp_len 8192 ...
+    python -m harness.cost_check RUN_DIR [--device cpu]              # measured vs predicted per component
+
+Inputs (harness/cost_inputs.py: Arch, Device): the policy (L layers, H, heads, I, V) and its draft (one layer, fc over
+3 taps, head over V_d); the device (F FLOP/s, BW bytes/s, bytes per weight b_w, fixed seconds per call o_*, cores);
+the workload (Workload below). Letters: B rows per generate call (rollout_batch), p prompt and r response tokens, c the
+mean context while decoding (p + r/2), k draft tokens per verify step, P TTT passes, u updates, M micro-batches,
+pp / cp / dp the mesh (W = pp cp dp ranks), S sequences and T tokens per rank and micro-batch.
+
+Acceptance. alpha_j = P(draft token j kept | tokens 1..j-1 kept); tokens kept per verify step (the bonus included)
+
+    E[kept] = 1 + sum_{i=1..k} prod_{j<=i} alpha_j                         (k = 0: 1, autoregressive)
+
+Decode calls (t_x: one call's seconds; a layer call over n new tokens of R rows is memory- or compute-bound):
+
+    t_layer(n, R) = max(flops_layer(c) n / F, (P_layer b_w + R c 2 n_kv d b_kv) / BW) + o_dec
+    t_head(n)     = max(2 H V n / F, H V b_w / BW)
+    AR step       = o_step + L t_layer(B, B) + t_head(B)
+    verify step   = o_vstep + L t_layer(B(k+1), B) + t_head(B(k+1)) + (k-1) t_draft(B) + t_ext(B(k+1))
+    t_draft(n)    = max(draft_flops(n) / F, draft bytes / BW) + o_dstep;   t_ext(n) = draft_flops_fc(n) / F + o_dext
+
+Rollout (one block of B rows runs until its longest row is done: tail = E[longest] / E[r] in a block; 1 for an
+engine that refills its batch, continuous batching):
+
+    steps_AR   = tail r - 1,            steps_spec = (tail r - 1) / E[kept]
+    prefill    = L t_layer(B p, B) (+ the draft's trunk over the prompts, t_ext(B p))
+    reference  = L (flops_layer((p + r)/2) B (p + r) / F + o_layer_pad) + t_head(B (p + r)) + o_ref   (no-grad, padded)
+    rollout    = ceil(blocks / W) (prefill + steps x step + reference) x C(W)
+    C(A)       = 1 if A <= cores, else A / cores x oversub        (A processes sharing the cores; oversub: the CPU
+                                                                   time's inflation under time slicing, probed)
+
+Policy update (GRPO: forward + backward ~ 3x the forward FLOPs, 4x with activation checkpointing), per micro-batch on
+one stage rank: T = rows (p + r) / (u M dp cp) tokens, S = rows / (u M dp) sequences, L / pp layers:
+
+    t_stage = (L/pp) (x (dense T / F_t + attn((p+r)/2) T / F_a) + o_layer_fb + cp S o_seq_fb) + [last] 3 head(T) / F_t
+              (dense = 2 P_layer per token, attn = 4 n_q d c per token: F_a, the per-sequence attention blocks' rate)
+    update  = u ((M + pp - 1) t_stage + AdamW 28 bytes / weight / BW) x C(A),  A = dp cp (M = 1: one
+              stage at a time), W (M > 1)
+
+Draft training (TTT, on the last stage, every trained draft, per micro-batch; F_t):
+
+    pass 1  = (3 draft_flops_fc(T) + 2 H V T) / F_t + o_pass1 + cp S o_pass1_seq     (the teacher's head: no grad)
+    pass d  = (3 draft_flops(T) + 2 H V T) / F_t + o_pass + cp S o_pass_seq           (d = 2..P: with the branch)
+              (the attention's share of draft_flops at F_a instead of F_t)
+    draft   = share u M drafts (pass 1 + (P - 1) pass d) x C(dp cp)      (share: updates that train the drafts)
+
+The step and the speedup (the controls a run may add -- watched drafts, the offline arm, eval -- are not the step):
+
+    plain   = rollout_AR + reference + update
+    cospec  = rollout_spec + reference + update + draft(1 draft)
+    speedup = plain / cospec          (rollout speedup: rollout_AR / rollout_spec)
+
+What it leaves out (so a check can fail on them): communication (ring hops, pipeline P2P, TapChannel, refit, the
+rollout gather), the host's tokenisation and scoring, and any difference between the probe's and the run's shapes.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, fields, replace
+
+from parallel.cli import parser
+from harness.cost_inputs import (Arch, Device, attn_flops, dense_flops, draft_pass_flops, head_flops, layer_bytes,
+                                 layer_flops)
+
+
+def expected_kept(k: int, alpha=(), accept_len: float = 0.0) -> float:
+    """E[kept] per verify step: from per-position alpha_j (the last one repeats past its end), or an accept length
+    given directly; k = 0: 1."""
+    if k == 0:
+        return 1.0
+    if accept_len:
+        if not 1 <= accept_len <= k + 1:
+            raise ValueError(f"accept_len={accept_len}: expected in [1, k + 1 = {k + 1}]")
+        return float(accept_len)
+    if not alpha or any(not 0 <= a <= 1 for a in alpha):
+        raise ValueError(f"alpha={alpha}: expected per-position acceptances in [0, 1] (or an accept_len)")
+    a = list(alpha) + [alpha[-1]] * max(0, k - len(alpha))
+    return 1 + sum(math.prod(a[:i + 1]) for i in range(k))
+
+
+@dataclass
+class Workload:
+    """One RL step's shape. Every field is an input of the model (the CLI has a flag per field)."""
+    rows: int = 256  # sequences per step: prompts_per_step x group_size
+    prompt_len: float = 10.6  # mean prompt tokens
+    resp_len: float = 50.0  # mean response tokens
+    tail: float = 1.0  # E[longest response in a generate call] / E[response]: 1 for continuous batching
+    rollout_batch: int = 32  # rows per generate call
+    k: int = 4  # draft tokens per verify step (0: autoregressive rollouts)
+    accept_len: float = 0.0  # E[kept] per verify step; 0: from alpha
+    alpha: tuple = (0.8,)  # per-position acceptance alpha_j (the last repeats)
+    updates: int = 2  # optimisation steps per RL step
+    micro_batches: int = 1
+    ttt_passes: int = 3
+    drafts: int = 1  # trained drafts in the measured step (a run with --cold_arm trains 2); the speedup uses 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+    checkpointing: bool = False  # activation checkpointing: the update's forward runs twice
+    draft_vocab: int = 0  # the draft head's vocabulary (0: the policy's)
+    draft_share: float = 1.0  # share of the updates that train the drafts (a draft-training budget, --draft_every)
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.cp * self.dp
+
+    @property
+    def kept(self) -> float:
+        return expected_kept(self.k, self.alpha, self.accept_len)
+
+
+def _layer(a: Arch, dev: Device, tokens: float, rows: float, ctx: float) -> float:
+    """One decode layer call: t_layer."""
+    return max(layer_flops(a, tokens, ctx) / dev.F,
+               layer_bytes(a, rows, ctx, dev.wbytes, dev.kvbytes) / dev.BW) + dev.o("o_dec")
+
+
+def _head(a: Arch, dev: Device, tokens: float) -> float:
+    return max(head_flops(a, tokens) / dev.F, a.hidden * a.vocab * dev.wbytes / dev.BW)
+
+
+def _draft_step(d: Arch, dev: Device, rows: float, ctx: float) -> float:
+    byts = (d.layer_params + d.hidden * d.vocab) * dev.wbytes + rows * ctx * 2 * d.kv_dim * dev.kvbytes
+    return max(draft_pass_flops(d, rows, ctx, fc=False) / dev.F, byts / dev.BW) + dev.o("o_dstep")
+
+
+def _draft_ext(d: Arch, dev: Device, tokens: float, ctx: float) -> float:
+    return draft_pass_flops(d, tokens, ctx, fc=True) / dev.F + dev.o("o_dext")
+
+
+def rollout_block(a: Arch, d: Arch, dev: Device, w: Workload, k: int) -> dict:
+    """Seconds of one generate call (B rows) and of its reference log-probs, on one process at full speed."""
+    B, p, r = min(w.rollout_batch, w.rows), w.prompt_len, w.resp_len  # a call holds at most the step's rows
+    c = p + r / 2
+    longest = max(w.tail * r, 1.0)
+    prefill = a.layers * _layer(a, dev, B * p, B, p / 2) + _head(a, dev, B)
+    if k == 0:
+        steps = longest - 1
+        step = dev.o("o_step") + a.layers * _layer(a, dev, B, B, c) + _head(a, dev, B)
+    else:
+        prefill += _draft_ext(d, dev, B * p, p / 2)
+        steps = (longest - 1) / w.kept
+        step = (dev.o("o_vstep") + a.layers * _layer(a, dev, B * (k + 1), B, c) + _head(a, dev, B * (k + 1))
+                + (k - 1) * _draft_step(d, dev, B, c) + _draft_ext(d, dev, B * (k + 1), c))
+    n = B * (p + r)
+    ref = a.layers * (layer_flops(a, n, (p + r) / 2) / dev.F + dev.o("o_layer_pad")) + _head(a, dev, n) + dev.o("o_ref")
+    return {"generate": prefill + steps * step, "reference": ref, "steps": steps, "step_s": step}
+
+
+def _contention(active: float, dev: Device) -> float:
+    """Wall seconds per solo CPU second when `active` processes share dev.cores: 1 up to one process a core, else
+    active / cores time slices, each slower by oversub."""
+    return 1.0 if active <= dev.cores else active / dev.cores * dev.oversub
+
+
+def rollout(a: Arch, d: Arch, dev: Device, w: Workload, k: int) -> dict:
+    """The rollout phase's wall seconds: every rank runs ceil(blocks / W) generate calls at once."""
+    blk = rollout_block(a, d, dev, w, k)
+    n = math.ceil(math.ceil(w.rows / w.rollout_batch) / w.world) * _contention(w.world, dev)
+    return {"generate": n * blk["generate"], "reference": n * blk["reference"], "steps_per_block": blk["steps"]}
+
+
+def _per_rank(w: Workload) -> tuple[float, float, float]:
+    """(T tokens, S sequences, mean context) of one micro-batch on one rank."""
+    tokens = w.rows * (w.prompt_len + w.resp_len) / (w.updates * w.micro_batches * w.dp * w.cp)
+    return tokens, w.rows / (w.updates * w.micro_batches * w.dp), (w.prompt_len + w.resp_len) / 2
+
+
+def update(a: Arch, dev: Device, w: Workload) -> float:
+    """The policy update's wall seconds (GRPO forward + backward through the pipeline, AdamW), without the drafts."""
+    T, S, ctx = _per_rank(w)
+    x = 4 if w.checkpointing else 3
+    per_layer = (x * (dense_flops(a, T) / dev.Ft + attn_flops(a, T, ctx) / dev.Fa) + dev.o("o_layer_fb")
+                 + w.cp * S * dev.o("o_seq_fb"))
+    if w.checkpointing:
+        per_layer += dev.o("o_layer") + w.cp * S * dev.o("o_seq")
+    stage = a.layers / w.pp * per_layer + 3 * head_flops(a, T) / dev.Ft
+    adam = 28 * a.params / w.pp / dev.BW
+    active = w.dp * w.cp * (1 if w.micro_batches == 1 else w.pp)
+    return w.updates * ((w.micro_batches + w.pp - 1) * stage + adam) * _contention(active, dev)
+
+
+def draft_train(a: Arch, d: Arch, dev: Device, w: Workload, drafts: int) -> float:
+    """TTT's wall seconds: `drafts` drafts, P passes each, every micro-batch of every update, on the last stage."""
+    T, S, ctx = _per_rank(w)
+    teacher, att = head_flops(a, T), 3 * attn_flops(d, T, ctx)
+    first = ((3 * draft_pass_flops(d, T, ctx, fc=True) - att + teacher) / dev.Ft + att / dev.Fa + dev.o("o_pass1")
+             + w.cp * S * dev.o("o_pass1_seq"))
+    later = ((3 * draft_pass_flops(d, T, ctx, fc=False) - att + teacher) / dev.Ft + att / dev.Fa + dev.o("o_pass")
+             + w.cp * S * dev.o("o_pass_seq"))
+    per = first + (w.ttt_passes - 1) * later
+    return w.draft_share * w.updates * w.micro_batches * drafts * per * _contention(w.dp * w.cp, dev)
+
+
+def kv_cache_bytes(a: Arch, dev: Device, w: Workload) -> float:
+    """One generate call's policy KV cache at its longest: B rows x (p + tail r) positions x L layers x 2 n_kv d."""
+    return w.rollout_batch * (w.prompt_len + w.tail * w.resp_len) * a.layers * 2 * a.kv_dim * dev.kvbytes
+
+
+def predict(a: Arch, dev: Device, w: Workload) -> dict:
+    """Every component (s) of both steps, the measured step's draft training (w.drafts drafts) and the speedups."""
+    d = Arch.draft_of(a, 3, w.draft_vocab)
+    spec = rollout(a, d, dev, w, w.k) if w.k else None
+    ar = rollout(a, d, dev, w, 0)
+    up = update(a, dev, w)
+    one = draft_train(a, d, dev, w, 1)
+    plain = ar["generate"] + ar["reference"] + up
+    out = {"rollout_ar": ar["generate"], "reference": ar["reference"], "policy_train": up, "draft_train_1": one,
+           "draft_train": one * w.drafts, "e_kept": w.kept, "steps_per_block_ar": ar["steps_per_block"],
+           "step_plain": plain, "kv_gib": kv_cache_bytes(a, dev, w) / 2 ** 30}
+    if spec is not None:
+        cospec = spec["generate"] + spec["reference"] + up + one
+        out.update(rollout_spec=spec["generate"], steps_per_block_spec=spec["steps_per_block"], step_cospec=cospec,
+                   rollout_speedup=ar["generate"] / spec["generate"], e2e_speedup=plain / cospec)
+    return out
+
+
+HELP = {  # the CLI's flags: Workload's fields
+    "rows": "sequences per RL step (prompts_per_step x group_size)", "prompt_len": "mean prompt tokens",
+    "resp_len": "mean response tokens", "tail": "E[longest response of a generate call] / E[response] (1: all equal)",
+    "rollout_batch": "rows per generate call (per engine)", "k": "draft tokens per verify step (0: autoregressive)",
+    "accept_len": "E[kept tokens] per verify step, the bonus included (0: from --alpha)",
+    "alpha": "per-position acceptance alpha_1,alpha_2,... (the last repeats to k)",
+    "updates": "optimisation steps per RL step", "micro_batches": "micro-batches per update",
+    "ttt_passes": "TTT passes of the draft", "drafts": "drafts trained in the step (the speedup uses 1)",
+    "pp": "pipeline stages", "cp": "context-parallel ranks", "dp": "data-parallel replicas (W = pp cp dp processes)",
+    "checkpointing": "activation checkpointing in the update (4x instead of 3x the forward)",
+    "draft_vocab": "the draft head's vocabulary (0: the policy's)",
+    "draft_share": "share of the updates that train the drafts (1: every update)",
+}
+
+
+def parse(argv: list) -> tuple[Arch, Device, Workload]:
+    ap = parser(__doc__, __file__)
+    ap.add_argument("--model", default="mini", help="a model.ModelConfig preset, an HF config.json or its directory")
+    ap.add_argument("--device", default="cpu", help="a device preset (cpu: this machine's probe; h100) or a JSON file")
+    ap.add_argument("--flops", type=float, default=0, help="override the device's F (FLOP/s)")
+    ap.add_argument("--bw", type=float, default=0, help="override the device's BW (bytes/s)")
+    ap.add_argument("--cores", type=float, default=0, help="override the device's cores (processes at full speed)")
+    ap.add_argument("--overhead_scale", type=float, default=1.0, help="multiply every o_* (sensitivity)")
+    for f in fields(Workload):
+        kind = {"bool": None, "tuple": str}.get(str(f.type), {"int": int, "float": float}.get(str(f.type), float))
+        if kind is None:
+            ap.add_argument(f"--{f.name}", action="store_true", help=HELP[f.name])
+        else:
+            ap.add_argument(f"--{f.name}", type=kind, default=None, help=f"{HELP[f.name]} (default {f.default})")
+    a = ap.parse_args(argv)
+    dev = Device.load(a.device)
+    dev = replace(dev, F=a.flops or dev.F, BW=a.bw or dev.BW, cores=a.cores or dev.cores,
+                  overheads={k: v * a.overhead_scale for k, v in dev.overheads.items()})
+    kw = {f.name: getattr(a, f.name) for f in fields(Workload) if getattr(a, f.name) not in (None, False)}
+    if "alpha" in kw:
+        try:
+            kw["alpha"] = tuple(float(x) for x in kw["alpha"].split(","))
+        except ValueError:
+            raise SystemExit(f"--alpha={kw['alpha']!r}: expected comma-separated numbers in [0, 1]") from None
+    try:
+        w = Workload(**kw)
+        w.kept  # noqa: B018  (checks k, alpha, accept_len)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    return Arch.load(a.model), dev, w
+
+
+def report(a: Arch, dev: Device, w: Workload, out: dict) -> str:
+    """The prediction as text: inputs, then seconds per component for both steps, then the speedups."""
+    lines = [f"A MODEL, not a measurement. policy: {a.layers} layers, H {a.hidden}, {a.params / 1e9:.3g}B weights; "
+             f"device {dev.name} (F {dev.F:.3g} FLOP/s, BW {dev.BW:.3g} B/s, {dev.cores:g} cores)",
+             f"workload: {w.rows} rows x ({w.prompt_len:g} + {w.resp_len:g}) tokens, tail {w.tail:g}, batch "
+             f"{w.rollout_batch}, k {w.k}, E[kept] {out['e_kept']:.3f}, mesh pp {w.pp} cp {w.cp} dp {w.dp}; "
+             f"KV cache per generate call at its longest {out['kv_gib']:.3g} GiB", "",
+             f"{'component':<22}{'plain GRPO s':>14}{'co-trained spec s':>20}"]
+    spec = out.get("rollout_spec")
+    rows = [("rollout (generate)", out["rollout_ar"], spec), ("reference log-probs", out["reference"],
+            out["reference"]), ("policy update", out["policy_train"], out["policy_train"]),
+            ("draft training (TTT)", 0.0, out["draft_train_1"] if spec is not None else None),
+            ("step", out["step_plain"], out.get("step_cospec"))]
+    for name, p, s in rows:
+        lines.append(f"{name:<22}{p:>14.4g}{'-' if s is None else format(s, '.4g'):>20}")
+    if spec is not None:
+        lines += ["", f"rollout speedup {out['rollout_speedup']:.3f}x, end-to-end step speedup "
+                      f"{out['e2e_speedup']:.3f}x (rollout share of the plain step "
+                      f"{out['rollout_ar'] / out['step_plain']:.0%})"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    a, dev, w = parse(sys.argv[1:] if argv is None else list(argv))
+    print(report(a, dev, w, predict(a, dev, w)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
