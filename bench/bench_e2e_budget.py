@@ -9,7 +9,10 @@ against the plain run of the same seed (harness/e2e.py, wall and CPU).
 Runs go to runs/budget/<every>_s<seed> and runs/budget/plain_s<seed> (a finished run is kept and not rerun: delete
 it to redo it). Each run is one process at --threads 1; --parallel N runs N at once (2 on 2 cores: they share the
 machine alike). The warm-ups are trained once first (python -m harness.warmup), then read from the cache by every
-run. Writes bench/results/e2e_budget.json and .md.
+run. Writes bench/results/e2e_budget.json and .md (--name: another name).
+
+    python bench/bench_e2e_budget.py --budgets 4 --parallel 1 --runs runs/default_e2e --name e2e_default
+                                    # the default budget, each run alone on the machine: wall times comparable too
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 from harness.report import add_baseline  # noqa: E402
 
-OUT = os.path.join(ROOT, "bench", "results", "e2e_budget")
+RESULTS = os.path.join(ROOT, "bench", "results")
 
 
 def run(out: str, flags: list) -> str:
@@ -72,6 +75,7 @@ def main(argv: list):
     p.add_argument("--budgets", default="1,2,4,8")
     p.add_argument("--parallel", type=int, default=2)
     p.add_argument("--runs", default=os.path.join("runs", "budget"))
+    p.add_argument("--name", default="e2e_budget", help="bench/results/<name>.json and .md")
     args, flags = p.parse_known_args(argv)
     flags = [f for f in flags if f != "--"] + ["--threads=1"]
     seeds, budgets = [int(s) for s in args.seeds.split(",")], [int(b) for b in args.budgets.split(",")]
@@ -93,10 +97,11 @@ def main(argv: list):
             res["budgets"][b].append({"seed": s, **{k: summary.get(k) for k in KEEP}})
     md = table(res, seeds)
     print(md)
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT + ".json", "w") as f:
+    out = os.path.join(RESULTS, args.name)
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(out + ".json", "w") as f:
         json.dump(res, f, indent=1)
-    with open(OUT + ".md", "w") as f:
+    with open(out + ".md", "w") as f:
         f.write(f"`python bench/bench_e2e_budget.py {' '.join(argv)}` ({res['machine']})\n\n{md}\n")
 
 

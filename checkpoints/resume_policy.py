@@ -47,7 +47,7 @@ from checkpoints.inputs import changed_inputs, input_fingerprints
 from serving.export import recover_swaps
 
 # what train.py writes into <out> besides ckpt/: results, servables, the --log backends' folders
-RESULTS = ("metrics.jsonl", "summary.json", "train.png", "policy", "draft", "tb", "wandb")
+RESULTS = ("metrics.jsonl", "summary.json", "config.json", "train.png", "policy", "draft", "tb", "wandb")
 
 # Config fields a resume may change: run length and housekeeping, nothing that changes what a step computes.
 # pp, cp, dp are compared as the resolved mesh instead (dp=0 and dp=2 may be the same mesh).

@@ -4,7 +4,7 @@ May import nothing: harness/config.py reads PRESETS, and a preset names Config f
 """
 
 PRESETS = {
-    # ~7 min under torchrun on 2 cores from an empty cache (warm-ups ~4.2 min). The mini model learns the additions in
+    # the experiment of docs/experiment.md (timings there). The mini model learns the additions in
     # 1000 SFT steps when 70% of the demo steps are explicit (the operands sit side by side), which still leaves RL
     # a format term to raise; 32 prompts per step keep the GRPO update above the noise (8 x 8 samples did not).
     "default": {},
@@ -12,14 +12,14 @@ PRESETS = {
     # acceptance nears 3 (1.24x at the end); 60 steps, ~5 min of RL + ~15 min of warm-ups on 2 cores
     "small": dict(name="small", model="small", p_explicit=0.3, sft_steps=1200, sft_lr=3e-3, steps=60,
                   prompts_per_step=16, rollout_batch=16, lr=2e-4, eval_prompts=32, draft_warmup_steps=200,
-                  draft_warmup_batch=64, draft_warmup_lr=1e-3, num_draft_tokens=3),
+                  draft_warmup_batch=64, draft_warmup_lr=1e-3, num_draft_tokens=3, draft_every=1),
     # CI-sized: every code path and a visible learning signal, ~2.5 min on 2 cores from an empty cache
     # (tests/test_train_torchrun.py)
     "smoke": dict(name="smoke", model="tiny", sft_steps=800, draft_warmup_steps=60, draft_warmup_batch=64,
                   draft_warmup_lr=1e-3, draft_warmup_pool=256, steps=20, rollout_batch=64, eval_prompts=16, max_steps=5,
-                  lr=3e-4, num_draft_tokens=3),
+                  lr=3e-4, num_draft_tokens=3, draft_every=1),  # a short run: the drafts train on every update
     # for tests: seconds
     "test": dict(name="test", model="tiny", sft_steps=3, sft_batch=8, draft_warmup_steps=2, draft_warmup_batch=4,
                  draft_warmup_pool=8, steps=2, prompts_per_step=2, group_size=4, eval_every=1, eval_prompts=2,
-                 eval_samples=2, min_steps=1, max_steps=2, micro_batches=2),
+                 eval_samples=2, min_steps=1, max_steps=2, micro_batches=2, draft_every=1),
 }

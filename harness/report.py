@@ -1,5 +1,5 @@
-"""What a run shows and leaves behind: the live table, metrics.jsonl, summary.json and train.png. Rank 0 reports;
-every other rank's Report is silent (world size 1 is a plain program: its one process is rank 0).
+"""What a run shows and leaves behind: the live table, metrics.jsonl, summary.json, config.json and train.png. Rank 0
+reports; every other rank's Report is silent (world size 1 is a plain program: its one process is rank 0).
 
     rep = Report(cfg, out_dir, main=mesh.main)
     rep.train(row) / rep.eval(ev)       one line on the console and one JSON record per step / evaluation
@@ -106,6 +106,8 @@ class Report:
                                                 f"than the task holds: evaluated {eval_prompts}")
         with open(os.path.join(self.out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
+        with open(os.path.join(self.out_dir, "config.json"), "w") as f:  # what harness/cost_check.py reads
+            json.dump(dataclasses.asdict(c), f, indent=1)
         plot_run(self.rows, self.evals, os.path.join(self.out_dir, "train.png"),
                  title=f"{c.name}: {c.steps} GRPO steps, {c.prompts_per_step}x{c.group_size} rollouts/step")
         self.print(json.dumps(summary, indent=2))
