@@ -61,15 +61,21 @@ from parallel.cli import parser  # noqa: E402
 BEST, CALL = {}, [0]  # the k-th timing of a round -> its best over every round so far; the round's call counter
 
 
-def cpu_s(fn, repeats: int) -> float:
-    """Best CPU seconds of fn() over `repeats` calls (after one warm-up call) in this round and the same call of every
-    earlier round (rounds run the same probes in the same order: a burst of load hits one round, not every one)."""
+def best_cpu_s(fn, repeats: int) -> float:
+    """The least CPU seconds of fn() over `repeats` calls, after one untimed warm-up call."""
     fn()
     best = float("inf")
     for _ in range(repeats):
         t = time.process_time()
         fn()
         best = min(best, time.process_time() - t)
+    return best
+
+
+def cpu_s(fn, repeats: int) -> float:
+    """Best CPU seconds of fn() over `repeats` calls (after one warm-up call) in this round and the same call of every
+    earlier round (rounds run the same probes in the same order: a burst of load hits one round, not every one)."""
+    best = best_cpu_s(fn, repeats)
     i = CALL[0]
     CALL[0] += 1
     BEST[i] = min(BEST.get(i, best), best)
@@ -200,14 +206,7 @@ def _pinned_work(core: int, model: str, B: int, new: int, repeats: int, q) -> No
     torch.set_num_threads(1)
     m1, _ = models(model)
     prompts = [torch.randint(0, m1.cfg.vocab_size, (11,)) for _ in range(B)]
-    run = lambda: speculative.generate(m1, None, prompts, max_new_tokens=new, temperature=1.0)  # noqa: E731
-    run()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.process_time()
-        run()
-        best = min(best, time.process_time() - t)
-    q.put(best)
+    q.put(best_cpu_s(lambda: speculative.generate(m1, None, prompts, max_new_tokens=new, temperature=1.0), repeats))
 
 
 def probe_oversub(model: str, B: int, repeats: int) -> float:
