@@ -73,7 +73,7 @@ class Config:
     cold_arm: bool | str = "auto"  # also co-train a cold-start draft on the same taps, evaluated only (auto: as above)
     offline_arm: bool | str = "auto"  # the control: the warm-up draft trained as much on fresh pi_0 samples (as above)
     log_kl: bool | str = "auto"  # keep the frozen reference pi_0 to log KL(pi_t || pi_0) per step (auto: as above)
-    draft_every: int = 4  # the drafts train on every n-th policy update only (budget 1/n; the offline arm's alike)
+    draft_every: int = 2  # the drafts train on every n-th policy update only (budget 1/n; the offline arm's alike)
     draft_warmup_steps: int = 800  # optimisation steps of the draft warm-up on the warm policy's own samples
     draft_warmup_batch: int = 32  # sequences per draft warm-up step
     draft_warmup_lr: float = 3e-3  # the offline fit; draft_lr is the online co-training's
