@@ -2,7 +2,7 @@
 the measured seconds (metrics.jsonl's "time") and of the prediction from that step's own rows, response length and
 acceptance, the run's config and the device figures -- never fitted to the run.
 
-    python -m harness.cost_check docs/default_run_metrics.jsonl                # the stored default run, device "cpu"
+    python -m harness.cost_check docs/examples/cost_check_run     # the stored run (metrics.jsonl, config.json), "cpu"
     python -m harness.cost_check runs/nospec --device cpu --tol 0.15 -- --preset default --no_spec
 
 RUN is a run directory (its metrics.jsonl, and config.json if the run wrote one) or a metrics.jsonl. The config is the
