@@ -11,7 +11,7 @@ it to redo it). Each run is one process at --threads 1; --parallel N runs N at o
 machine alike). The warm-ups are trained once first (python -m harness.warmup), then read from the cache by every
 run. Writes bench/results/e2e_budget.json and .md (--name: another name).
 
-    python bench/bench_e2e_budget.py --budgets 4 --parallel 1 --runs runs/default_e2e --name e2e_default
+    python bench/bench_e2e_budget.py --budgets 2 --parallel 1 --runs runs/default_e2e --name e2e_default
                                     # the default budget, each run alone on the machine: wall times comparable too
 """
 from __future__ import annotations
