@@ -214,11 +214,13 @@ class DistCotrainer:
                               else None)
         grad_norm = self._clip_policy_grads()
         self.opt.step()
+        own = (0.0, 0.0)  # this process's own CPU seconds in the drafts / the watched arms (the last stage's)
         if self.last:
             for tr in self.drafts if hook is not None else ():
                 clip_grads_(list(tr.draft.parameters()), tr.grad_clip)
                 tr.opt.step()
             w, c = float(acc[5]), float(acc[7])  # the watched arms' share of the hook: the rest is the drafts'
+            own = (res.draft_cpu_seconds - c, c)
             acc[4:8] = torch.tensor([res.draft_seconds - w, w, res.draft_cpu_seconds - c, c], dtype=acc.dtype,
                                     device=dev) / (g.cp * g.dp)  # summed below: the mean over the last stage
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -233,7 +235,7 @@ class DistCotrainer:
         draft_losses = [float(x) for x in acc[8:]]
         return {"loss_policy": res.loss, "loss_draft": draft_losses,
                 "draft_metrics": pooled[:K], "watch_metrics": pooled[K:],
-                "watch_seconds": float(acc[5]), "watch_cpu_seconds": float(acc[7]),
+                "watch_seconds": float(acc[5]), "watch_cpu_seconds": float(acc[7]), "own_cpu_seconds": own,
                 "clip_frac": float(acc[0]) / n, "ratio": float(acc[1]) / n, "k3": float(acc[2]) / n,
                 "grad_norm": grad_norm, "p2p_bytes": res.p2p_bytes, "tap_bytes": res.tap_bytes,
                 "draft_seconds": float(acc[4]), "draft_cpu_seconds": float(acc[6]),

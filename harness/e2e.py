@@ -4,7 +4,7 @@ experiment (same seeds and prompts), step by step, from the timers both runs rec
     m = measured_e2e(run_rows, base_rows)       # {"e2e_step_speedup_measured", its 95% interval, ..., per component}
     python -m harness.report RUN --baseline BASE_RUN     # prints the comparison, adds it to RUN/summary.json
 
-Per step i (wall seconds, and CPU seconds of rank 0's process where the run recorded them):
+Per step i (wall seconds, and CPU seconds summed over the run's processes where it recorded them):
 
     spec_i  = t_rollout + t_policy_train + t_draft_train / trained_drafts      the co-trained run's own work
     plain_i = t_rollout + t_policy_train                                        the --no_spec run (no draft, no taps)

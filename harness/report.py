@@ -12,7 +12,7 @@ reports; every other rank's Report is silent (world size 1 is a plain program: i
 Records: {"kind": "train", "step", reward..., "rank_rows", "time": {"rollout", "rollout_rank_s", "rollout_rank_cpu_s",
 "policy_train", "draft_train", "watch", "eval", "cpu": {"rollout", "policy_train", "draft_train", "watch"}}}
 (rank_rows / rollout_rank_*: per rank, the rows it generated and its wall / CPU seconds for them; the live table shows
-the slowest and fastest rank's wall seconds, r_max / r_min; "cpu": this process's CPU seconds per phase) and
+the slowest and fastest rank's wall seconds, r_max / r_min; "cpu": CPU seconds per phase, summed over the ranks) and
 {"kind": "eval", "step", "kl", reward..., accept_<arm>, tok_s_<arm>, speedup_<arm>}.
 """
 from __future__ import annotations

@@ -32,6 +32,7 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from draft_ttt import merge_metrics
 from harness.experiment import watched
@@ -43,8 +44,9 @@ if TYPE_CHECKING:
 
 def update(s: Setup, batch: RolloutBatch, timer: dict, step: int = 1) -> dict:
     """Steps 1-5 of RL step `step` (1, 2, ...). timer gains policy_train (the step without the drafts, and the refit),
-    draft_train and watch, in wall seconds and, under "cpu", in this process's CPU seconds. The drafts train (and the
-    taps travel) only on the updates the budget picks (cfg.trains_drafts); the offline arm takes as many steps."""
+    draft_train and watch, in wall seconds and, under "cpu", in CPU seconds summed over the ranks (world_cpu). The
+    drafts train (and the taps travel) only on the updates the budget picks (cfg.trains_drafts); the offline arm takes
+    as many steps."""
     c = s.cfg
     t0, cpu0 = time.perf_counter(), time.process_time()
     kl = rollout_kl(batch) if batch.ref_logp is not None else None  # None: no reference held (cfg.needs_ref)
@@ -54,15 +56,13 @@ def update(s: Setup, batch: RolloutBatch, timer: dict, step: int = 1) -> dict:
     for idx, train in zip(perm.chunk(c.updates), trains):
         stats.append(s.cotrainer.step(batch.select(idx.sort().values), s.grpo, c.micro_batches, train_drafts=train))
         s.cotrainer.refit(s.policy)
-    cpu = timer.setdefault("cpu", {})
-    for key, wall, proc in (("draft_train", "draft_seconds", "draft_cpu_seconds"),
-                            ("watch", "watch_seconds", "watch_cpu_seconds")):  # watch: the controls' metrics
-        timer[key] = timer.get(key, 0.0) + sum(st[wall] for st in stats)
-        cpu[key] = cpu.get(key, 0.0) + sum(st[proc] for st in stats)
+    timer["draft_train"] = timer.get("draft_train", 0.0) + sum(st["draft_seconds"] for st in stats)
+    timer["watch"] = timer.get("watch", 0.0) + sum(st["watch_seconds"] for st in stats)  # the controls' metrics
     timer["policy_train"] = timer.get("policy_train", 0.0) + time.perf_counter() - t0 - sum(
         st["draft_seconds"] + st["watch_seconds"] for st in stats)
-    cpu["policy_train"] = cpu.get("policy_train", 0.0) + time.process_time() - cpu0 - sum(
-        st["draft_cpu_seconds"] + st["watch_cpu_seconds"] for st in stats)
+    own = [sum(st["own_cpu_seconds"][i] for st in stats) for i in (0, 1)]  # this process's drafts / watched arms
+    timer["cpu"] = world_cpu({**timer.get("cpu", {}), "draft_train": own[0], "watch": own[1],
+                              "policy_train": time.process_time() - cpu0 - sum(own)})
     if s.offline is not None and any(trains):
         timer.update(s.offline.step(sum(trains)))  # as many TTT steps; every rank samples its share, rank 0 trains
         s.offline.broadcast()
@@ -70,6 +70,17 @@ def update(s: Setup, batch: RolloutBatch, timer: dict, step: int = 1) -> dict:
     out.update(draft_metrics(s, [st for st, train in zip(stats, trains) if train]))
     out["kl"] = kl
     return out
+
+
+def world_cpu(cpu: dict) -> dict:
+    """Each phase's CPU seconds summed over every rank's process (one process: its own): a step's CPU work on the
+    whole mesh, whichever rank does it (the drafts train on the last stage only)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return cpu
+    keys = sorted(cpu)
+    t = torch.tensor([cpu[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(t)  # a few floats on the host: the world group carries CPU tensors over gloo (harness/mesh.py)
+    return dict(zip(keys, t.tolist()))
 
 
 def draft_metrics(s: Setup, stats: list) -> dict:
