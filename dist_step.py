@@ -214,13 +214,12 @@ class DistCotrainer:
                               else None)
         grad_norm = self._clip_policy_grads()
         self.opt.step()
-        own = (0.0, 0.0)  # this process's own CPU seconds in the drafts / the watched arms (the last stage's)
+        own = (res.draft_cpu_seconds - float(acc[7]), float(acc[7]))  # this process's own: drafts, watched arms
         if self.last:
             for tr in self.drafts if hook is not None else ():
                 clip_grads_(list(tr.draft.parameters()), tr.grad_clip)
                 tr.opt.step()
             w, c = float(acc[5]), float(acc[7])  # the watched arms' share of the hook: the rest is the drafts'
-            own = (res.draft_cpu_seconds - c, c)
             acc[4:8] = torch.tensor([res.draft_seconds - w, w, res.draft_cpu_seconds - c, c], dtype=acc.dtype,
                                     device=dev) / (g.cp * g.dp)  # summed below: the mean over the last stage
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -228,9 +227,8 @@ class DistCotrainer:
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, metrics if (self.last and g.cp_rank == 0) else {})
             metrics = {k: v for part in everyone for k, v in part.items()}
-        # every micro-batch's metrics pooled (count-weighted), as cotrain_step pools them
-        pooled = [merge_metrics([metrics[key] for key in sorted(metrics) if key[1] == k])
-                  for k in range(K + len(self.watch))]
+        pooled = [merge_metrics([metrics[key] for key in sorted(metrics) if key[1] == k])  # count-weighted, as
+                  for k in range(K + len(self.watch))]  # cotrain_step pools every micro-batch's metrics
         n = max(float(acc[3]), 1.0)
         draft_losses = [float(x) for x in acc[8:]]
         return {"loss_policy": res.loss, "loss_draft": draft_losses,
