@@ -93,9 +93,9 @@ def read_rows(run_dir: str) -> list:
 
 def table(m: dict) -> str:
     """The comparison as markdown: per component and per step, wall and CPU seconds."""
-    lines = ["| seconds per step | " + " | ".join(u for u in ("wall", "CPU") if
-                                                  f"e2e_parts{'_cpu' * (u == 'CPU')}" in m) + " |", "|---|---:|---:|"]
     units = [u for u in ("", "_cpu") if f"e2e_parts{u}" in m]
+    lines = ["| seconds per step | " + " | ".join("CPU" if u else "wall" for u in units) + " |",
+             "|---|" + "---:|" * len(units)]
     for p in PARTS:
         for arm in ("spec", "plain"):
             if p in m[f"e2e_parts{units[0]}"][arm]:

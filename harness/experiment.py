@@ -29,7 +29,8 @@ import torch
 
 from tasks.protocol import Demonstrations, make_task
 from harness import warmup
-from harness.cache_keys import DraftSpec, PolicySpec, hf_policy_key
+from harness.warmup import draft_spec  # what the draft warm-up reads (also the cache keys' tests)
+from harness.cache_keys import PolicySpec, hf_policy_key
 from backends.attention_padded import padded_branch_attention, padded_causal_attention
 from backends.fused_logprob import budget_rows
 from dist_step import DistCotrainer
@@ -102,11 +103,6 @@ def build_policy(cfg: Config, tsk, log=print, device=None) -> tuple[Transformer,
 def policy_key(cfg: Config, tsk) -> str:
     """The warm policy's cache key, without training: the SFT spec's (a --task task) or the HF checkpoint's."""
     return hf_policy_key(cfg.model) if cfg.hf_mode else PolicySpec.from_config(cfg, tsk).key()
-
-
-def draft_spec(cfg: Config, tsk, policy_key: str) -> DraftSpec:
-    """What the draft warm-up reads (warmup.draft_spec): the draft_warmup_* settings, the task, the policy's key."""
-    return warmup.draft_spec(cfg, tsk, policy_key)
 
 
 def build(cfg: Config, mesh: Mesh, log=print) -> Setup:

@@ -22,7 +22,9 @@ import json
 import os
 from typing import TYPE_CHECKING
 
-from harness.e2e import trained_drafts
+import torch
+
+from harness.e2e import step_parts
 from harness.logger import MetricsLogger, parse_backends
 from harness.plots import plot_run
 
@@ -157,30 +159,28 @@ def summarize(cfg: Config, rows: list, evals: list, warm: dict, wall_s: float) -
             tail = vals[-max(1, len(vals) // 10):]
             out[f"tau_hat_{arm}_last"] = sum(tail) / len(tail)
     if "speedup" in last:
-        out.update(e2e_step_times(rows, evals, trained_drafts=trained_drafts(rows[-1])))
+        out.update(e2e_step_times(rows, evals))
     out["temperature"], out["eval_k"], out["rl_seed"], out["lr"] = cfg.temperature, cfg.eval_k, cfg.run_seed, cfg.lr
     return out
 
 
-def e2e_step_times(rows: list, evals: list, trained_drafts: int = 1) -> dict:
+def e2e_step_times(rows: list, evals: list) -> dict:
     """End-to-end RL step time, speculative vs autoregressive rollouts (rollout + update + co-training), per step:
 
-        spec = t_rollout + t_policy_train + t_draft_train / trained_drafts    (measured: the run itself)
+        spec = t_rollout + t_policy_train + t_draft_train / trained_drafts    (measured: the run itself, e2e.step_parts)
         ar   = t_rollout * speedup + t_policy_train                           (the same step with AR rollouts, no draft)
 
     speedup = the co-trained draft's measured paired rollout speedup at the latest eval before that step. The
     controls' costs (the cold arm's share of t_draft_train: the drafts trained on the same taps are the same size, so
     the co-trained one's share is 1 / trained_drafts; timers "watch", "offline_*") and the eval are not part of
-    either. e2e_step_speedup = sum ar / sum spec over the run."""
-    spec = ar = 0.0
-    trained_drafts = max(trained_drafts, 1)
-    for r in rows:
-        sp = max((e for e in evals if e["step"] < r["step"]), key=lambda e: e["step"], default=evals[0])["speedup"]
-        t = r["time"]
-        spec += t["rollout"] + t["policy_train"] + t["draft_train"] / trained_drafts
-        ar += t["rollout"] * sp + t["policy_train"]
+    either. e2e_step_speedup = sum ar / sum spec over the run. (harness/e2e.py measures ar with a --no_spec run.)"""
+    parts = step_parts(rows)  # (steps,) per component
+    sp = torch.tensor([max((e for e in evals if e["step"] < r["step"]), key=lambda e: e["step"],
+                           default=evals[0])["speedup"] for r in rows], dtype=torch.float64)
+    spec, ar = sum(parts.values()), parts["rollout"] * sp + parts["policy_train"]
     n = max(len(rows), 1)
-    return {"e2e_step_s_spec": spec / n, "e2e_step_s_ar": ar / n, "e2e_step_speedup": ar / max(spec, 1e-9)}
+    return {"e2e_step_s_spec": float(spec.sum()) / n, "e2e_step_s_ar": float(ar.sum()) / n,
+            "e2e_step_speedup": float(ar.sum()) / max(float(spec.sum()), 1e-9)}
 
 
 SEED_KEYS = (("accept_len_cotrained", "acceptance, co-trained"), ("accept_len_offline", "acceptance, offline-extended"),

@@ -80,4 +80,5 @@ def test_e2e_step_times_by_hand():
     assert e["e2e_step_s_spec"] == pytest.approx(6.0)
     assert e["e2e_step_s_ar"] == pytest.approx(((2 * 1.5 + 3) + (2 * 2.0 + 3)) / 2)
     assert e["e2e_step_speedup"] == pytest.approx(6.5 / 6.0)
-    assert e2e_step_times(rows, evals, trained_drafts=2)["e2e_step_s_spec"] == pytest.approx(5.5)  # + a cold arm
+    cold = [{**r, "tau_hat_cotrained": 3.0, "tau_hat_cold": 1.5} for r in rows]  # + a cold arm: half the drafts' time
+    assert e2e_step_times(cold, evals)["e2e_step_s_spec"] == pytest.approx(5.5)
