@@ -51,7 +51,10 @@ class Mesh:
             dist.barrier()
 
     def close(self):
+        """The normal end of a run: the ranks leave together, so none tears down its connections while another still
+        works (rank 0 alone writes the servables and the summary). A failing run never gets here."""
         if self.world > 1:
+            dist.barrier()
             dist.destroy_process_group()
 
     def describe(self) -> str:

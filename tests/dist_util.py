@@ -79,3 +79,27 @@ def run_distributed(fn, world_size: int, args=(), timeout: float = 60.0):
                     p.kill()
                     p.join()
     return [results[r] for r in range(world_size)]
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TELLING = ("error", "terminate", "what()", "fatal python", "traceback", "signal", "exception", "file \"")
+
+
+def run_torchrun(argv, nproc: int, timeout: float):
+    """`python -m torch.distributed.run --standalone --nproc_per_node=nproc *argv` from the checkout's root, captured,
+    with a hard timeout (subprocess.TimeoutExpired: a hang fails). Each worker runs with PYTHONFAULTHANDLER=1, so a
+    worker that dies of a signal (a C++ abort) prints every thread's Python stack into the captured stderr."""
+    import subprocess
+    import sys
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *map(str, argv)]
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    return subprocess.run(cmd, cwd=ROOT, timeout=timeout, capture_output=True, text=True, env=env)
+
+
+def why(r) -> str:
+    """A failed run's story for an assertion message: the stderr lines that say what went wrong (errors, aborts,
+    tracebacks), then the tails of stdout and stderr."""
+    lines = r.stderr.splitlines()
+    telling = [line for line in lines if any(w in line.lower() for w in _TELLING)]
+    return "\n".join([f"exit code {r.returncode}", "-- telling stderr lines:", *telling[-60:],
+                      "-- stdout tail:", r.stdout[-1500:], "-- stderr tail:", r.stderr[-2500:]])

@@ -5,8 +5,6 @@ import json
 import math
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,11 +13,10 @@ from harness.experiment import build
 from harness.mesh import make_mesh
 from harness.rollout import rollout
 from tasks.hf_task import HFTask, math_answer_reward
+from dist_util import run_torchrun, why
 from hf_util import write_jsonl, write_tiny_llama
 from harness.config import parse_args
 from train import train
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -96,10 +93,8 @@ def test_hf_mode_runs_end_to_end(hf_files, tmp_path):
 
 def test_hf_mode_under_torchrun_pp2_cp2(hf_files, tmp_path):
     """The same run on a 4-process gloo mesh: the HF checkpoint is split into pipeline stages like the built-in one."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "train.py",
-           *hf_argv(hf_files, tmp_path), "--steps=3", "--pp=2", "--cp=2"]
-    r = subprocess.run(cmd, cwd=ROOT, timeout=300, capture_output=True, text=True)
-    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
+    r = run_torchrun(["train.py", *hf_argv(hf_files, tmp_path), "--steps=3", "--pp=2", "--cp=2"], 4, timeout=300)
+    assert r.returncode == 0, why(r)
     assert "mesh: dp=1 x pp=2 x cp=2" in r.stdout and "policy: HF checkpoint" in r.stdout
     s = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert s["steps"] == 3 and all(math.isfinite(s[k]) for k in ("reward_last", "accept_len_cotrained"))

@@ -3,19 +3,15 @@ suite's end-to-end check: its summary shows the effects -- the rollout reward ri
 least as much as the frozen one, nothing is NaN. ~2.5 min on 2 cores; one test with a hard timeout (a hang fails)."""
 import json
 import math
-import os
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from dist_util import run_torchrun, why
 
 
 def test_smoke_under_torchrun_pp2_cp2(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "train.py",
-           "--preset=smoke", f"--out={out}", f"--cache_dir={tmp_path / 'cache'}"]
-    r = subprocess.run(cmd, cwd=ROOT, timeout=420, capture_output=True, text=True)  # a hang fails, never waits
-    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
+    r = run_torchrun(["train.py", "--preset=smoke", f"--out={out}", f"--cache_dir={tmp_path / 'cache'}"], 4,
+                     timeout=420)  # a hang fails, never waits
+    assert r.returncode == 0, why(r)
     assert "mesh: dp=1 x pp=2 x cp=2" in r.stdout
     s = json.loads((out / "summary.json").read_text())
     for key in ("steps", "reward_first", "reward_last", "eval_reward_first", "eval_reward_last", "kl_last",
