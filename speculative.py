@@ -20,7 +20,8 @@ the verification forwards.
 
 Tree drafts (several candidates per position, verified in the same one forward): speculative_tree.py, generate(tree=).
 Adaptive k (chains only; a tree keeps its fixed shape): generate(adapt=AdaptiveK(K)) asks decoding/adaptive_k.py for
-each step's k in {0..K} and tells it the step's timings (chain_step); k = 0 is an autoregressive step.
+each step's k in {0..K} and tells it the step's timings (chain_step); k = 0 is an autoregressive step (without the
+draft at all once the controller is `dormant`).
 
     python speculative.py      # tiny random policy + draft: greedy exactness and the stats of a sampled rollout
 
@@ -196,10 +197,12 @@ def generate(target: Transformer, draft=None, prompts=(), *, max_new_tokens: int
         dev = next(target.parameters()).device
         empty = [torch.zeros(0, dtype=torch.long, device=dev)] * len(prompts)
         return Rollout(empty, [torch.zeros(0, device=dev)] * len(prompts), SpecStats())
-    s = prefill(target, draft if k else None, prompts, k, temperature, eos_id, max_new_tokens, generator,
+    if adapt is not None:  # may switch speculation off for the whole call (dormant): then no draft prefill either
+        adapt.begin(k, len(prompts), max(p.numel() for p in prompts))
+    off = getattr(adapt, "dormant", False)
+    s = prefill(target, draft if k and not off else None, prompts, k, temperature, eos_id, max_new_tokens, generator,
                 span=1 + tree.num_nodes if tree is not None else 0, kv_block=kv_block)
-    if adapt is not None:
-        adapt.begin(k)
+    s.k = 0 if off else s.k
     while (n_done := poll(s)) < s.live.numel():  # sync point: one per step
         compact(s, n_done)
         if k == 0:
@@ -221,19 +224,18 @@ def chain_step(target, draft, s: _Decode, adapt=None):
     s.k first and is told the seconds spent in the draft and in the rest of the step. k = 0: one autoregressive
     policy forward; its taps wait in s.backlog until the next step with k > 0 extends the draft's trunk over them."""
     clock = adapt.clock if adapt is not None else _no_clock
-    t0 = clock()
+    t0, t_draft = clock(), 0.0
     if adapt is not None:
-        s.k = adapt.choose(s.live.numel())
-    t_draft = 0.0
+        s.k = adapt.choose(s.live.numel(), s.pcache.bound)  # bound: the longest row's context, a host int (poll)
     if s.k == 0:
-        out = target.forward_cached(s.y[:, None], s.pcache, tap_layers=s.tap_layers)  # (b, 1, V)
+        off = getattr(adapt, "dormant", False)  # speculation off for the rest of the call: no taps, no catch-up
+        out = target.forward_cached(s.y[:, None], s.pcache, tap_layers=None if off else s.tap_layers)  # (b, 1, V)
         y, _ = _sample(out.logits[:, 0], s.temperature, s.generator)
-        s.backlog.push(y[:, None], out.taps)
+        s.backlog = Backlog() if off else s.backlog.push(y[:, None], out.taps)  # off: dropped, never flushed
         commit(s, y[:, None], out.logits, torch.zeros_like(y))
     else:
-        if s.backlog:  # the catch-up after k = 0 steps: not charged to this step
+        if s.backlog:  # the catch-up after k = 0 steps: the price of switching on, charged to this step's draft
             s.h, s.zq = s.backlog.flush(draft, s.dcache)
-            t0 = clock()
         d, q = propose(draft, s)
         t1 = clock()
         block, z, n, taps = verify_step(target, s, d, q)
@@ -242,7 +244,7 @@ def chain_step(target, draft, s: _Decode, adapt=None):
         t_draft = (t1 - t0) + (clock() - t2)
         commit(s, block, z, n)
     if adapt is not None:
-        adapt.record(s.live.numel(), s.k, t_draft, clock() - t0 - t_draft, s.reached, s.accepted)
+        adapt.record(s.live.numel(), s.k, t_draft, clock() - t0 - t_draft, s.reached, s.accepted, ctx=s.pcache.bound)
 
 
 def _no_clock():
@@ -264,7 +266,8 @@ def prefill(target, draft, prompts, k: int, temperature, eos_id, max_new_tokens,
     for b, p in enumerate(prompts):
         x[b, : p.numel()] = p.to(dev)
     pcache = target.new_cache(B, max_len, block=kv_block)
-    out = target.forward_cached(x, pcache, tap_layers=draft.tap_layers if k else None, logits_at=lens - 1)
+    taps = draft.tap_layers if k and draft is not None else None  # (a call that starts dormant: no draft)
+    out = target.forward_cached(x, pcache, tap_layers=taps, logits_at=lens - 1)
     pcache.rollback(lens)
     z = out.logits  # (B, V) at each row's last prompt token only: no (B, S, V) logits
     y, _ = _sample(z, temperature, generator)
@@ -280,7 +283,7 @@ def prefill(target, draft, prompts, k: int, temperature, eos_id, max_new_tokens,
     s.accept_sum, s.K, s.backlog = torch.zeros((), dtype=torch.long, device=dev), k, Backlog()
     s.row_kept, s.row_fwd = torch.zeros(B, dtype=torch.long, device=dev), torch.zeros(B, dtype=torch.long, device=dev)
     s.row_steps = torch.zeros((), dtype=torch.long, device=dev)
-    if k:
+    if taps is not None:
         s.tap_layers, s.dcache = draft.tap_layers, draft.new_cache(B, max_len, block=kv_block)
         nxt = torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], 1)
         nxt[rows, lens - 1] = y

@@ -5,7 +5,7 @@ autoregressive decoding.
 The cost model. With r rows in the batch, one step at k keeps E[kept | k] tokens per row and takes c(r, k) seconds;
 the controller picks the k with the most tokens per second:
 
-    k* = argmax_{k = 0..K}  E[kept | k] / c(r, k)
+    k* = argmax_{k = 1..K} E[kept | k] / c(r, k)   if that rate exceeds (1 + margin) / c(r, 0), else 0
 
     E[kept | k] = 1 + sum_{i=1..k} prod_{j=1..i} alpha_j        the accepted drafts and the token after them
     alpha_j     = P(d_j accepted | d_<j accepted)               per position, measured online with decay:
@@ -35,17 +35,23 @@ Timings are the clock's, taken around the draft's work and around the rest of th
 batch size more than 2x away from every timed one, are probes: k = K, 0, 1, twice, so S and k both vary before the fit
 is used.
 
-Every `explore_every` steps one step runs at a neighbour of k* instead (k* + 1 and k* - 1 in turn, inside 0..K), so the
-timings of the k next to the choice stay fresh (a k left alone keeps its old mean) and, from k* = 0, the acceptance is
-observed again (while k = 0 nothing is observed and nothing decays).
+While k* > 0, every `explore_every` steps one step runs at a neighbour of k* instead (k* + 1 and k* - 1 in turn,
+inside 0..K), so the timings of the k next to the choice stay fresh (a k left alone keeps its old mean).
 
-k = 0 runs no draft pass: the policy's taps of those steps wait in a Backlog, and the draft's trunk extends over them
-in one forward at the next step with k > 0 (that catch-up is not charged to the fit).
+k = 0 runs no draft pass. Inside a run of speculation (probes, exploring, k* = 1's neighbour) the policy's taps of a
+k = 0 step wait in a Backlog, and the draft's trunk extends over them in one forward at the next step with k > 0; that
+catch-up is the price of switching back on and is charged to that step's draft seconds. Once k* = 0 the rest of the
+call is autoregressive (`dormant`: no taps kept, no catch-up, the draft idle): keeping the draft ready costs a trunk
+forward per token (bench/bench_rollout.py's pair at batch 64, one CPU thread: a catch-up over 32 steps took ~26 ms
+beside ~12 ms per autoregressive step, i.e. ~7%). A call whose first step finds k* = 0 runs that one step at k = 1
+instead, so acceptance and the k = 1 cost are observed once per call (while k = 0 nothing is observed and nothing
+decays) and speculation comes back when the draft does.
 
-Not in the model: the end of a call. Under speculation rows reach max_new_tokens at different steps, and finished rows
-ride along until a quarter of the batch is done (speculative.compact), so a call pays for straggler steps that
-autoregressive decoding, whose rows all finish together, does not. Where speculation and k = 0 tie per step (batch 64,
-tau 1.5 in the benchmark) the controller can therefore end a little slower than plain decoding.
+The margin (default 5%) is for what the model leaves out, all of it a cost of speculation: the end of a call (rows
+reach max_new_tokens at different steps and finished rows ride along until a quarter of the batch is done,
+speculative.compact, where autoregressive rows all finish together) and the catch-up after k = 0 steps. Where k = 0
+and speculation tie per step (batch 64, tau 1.5 in the benchmark, where every fixed k loses to autoregressive
+decoding end to end) the tie goes to k = 0.
 
 Lossless at every k: each step is an exact speculative-sampling step whatever k is, and k depends only on the past.
 But the sampled tokens then depend on the clock (a run is not reproducible from its seed), so the adaptive k is
@@ -77,6 +83,18 @@ def _kernel(r_i: float, r: float, h: float) -> float:
     return math.exp(-(math.log(r_i) - math.log(r)) ** 2 / (2 * h * h))
 
 
+def _bucket(ctx):
+    """A step's context length (the longest row's cached positions) -> its bucket, 4 per doubling; None: not given."""
+    return None if ctx is None else round(4 * math.log2(max(ctx, 1)))
+
+
+def _ctx_kernel(b_i, ctx, h: float) -> float:
+    """The kernel in ln(context length) between bucket b_i (centre 2^(b_i / 4)) and `ctx`; 1 where either is None."""
+    if b_i is None or ctx is None:
+        return 1.0
+    return math.exp(-(b_i / 4 * math.log(2) - math.log(max(ctx, 1))) ** 2 / (2 * h * h))
+
+
 def _solve_affine(w, ws, wss, wt, wst):
     """Weighted least squares t = a + b S from the sums of w, w S, w S^2, w t, w S t; b >= 0 (more tokens never
     cost less), b = 0 when S did not vary."""
@@ -88,13 +106,14 @@ def _solve_affine(w, ws, wss, wt, wst):
     return mt - b * ms, b
 
 
-def step_costs_naive(obs, r: float, K: int, memory: float, h: float, m: float = 2.0) -> list:
-    """The reference for AdaptiveK.costs_at: obs [(rows, k, draft s, verify s)] oldest first -> c(r, k) for k = 0..K,
-    the sums written out (weights exp(-age / memory) * kernel(rows, r); counts kernel(rows, r))."""
+def step_costs_naive(obs, r: float, K: int, memory: float, h: float, m: float = 2.0, ctx=None) -> list:
+    """The reference for AdaptiveK.costs_at: obs [(rows, k, draft s, verify s, context length or None)] oldest first ->
+    c(r, k) at context ctx for k = 0..K, the sums written out (weights exp(-age / memory) * kernel, counts kernel;
+    kernel = kernel(rows, r) * kernel(context bucket, ctx))."""
     sums, per_k = [0.0] * 5, {}
     dw = dt = 0.0
-    for age, (r_i, k, td, tv) in enumerate(reversed(obs)):
-        kern = _kernel(r_i, r, h)
+    for age, (r_i, k, td, tv, L) in enumerate(reversed(obs)):
+        kern = _kernel(r_i, r, h) * _ctx_kernel(_bucket(L), ctx, h)
         w, S = math.exp(-age / memory) * kern, k + 1.0
         for i, v in enumerate((w, w * S, w * S * S, w * tv, w * S * tv)):
             sums[i] += v
@@ -116,16 +135,19 @@ class AdaptiveK:
     (its measurements carry over); begin(K) starts a call."""
 
     def __init__(self, max_k: int, *, clock=time.perf_counter, costs=None, accept_memory: float = 1000.0,
-                 cost_memory: float = 64.0, bandwidth: float = 0.35, explore_every: int = 32, probe_rounds: int = 2):
+                 cost_memory: float = 64.0, bandwidth: float = 0.35, explore_every: int = 32, probe_rounds: int = 2,
+                 margin: float = 0.05):
         if not (isinstance(max_k, int) and max_k >= 1):
             raise ValueError(f"max_k={max_k!r}: expected an int >= 1 (the ceiling K of the adaptive k)")
         self.max_k, self.clock, self.costs = max_k, clock, costs
-        self.accept_memory, self.cost_memory, self.h = accept_memory, cost_memory, bandwidth
+        self.accept_memory, self.cost_memory, self.h, self.margin = accept_memory, cost_memory, bandwidth, margin
         self.explore_every, self.probes = explore_every, (max_k, 0, 1) * probe_rounds
         self.R, self.A = [0.0] * max_k, [0.0] * max_k  # decayed drafts tried / accepted per position
         self.timed = {}  # rows -> {k: [w, w t_verify, w t_draft, n]}: the steps timed at that batch size and k;
         self.age = 0  # w = exp(step / cost_memory) (rescaled now and then): the decay without touching old entries
         self.queue, self.since, self.up, self.seen = [], 0, True, None
+        self.dormant, self.first = False, True  # off for the rest of the call; the call's first step
+        self.explore_off, self.off_steps = 4 * explore_every, 0  # at k* = 0: a call explores after this many steps
         self.chosen = [0] * (max_k + 1)  # steps run at each k (reporting)
 
     @classmethod
@@ -137,27 +159,41 @@ class AdaptiveK:
         return cls(max_k, clock=lambda: (torch.cuda.synchronize(dev), time.perf_counter())[1], **kw)
 
     # -- the engine's hooks -----------------------------------------------------------------------------------------
-    def begin(self, K: int):
+    def begin(self, K: int, rows: int = None, ctx: int = None):
+        """A call starts: K its ceiling, rows its batch, ctx its longest prompt. Where k* = 0 there and fewer than
+        explore_off steps ran at k = 0 since speculation last ran, the whole call is dormant (no draft prefill)."""
         if K != self.max_k:
             raise ValueError(f"num_draft_tokens={K}: with adapt= expected the controller's ceiling K={self.max_k}")
         self.seen = None  # the call's cumulative per-position counts start at 0
+        self.first = True
+        self.dormant = (rows is not None and not self.queue and self._near(rows) and self.off_steps < self.explore_off
+                        and self.best(rows, ctx) == 0)
 
-    def choose(self, rows: int) -> int:
-        """k for the next step at `rows` batch rows."""
+    def choose(self, rows: int, ctx: int = None) -> int:
+        """k for the next step at `rows` batch rows and context length ctx. Sets `dormant` once k* = 0 after a call's
+        first step: k = 0 for the rest of the call, and the engine may drop the draft (no taps kept, no catch-up)."""
+        if self.dormant:
+            self.chosen[0], self.off_steps = self.chosen[0] + 1, self.off_steps + 1
+            return 0
         if not self.queue and not self._near(rows):
             self.queue = list(self.probes)
         if self.queue:
             k = self.queue.pop(0)
         else:
-            k, self.since = self.best(rows), self.since + 1
-            if self.since >= self.explore_every:  # a neighbour of k*: its timings (and from 0 the acceptance) refresh
+            k, self.since = self.best(rows, ctx), self.since + 1
+            if k == 0:  # the call's first step explores k = 1 (acceptance and cost); after it, off until the call ends
+                k, self.dormant = (1, False) if self.first else (0, True)
+            elif self.since >= self.explore_every:  # a neighbour of k*: its timings refresh
                 self.since, self.up = 0, not self.up
-                k = k + 1 if (self.up or k == 0) and k < self.max_k else k - 1
+                k = k + 1 if self.up and k < self.max_k else k - 1
+        self.first = False
         self.chosen[k] += 1
+        self.off_steps = self.off_steps + 1 if k == 0 else 0
         return k
 
-    def record(self, rows: int, k: int, t_draft: float, t_verify: float, reached, accepted):
-        """After a step: its seconds drafting / verifying, and the call's cumulative per-position counts (K,)."""
+    def record(self, rows: int, k: int, t_draft: float, t_verify: float, reached, accepted, ctx: int = None):
+        """After a step: its seconds drafting / verifying, the call's cumulative per-position counts (K,), and the
+        context length it ran at (None: not given; every step then counts alike)."""
         if self.costs is not None:
             t_draft, t_verify = self.costs(rows, k)
         self.age += 1
@@ -170,7 +206,7 @@ class AdaptiveK:
             self.timed = {r: by_k for r, by_k in self.timed.items() if by_k}
             self.age = 0
         w = math.exp(self.age / self.cost_memory)
-        e = self.timed.setdefault(rows, {}).setdefault(k, [0.0, 0.0, 0.0, 0.0])
+        e = self.timed.setdefault((rows, _bucket(ctx)), {}).setdefault(k, [0.0, 0.0, 0.0, 0.0])
         e[0], e[1], e[2], e[3] = e[0] + w, e[1] + w * t_verify, e[2] + w * t_draft, e[3] + 1.0
         R, A = reached.tolist(), accepted.tolist()  # host sync: K numbers
         prev = self.seen or ([0] * len(R), [0] * len(A))
@@ -189,12 +225,13 @@ class AdaptiveK:
             out.append(prior)
         return out
 
-    def costs_at(self, rows: int) -> list:
-        """c(r, k) for k = 0..K at r = rows (seconds per step), from the timed steps (module docstring)."""
-        kern = {r: _kernel(r, rows, self.h) for r in self.timed}
+    def costs_at(self, rows: int, ctx: int = None) -> list:
+        """c(r, k) for k = 0..K at r = rows and context length ctx (seconds per step), from the timed steps (module
+        docstring)."""
+        kern = {key: _kernel(key[0], rows, self.h) * _ctx_kernel(key[1], ctx, self.h) for key in self.timed}
         sums, per_k, dw, dt = [0.0] * 5, {}, 0.0, 0.0
-        for r, by_k in self.timed.items():
-            c = kern[r]
+        for key, by_k in self.timed.items():
+            c = kern[key]
             for k, (w, wv, wd, n) in by_k.items():
                 S, cw = k + 1.0, c * w
                 sums[0], sums[1], sums[2] = sums[0] + cw, sums[1] + cw * S, sums[2] + cw * S * S
@@ -210,14 +247,16 @@ class AdaptiveK:
             out.append((n * wt / w + m * prior) / (n + m) if w > 0 else prior)
         return out
 
-    def rates(self, rows: int) -> list:
+    def rates(self, rows: int, ctx: int = None) -> list:
         """Expected tokens per second per row, k = 0..K (E[kept | k] / c(r, k))."""
         al, tiny = self.alphas(), 1e-12
-        return [expected_kept(al, k) / max(c, tiny) for k, c in enumerate(self.costs_at(rows))]
+        return [expected_kept(al, k) / max(c, tiny) for k, c in enumerate(self.costs_at(rows, ctx))]
 
-    def best(self, rows: int) -> int:
-        rates = self.rates(rows)
-        return max(range(self.max_k + 1), key=lambda k: rates[k])
+    def best(self, rows: int, ctx: int = None) -> int:
+        """k* = argmax rate, except that speculation (k > 0) must beat k = 0 by the factor 1 + margin."""
+        rates = self.rates(rows, ctx)
+        k = max(range(1, self.max_k + 1), key=lambda j: rates[j])
+        return k if rates[k] > (1.0 + self.margin) * rates[0] else 0
 
     def summary(self) -> dict:
         """What the controller believes and did: alpha_j, the steps it ran at each k, the k it ran most."""
@@ -226,25 +265,28 @@ class AdaptiveK:
                     k_mean=round(sum(k * n for k, n in enumerate(self.chosen)) / max(sum(self.chosen), 1), 2))
 
     def _near(self, rows: int) -> bool:  # a timed batch size within 2x
-        return any(abs(math.log(r / rows)) <= math.log(2) for r in self.timed)
+        return any(abs(math.log(r / rows)) <= math.log(2) for r, _ in self.timed)
 
 
 class KSchedule:
-    """A fixed cycle of k per step, without a clock: the tests switch k mid-generation with it (same hooks)."""
+    """A fixed cycle of k per step, without a clock: the tests switch k mid-generation with it (same hooks).
+    off_after=n: from a call's step n + 1 on, k = 0 and `dormant`, as AdaptiveK does once k* = 0."""
 
-    def __init__(self, ks):
-        self.ks, self.max_k, self.i = tuple(ks), max(ks), 0
-        self.clock = lambda: 0.0
+    def __init__(self, ks, off_after: int | None = None):
+        self.ks, self.max_k, self.i, self.off_after = tuple(ks), max(max(ks), 1), 0, off_after
+        self.clock, self.dormant = (lambda: 0.0), False
 
-    def begin(self, K: int):
+    def begin(self, K: int, rows: int = None, ctx: int = None):
         if K != self.max_k:
             raise ValueError(f"num_draft_tokens={K}: with adapt= expected the schedule's ceiling K={self.max_k}")
+        self.i, self.dormant = 0, self.off_after == 0  # off_after=0: the whole call, without the draft's prefill
 
-    def choose(self, rows: int) -> int:
+    def choose(self, rows: int, ctx: int = None) -> int:
         self.i += 1
-        return self.ks[(self.i - 1) % len(self.ks)]
+        self.dormant = self.off_after is not None and self.i > self.off_after
+        return 0 if self.dormant else self.ks[(self.i - 1) % len(self.ks)]
 
-    def record(self, *args):
+    def record(self, *args, **kw):
         pass
 
 
@@ -258,9 +300,10 @@ class Backlog:
     def __bool__(self):
         return bool(self.tokens)
 
-    def push(self, tokens, taps: dict):
+    def push(self, tokens, taps: dict) -> "Backlog":
         self.tokens.append(tokens)
         self.taps.append(taps)
+        return self
 
     def keep(self, rows):  # the batch was compacted to `rows`
         self.tokens = [t[rows] for t in self.tokens]

@@ -55,6 +55,7 @@ def generate(s: Setup, draft, prompts: list, keys: torch.Tensor, k=None):
     if auto and s.adapt is None:  # one controller for the run: its timings and acceptance carry over between calls
         s.adapt = AdaptiveK.for_device(c.max_draft_tokens, next(s.policy.parameters()).device)
     k = c.max_draft_tokens if auto else k
+    before = list(s.adapt.chosen) if auto else None
     toks, lps, st = [], [], {"row_steps": 0, "kept": 0, "new_tokens": 0, "seconds": 0.0}
     rows = {"row_kept": [], "row_forwards": []}
     for i in range(0, len(prompts), c.rollout_batch):
@@ -72,6 +73,7 @@ def generate(s: Setup, draft, prompts: list, keys: torch.Tensor, k=None):
         for key in rows:
             rows[key] += getattr(r.stats, key)
     st.update(rows)
+    st["steps_at_k"] = [a - b for a, b in zip(s.adapt.chosen, before)] if auto else None  # the k auto ran, per k
     # tokens kept per verification forward (speculative.py); None: there was none (max_new_tokens 1)
     st["accept_len"] = st["kept"] / st["row_steps"] if st["row_steps"] else None
     st["tok_s"] = st["new_tokens"] / max(st["seconds"], 1e-9)
@@ -92,6 +94,15 @@ def rollout_block(s: Setup, problems: list, rows: range, keys: torch.Tensor) -> 
                                         logprob_chunk=budget_rows(s.ref.cfg.vocab_size, c.chunk_mib),
                                         seqs=c.rollout_batch)  # rollout_batch sequences per forward, head in chunks
     return batch, R, parts, st
+
+
+def auto_k_mean(steps_at_k: list):
+    """--num_draft_tokens=auto: the mean k of the decode steps the blocks ran (each block's steps at k = 0..K);
+    None for a fixed k."""
+    if not steps_at_k or steps_at_k[0] is None:
+        return None
+    n = [sum(col) for col in zip(*steps_at_k)]
+    return sum(k * x for k, x in enumerate(n)) / max(sum(n), 1)
 
 
 def rollout_draft(s: Setup):
@@ -130,7 +141,7 @@ def rollout(s: Setup, mesh: Mesh, problems: list, timer: dict = None) -> tuple[R
             "resp_len": st["new_tokens"] / n, "zero_var_groups": int((~batch.valid).sum()) // c.group_size,
             "accept_len": st["kept"] / st["row_steps"] if st["row_steps"] else None,  # None: no verification forward
             "rollout_tok_s": st["new_tokens"] / max(gen_s, 1e-9),
-            "rank_rows": [p["rows"] for p in ranks]}
+            "rank_rows": [p["rows"] for p in ranks], "k_mean": auto_k_mean([b[3]["steps_at_k"] for b in blocks])}
     if timer is not None:
         timer["rollout_rank_s"] = [p["s"] for p in ranks]
         timer["rollout_rank_cpu_s"] = [p["cpu_s"] for p in ranks]

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from decoding.adaptive_k import AdaptiveK, expected_kept, step_costs_naive
+from decoding.adaptive_k import AdaptiveK, KSchedule, expected_kept, step_costs_naive
 from harness.config import parse_args
 from spec_cases import make_small_vocab_pair
 from speculative import generate
@@ -26,12 +26,14 @@ class Sim:
     def costs(self, rows, k):
         return self.cd * k, self.a + self.b * rows * (k + 1)
 
-    def run(self, ctl, rows, steps):
-        """`steps` steps at `rows` through ctl's hooks -> the k of each."""
+    def run(self, ctl, rows, steps, call=None):
+        """`steps` steps at `rows` through ctl's hooks, as engine calls of `call` steps (None: one call) -> the k of
+        each."""
         K, ks = ctl.max_k, []
-        R, A = torch.zeros(K, dtype=torch.long), torch.zeros(K, dtype=torch.long)
-        ctl.begin(K)
-        for _ in range(steps):
+        for i in range(steps):
+            if i % (call or steps) == 0:  # a new engine call: its counts start at 0
+                ctl.begin(K, rows)
+                R, A = torch.zeros(K, dtype=torch.long), torch.zeros(K, dtype=torch.long)
             k = ctl.choose(rows)
             for _ in range(rows):
                 for j in range(k):
@@ -51,13 +53,18 @@ def test_step_costs_equal_the_written_out_reference():
     R = torch.zeros(5, dtype=torch.long)
     for _ in range(80):
         rows, k = rng.choice([3, 8, 12, 40]), rng.choice([0, 1, 2, 4])  # k = 3 and 5 never run
-        td, tv = 0.1 * k * (1 + rng.random()), 0.5 + 0.01 * rows * (k + 1) + rng.gauss(0, 0.05)
-        obs.append((rows, k, td, tv))
-        ctl.record(rows, k, td, tv, R, R)
-    for r in (3, 8, 20, 64):
-        assert ctl.costs_at(r) == pytest.approx(step_costs_naive(obs, r, 5, memory=20.0, h=0.5), rel=1e-9)
+        L = rng.choice([None, 10, 11, 40, 300])  # context lengths (10 and 11 share a bucket)
+        td, tv = 0.1 * k * (1 + rng.random()), 0.5 + 0.01 * rows * (k + 1) * (L or 20) / 20 + rng.gauss(0, 0.05)
+        obs.append((rows, k, td, tv, L))
+        ctl.record(rows, k, td, tv, R, R, ctx=L)
+    for r, L in ((3, None), (8, 10), (20, 64), (64, 300), (12, 1000)):
+        assert ctl.costs_at(r, L) == pytest.approx(step_costs_naive(obs, r, 5, memory=20.0, h=0.5, ctx=L), rel=1e-9)
+    # the steps at the asked context length count most: a step twice as long at 8x the context is nearly ignored
+    near = [(8, 0, 0.0, 1.0, 16), (8, 0, 0.0, 2.0, 128)]
+    assert step_costs_naive(near, 8, 0, 1e12, 0.35, ctx=16)[0] < 1.01
+    assert step_costs_naive(near, 8, 0, 1e12, 0.35, ctx=128)[0] > 1.99
     # two steps at one size: the line through them, and each k's own mean pulled towards it by m = 2 pseudo-steps
-    assert step_costs_naive([(8, 1, 0.0, 1.0), (8, 3, 0.0, 2.0)], 8, 3, 1e12, 0.5) == pytest.approx(
+    assert step_costs_naive([(8, 1, 0.0, 1.0, None), (8, 3, 0.0, 2.0, None)], 8, 3, 1e12, 0.5) == pytest.approx(
         [0.5, (1.0 + 2 * 1.0) / 3, 1.5, (2.0 + 2 * 2.0) / 3])
     assert expected_kept([0.5, 0.5, 1.0], 3) == 1 + 0.5 + 0.25 + 0.25 and expected_kept([0.9], 0) == 1.0
 
@@ -75,19 +82,32 @@ def test_k_settles_where_the_cost_model_peaks(alphas, b, cd, want):
     assert set(ks[-50:]) <= want, ks[-50:]
 
 
+@pytest.mark.parametrize("margin", [0.1, 0.0])
+def test_speculation_must_beat_k0_by_the_margin(margin):
+    """k = 1 predicted 5% faster than k = 0 (E[kept] 1.5 for 1.4286 of the cost): under a 10% margin k stays 0 (the
+    margin stands for speculation's end-of-call and catch-up costs, which the model leaves out), exploring k = 1 at
+    the start of a call now and then; with no margin it speculates (a neighbour, k = 0 or 2, every 32 steps)."""
+    sim = Sim([0.5, 0.0], cd=1.5 / 1.05 - 1.0)
+    ctl = AdaptiveK(2, costs=sim.costs, margin=margin)
+    tail = sim.run(ctl, 64, 600, call=30)[-150:]
+    assert (tail.count(0) >= 145) if margin else (tail.count(1) >= 140), tail
+
+
 def test_k_follows_a_drifting_draft_and_k0_still_explores():
     """The draft falls out of step mid-run (acceptance 0.95 -> 0.2): k drops from the ceiling to 0 within the
-    acceptance memory; while at 0 a step at k = 1 runs every explore_every steps; when the draft recovers, k rises."""
+    acceptance memory; at 0 a call runs dormant (k = 0 throughout) unless explore_off = 4 x explore_every steps ran at
+    0 since speculation last ran: then its first step runs k = 1 and the rest none; when the draft recovers, k rises."""
     # at 0.95: k = 4 (E / c = 1.26, k = 3: 1.21); at 0.2: k = 0 (0.68, k = 1: 0.60)
     sim = Sim([0.95] * 4, b=0.03, cd=0.05)
     ctl = AdaptiveK(4, costs=sim.costs, accept_memory=200.0, explore_every=10)
-    assert sim.run(ctl, 16, 100)[-20:].count(4) >= 18  # one exploring step at k = 3 in every 10
+    assert sim.run(ctl, 16, 100, call=20)[-20:].count(4) >= 18  # one exploring step at k = 3 in every 10
     sim.alphas = [0.2] * 4
-    ks = sim.run(ctl, 16, 200)
-    tail = ks[-90:]
-    assert tail.count(0) > 70 and 0 < sum(k > 0 for k in tail) <= 10  # mostly off, exploring now and then
+    ks = sim.run(ctl, 16, 400, call=20)
+    tail = ks[-120:]  # the last 6 calls of 20 steps: every third explores at its first step (19, 39, 59 >= 40 off)
+    assert [sum(tail[i: i + 20]) for i in range(0, 120, 20)] in ([1, 0, 0] * 2, [0, 1, 0] * 2, [0, 0, 1] * 2), tail
+    assert all(k == 0 for i, k in enumerate(tail) if i % 20) and ctl.dormant
     sim.alphas = [0.95] * 4
-    assert sim.run(ctl, 16, 200)[-20:].count(4) >= 18
+    assert sim.run(ctl, 16, 400, call=20)[-20:].count(4) >= 18
 
 
 def test_the_engine_times_steps_with_the_injected_clock(mismatched, monkeypatch):
@@ -97,12 +117,14 @@ def test_the_engine_times_steps_with_the_injected_clock(mismatched, monkeypatch)
     ticks, seen = iter(range(10 ** 6)), []
     ctl = AdaptiveK(2, clock=lambda: float(next(ticks)))
     record = ctl.record
-    monkeypatch.setattr(ctl, "record", lambda rows, k, td, tv, R, A: (seen.append((k, td, tv)),
-                                                                      record(rows, k, td, tv, R, A)))
+    monkeypatch.setattr(ctl, "record", lambda rows, k, td, tv, R, A, ctx: (seen.append((k, td, tv, ctx)),
+                                                                           record(rows, k, td, tv, R, A, ctx)))
     generate(policy, draft, [torch.tensor([1, 4, 2])] * 3, max_new_tokens=12, num_draft_tokens=2, adapt=ctl,
              generator=torch.Generator().manual_seed(0))
-    assert [k for k, _, _ in seen[:6]] == [2, 0, 1, 2, 0, 1]  # the probes
-    assert all((td, tv) == ((2.0, 2.0) if k else (0.0, 1.0)) for k, td, tv in seen)
+    assert [k for k, _, _, _ in seen[:6]] == [2, 0, 1, 2, 0, 1]  # the probes
+    assert all((td, tv) == ((2.0, 2.0) if k else (0.0, 1.0)) for k, td, tv, _ in seen)
+    ctx = [L for _, _, _, L in seen]  # each step's context: the longest row's cached positions (prompt 3 + kept)
+    assert 3 <= ctx[0] < ctx[-1] <= 3 + 12 + 2 + 1
     for by_k in ctl.timed.values():  # what the fit holds: each k's weighted mean step, 4 s (k > 0) or 1 s (k = 0)
         for k, (w, wv, wd, n) in by_k.items():
             assert (wv + wd) / w == pytest.approx(4.0 if k else 1.0)
@@ -148,3 +170,40 @@ def test_auto_flag():
                      (["--num_draft_tokens=auto", "--tree=2,1"], "--tree=2,1: expected")):
         with pytest.raises(ValueError, match=re.escape(msg)):
             parse_args(bad)
+
+
+def test_the_rollouts_report_the_k_auto_ran(mismatched):
+    """harness.rollout.generate under --num_draft_tokens=auto: one controller made on first use and kept, the steps
+    of each call at each k in the stats, their mean k in a step's metrics (k_mean); a fixed k reports None."""
+    from types import SimpleNamespace
+
+    from harness.rollout import auto_k_mean, generate as rollout_generate
+    policy, draft = mismatched
+    cfg = SimpleNamespace(num_draft_tokens="auto", max_draft_tokens=3, rollout_batch=4, temperature=1.0, tree=())
+    s = SimpleNamespace(cfg=cfg, adapt=None, policy=policy, gen=torch.Generator(),
+                        task=SimpleNamespace(max_new_tokens=8, tok=SimpleNamespace(eos_id=None)))
+    prompts, keys = [torch.tensor([1, 4, 2])] * 6, torch.arange(6)
+    _, _, st = rollout_generate(s, draft, prompts, keys)  # two calls: 4 + 2 rows
+    first = s.adapt
+    assert isinstance(first, AdaptiveK) and sum(st["steps_at_k"]) == sum(first.chosen) > 0
+    _, _, st2 = rollout_generate(s, draft, prompts, keys)
+    assert s.adapt is first and [a + b for a, b in zip(st["steps_at_k"], st2["steps_at_k"])] == first.chosen
+    mean = auto_k_mean([st["steps_at_k"], st2["steps_at_k"]])
+    assert mean == sum(k * n for k, n in enumerate(first.chosen)) / sum(first.chosen) and 0 <= mean <= 3
+    cfg.num_draft_tokens = 2
+    assert rollout_generate(s, draft, prompts, keys)[2]["steps_at_k"] is None and auto_k_mean([None]) is None
+
+
+def test_a_call_that_starts_dormant_is_plain_sampling_without_the_draft(mismatched, monkeypatch):
+    """KSchedule(off_after=0) as AdaptiveK does when k* = 0 at a call's start: no draft forward at all (not even its
+    prefill) and, from the same row streams, exactly the tokens and log-probs of autoregressive sampling."""
+    policy, draft = mismatched
+    prompts = [torch.tensor([1, 4, 2]), torch.tensor([3, 0]), torch.tensor([5, 5, 1, 2])]
+    kw = dict(max_new_tokens=10, temperature=1.0, eos_id=5)
+    ref = generate(policy, None, prompts, generator=torch.Generator().manual_seed(3), **kw)
+    for name in ("extend", "step", "propose"):
+        monkeypatch.setattr(type(draft), name, lambda *a, **k: pytest.fail("the draft ran"), raising=False)
+    got = generate(policy, draft, prompts, num_draft_tokens=2, adapt=KSchedule((2,), off_after=0),
+                   generator=torch.Generator().manual_seed(3), **kw)
+    assert [t.tolist() for t in got.tokens] == [t.tolist() for t in ref.tokens]
+    assert all(torch.equal(a, b) for a, b in zip(got.logprobs, ref.logprobs)) and got.stats.drafted == 0

@@ -67,11 +67,12 @@ def test_ttt_training_learns(pair):
     assert last["acc"][0] > first["acc"][0] + 0.3 and last["loss_per_pass"][0] < first["loss_per_pass"][0]
 
 
-@pytest.mark.parametrize("k", [0, 1, 2, 3, 4, 5, 6, "reduced", "switching"])
+@pytest.mark.parametrize("k", [0, 1, 2, 3, 4, 5, 6, "reduced", "switching", "off"])
 def test_greedy_equals_autoregressive(pair, k):
     policy, full, reduced, _ = pair
     draft, k = (reduced, 3) if k == "reduced" else (full, k)
-    adapt = KSchedule(SWITCHING[2]) if k == "switching" else None  # k changes every step (0 included)
+    adapt = {"switching": KSchedule(SWITCHING[2]),  # k changes every step (0 included)
+             "off": KSchedule(SWITCHING[2], off_after=4)}.get(k)  # then speculation off, the draft dropped
     k = adapt.max_k if adapt else k
     prompts = ragged_prompts(torch.Generator().manual_seed(1), 5, policy.cfg.vocab_size)
     ref = greedy_generate(policy, prompts, 20)
@@ -162,15 +163,16 @@ def test_sampling_matches_exact_distribution(small_vocab_pair, tau):
     assert 0.05 < stats.accepted / stats.drafted < 0.95  # the mismatch is real: many rejections, some accepts
 
 
-@pytest.mark.parametrize("ks", SWITCHING[:2])
-def test_switching_k_matches_exact_distribution(small_vocab_pair, ks):
+@pytest.mark.parametrize("ks, off", [(SWITCHING[0], None), (SWITCHING[1], None), ((2,), 1)])
+def test_switching_k_matches_exact_distribution(small_vocab_pair, ks, off):
     """The same bound with k switching between steps (k = 0 then a chain, and a chain then k = 0: the draft's trunk
-    catches up over the autoregressive steps' taps). ~6 s each."""
+    catches up over the autoregressive steps' taps; a chain step, then speculation off for the rest of the call, the
+    draft dropped: off=1). ~6 s each."""
     policy, draft = small_vocab_pair
     prompt, N, tau = torch.tensor([1, 4, 2]), 8000, 1.0
     p = exact_first3(policy, prompt, tau)
     bound = 0.5 * (p * (1 - p) / N).sqrt().sum().item() + math.sqrt(math.log(1e6) / (2 * N))
-    emp, stats = empirical_first3(policy, draft, prompt, tau, N, seed=11, adapt=KSchedule(ks))
+    emp, stats = empirical_first3(policy, draft, prompt, tau, N, seed=11, adapt=KSchedule(ks, off_after=off))
     assert 0.5 * (emp - p).abs().sum().item() < bound
     assert 0 < stats.drafted < 2 * stats.row_steps  # both kinds of step ran (a chain step alone drafts 2 per row)
 
