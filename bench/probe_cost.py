@@ -1,11 +1,14 @@
 """Device figures for harness/cost_model.py, measured on THIS machine by small probes on random weights (never a run).
 
-    python bench/probe_cost.py        # ~1-2 min (126 s with --rounds 5): bench/results/cost_device_cpu.json
+    python bench/probe_cost.py        # ~1.5 min (140-154 s with --rounds 5): bench/results/cost_device_cpu.json
     python bench/probe_cost.py --out /tmp/dev.json --model mini --batch 32
 
 Every figure is CPU seconds (time.process_time) of one process at --threads (1: what each rank of the default run
-uses), the best of --repeats calls in each of --rounds rounds of the whole suite; the cost model turns CPU seconds into
-wall seconds with the run's processes per core. CPU seconds are less sensitive to other processes than wall seconds
+uses), the median of --repeats calls in each of --rounds rounds of the whole suite, pooled (--stat best: the least);
+the cost model turns CPU seconds into wall seconds with the run's processes per core. The median, not the least: a
+run's phase is one execution of each call, so it costs a typical call; with the least of 35 calls the default run's
+predicted rollout came out 12-22% lower (docs/cost_model.md).
+CPU seconds are less sensitive to other processes than wall seconds
 but not immune (cache and time-slice sharing): on this 2-core machine at a load average of ~6 the TTT figures came out
 up to ~2x higher than at ~2 (time slices shared with other processes refill caches), so the probe runs at niceness
 --nice (-20: other processes then take ~1% of its core) and records the niceness and load it ran at. The probes run
@@ -45,6 +48,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # bench/: probe_cost_host beside this file
 
 import torch  # noqa: E402
 

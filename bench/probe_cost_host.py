@@ -17,22 +17,31 @@ random rollouts, CPU seconds of one process, at the timing rule of probe_cost.cp
 o_upd and o_tok_fb come from DistCotrainer.step on a 1-layer policy at two sequence counts: what is left past the
 model's own count of that step (its layer by the layer probe's figures, its LM head's FLOPs / F, AdamW's 28 bytes per
 weight / BW) is o_upd + tokens o_tok_fb: an exact 2 x 2 solve.
+
+    python bench/probe_cost_host.py --device bench/results/cost_device_cpu.json   # these four alone (~20 s), printed
 """
 from __future__ import annotations
 
+import json
+import os
 import random
+import statistics
+import sys
+import time
 
 import torch
 
-from backends.attention_padded import padded_causal_attention
-from backends.fused_logprob import budget_rows
-from branch_mask import cu_seqlens_from_lengths
-from dist_step import DistCotrainer
-from draft import Eagle3Draft
-from harness.cost_inputs import Arch, attn_flops, dense_flops, head_flops
-from modeling.mixed_precision import clip_grads_, master_optimizer
-from parallel.grid import Grid
-from rl_loop import GRPOConfig, RolloutBatch, group_advantages
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from backends.attention_padded import padded_causal_attention  # noqa: E402
+from backends.fused_logprob import budget_rows  # noqa: E402
+from branch_mask import cu_seqlens_from_lengths  # noqa: E402
+from dist_step import DistCotrainer  # noqa: E402
+from draft import Eagle3Draft  # noqa: E402
+from harness.cost_inputs import Arch, attn_flops, dense_flops, head_flops  # noqa: E402
+from modeling.mixed_precision import clip_grads_, master_optimizer  # noqa: E402
+from parallel.grid import Grid  # noqa: E402
+from rl_loop import GRPOConfig, RolloutBatch, group_advantages  # noqa: E402
 
 
 def random_batch(vocab: int, S: int, T: int, prompt: int = 11, seed: int = 3) -> RolloutBatch:
@@ -106,3 +115,39 @@ def probe_rows(B: int, G: int, blocks: int, cpu_s, repeats: int) -> dict:
         concat_batches(parts)
         group_advantages(torch.cat(R), G)
     return {"o_row": cpu_s(step, repeats) / len(probs)}
+
+
+def median_cpu_s(fn, repeats: int) -> float:
+    """The median CPU seconds of `repeats` calls of fn(), after one untimed warm-up call (probe_cost.cpu_s's rule,
+    one round)."""
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t = time.process_time()
+        fn()
+        ts.append(time.process_time() - t)
+    return statistics.median(ts)
+
+
+def main(argv=None):
+    """The four figures alone, on the layer figures of an existing device file (what bench/probe_cost.py stores)."""
+    from parallel.cli import parser
+    ap = parser(__doc__, __file__)
+    ap.add_argument("--device", default="bench/results/cost_device_cpu.json", help="a device json with F, BW, F_attn, "
+                    "o_layer_fb, o_seq_fb (bench/probe_cost.py writes one)")
+    ap.add_argument("--repeats", type=int, default=7, help="calls per timing (their median)")
+    a = ap.parse_args(argv)
+    from model import ModelConfig, Transformer
+    torch.set_num_threads(1)
+    with open(a.device) as f:
+        dev = json.load(f)
+    torch.manual_seed(0)  # as probe_cost.models: random 1- and 5-layer policies of the mini preset
+    m1, m5 = (Transformer(ModelConfig.preset("mini", num_hidden_layers=n)) for n in (1, 5))
+    arch, o = Arch.load("mini"), dict(dev["overheads"], F_attn=dev["F_attn"])
+    out = probe_update(m1, arch, dev["F"], dev["BW"], o, (16, 64), 32, median_cpu_s, a.repeats)
+    out.update(probe_draft_opt(m5, median_cpu_s, a.repeats), **probe_rows(32, 8, 8, median_cpu_s, a.repeats))
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
