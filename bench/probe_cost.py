@@ -1,11 +1,14 @@
 """Device figures for harness/cost_model.py, measured on THIS machine by small probes on random weights (never a run).
 
-    python bench/probe_cost.py        # ~1-2 min (126 s with --rounds 5): bench/results/cost_device_cpu.json
+    python bench/probe_cost.py        # ~1.5 min (140-154 s with --rounds 5): bench/results/cost_device_cpu.json
     python bench/probe_cost.py --out /tmp/dev.json --model mini --batch 32
 
 Every figure is CPU seconds (time.process_time) of one process at --threads (1: what each rank of the default run
-uses), the best of --repeats calls in each of --rounds rounds of the whole suite; the cost model turns CPU seconds into
-wall seconds with the run's processes per core. CPU seconds are less sensitive to other processes than wall seconds
+uses), the median of --repeats calls in each of --rounds rounds of the whole suite, pooled (--stat best: the least);
+the cost model turns CPU seconds into wall seconds with the run's processes per core. The median, not the least: a
+run's phase is one execution of each call, so it costs a typical call; with the least of 35 calls the default run's
+predicted rollout came out 12-22% lower (docs/cost_model.md).
+CPU seconds are less sensitive to other processes than wall seconds
 but not immune (cache and time-slice sharing): on this 2-core machine at a load average of ~6 the TTT figures came out
 up to ~2x higher than at ~2 (time slices shared with other processes refill caches), so the probe runs at niceness
 --nice (-20: other processes then take ~1% of its core) and records the niceness and load it ran at. The probes run
@@ -17,6 +20,8 @@ the project's own code paths at shapes like the run's, on random weights of the 
   o_layer      per layer-forward call, packed varlen forward (ring attention, torch blocks, no CP), past flops / F:
   o_seq          plus this much per sequence in the call (the attention's per-sequence segments)
   o_layer_fb   the same for forward + backward, and o_seq_fb per sequence
+  F_pad        FLOP/s of the reference's attention padded to the block's longest row (nominal: the full square),
+               from the padded forward at --seq_len and 3x it tokens per row
   o_layer_pad  per layer-forward call of the padded batched no-grad forward (the reference log-probs of a rollout
                block), and o_ref per reference_logp call outside its layers (embedding, padding, the head's log-probs)
   o_dec        per layer-forward call in cached decoding (one layer, B rows, 1..k+1 new tokens each)
@@ -25,8 +30,9 @@ the project's own code paths at shapes like the run's, on random weights of the 
   o_dstep      per draft forward step in cached decoding (its layer, norm, head, sampling)
   o_dext       per draft trunk extension after a verify (fc over the taps, its layer over k + 1 entries)
   o_pass       per TTT pass, forward + backward (draft layer over the packed batch, its head and loss), past flops / F
-  o_pass_seq     plus this much per sequence
+  o_pass_seq     plus this much per sequence, o_pass_tok per token (and o_pass1_seq, o_pass1_tok for pass 1)
   o_ttt        per TTT loss call outside the passes (the fc over the taps, the teacher's softmax)
+  o_row, o_upd, o_tok_fb, o_dopt   the host's work around the calls: bench/probe_cost_host.py
 
 Layers are isolated as the difference between a 5-layer and a 1-layer model (/ 4); per-sequence terms as the
 difference between two sequence counts. The fits are exact solves of 2 x 2 systems on the probe's own timings.
@@ -37,10 +43,12 @@ import functools
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # bench/: probe_cost_host beside this file
 
 import torch  # noqa: E402
 
@@ -53,33 +61,41 @@ from draft import Eagle3Draft  # noqa: E402
 from backends.fused_logprob import budget_rows  # noqa: E402
 from rl_loop import RolloutBatch, reference_logp  # noqa: E402
 from harness.cost_inputs import (Arch, attn_flops, dense_flops, draft_pass_flops, head_flops,  # noqa: E402
-                                 layer_flops)
+                                 layer_flops, pad_attn_flops)
+import probe_cost_host as host  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from parallel.cli import parser  # noqa: E402
 
 
-BEST, CALL = {}, [0]  # the k-th timing of a round -> its best over every round so far; the round's call counter
+BEST, CALL, STAT = {}, [0], ["median"]  # the k-th timing of a round -> its timings so far; the round's call counter
+
+
+def cpu_times(fn, repeats: int) -> list:
+    """CPU seconds of each of `repeats` calls of fn(), after one untimed warm-up call."""
+    fn()
+    out = []
+    for _ in range(repeats):
+        t = time.process_time()
+        fn()
+        out.append(time.process_time() - t)
+    return out
 
 
 def best_cpu_s(fn, repeats: int) -> float:
     """The least CPU seconds of fn() over `repeats` calls, after one untimed warm-up call."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.process_time()
-        fn()
-        best = min(best, time.process_time() - t)
-    return best
+    return min(cpu_times(fn, repeats))
 
 
 def cpu_s(fn, repeats: int) -> float:
-    """Best CPU seconds of fn() over `repeats` calls (after one warm-up call) in this round and the same call of every
-    earlier round (rounds run the same probes in the same order: a burst of load hits one round, not every one)."""
-    best = best_cpu_s(fn, repeats)
+    """CPU seconds of one call of fn() (after a warm-up call), over `repeats` calls in this round and the same call
+    of every earlier round (rounds run the same probes in the same order). STAT "median" (--stat): the median of every
+    timing so far -- a typical call, what a run's phase, one execution of each call, costs on average; "best": the
+    least -- the luckiest call, which a burst of load cannot raise but which under-states a typical one."""
+    ts = cpu_times(fn, repeats)
     i = CALL[0]
     CALL[0] += 1
-    BEST[i] = min(BEST.get(i, best), best)
-    return BEST[i]
+    BEST[i] = BEST.get(i, []) + ts
+    return min(BEST[i]) if STAT[0] == "best" else statistics.median(BEST[i])
 
 
 def models(name: str, seed: int = 0):
@@ -136,17 +152,23 @@ def probe_train_layer(m1, m5, arch: Arch, F: float, seqs: tuple, T: int, repeats
     return o
 
 
-def probe_reference(m1, m5, arch: Arch, F: float, B: int, T: int, repeats: int) -> dict:
-    """o_layer_pad (per layer of the padded no-grad forward) and o_ref (per call outside the layers: embedding,
-    padding, the head's chunked log-probs) of rl_loop.reference_logp, as a rollout block calls it."""
-    x, cu = packed(m1.cfg, B, T)
-    batch = RolloutBatch(x, cu, torch.ones_like(x, dtype=torch.bool), torch.zeros(B * T), torch.zeros(B),
-                         torch.ones(B, dtype=torch.bool))
-    t = [cpu_s(lambda: reference_logp(m, batch, attn_fn=padded_causal_attention, logprob_chunk=budget_rows(
-        arch.vocab, 256.0), seqs=B), repeats) for m in (m1, m5)]
-    per_layer = (t[1] - t[0]) / 4
-    o_pad = per_layer - layer_flops(arch, B * T, T / 2) / F
-    return {"o_layer_pad": o_pad, "o_ref": t[0] - per_layer - head_flops(arch, B * T) / F}
+def probe_reference(m1, m5, arch: Arch, F: float, B: int, lens: tuple, repeats: int) -> dict:
+    """F_pad (the padded attention's rate, 4 n_q d B L^2 nominal FLOPs per layer: the full square of the block padded
+    to its longest row L), o_layer_pad (per layer of the padded batched no-grad forward, past dense flops / F and that
+    attention / F_pad) and o_ref (per reference_logp call outside its layers: embedding, padding, the head's chunked
+    log-probs) of rl_loop.reference_logp, as a rollout block calls it, at two lengths L (exact 2 x 2 solve)."""
+    per, base = {}, {}
+    for T in lens:
+        x, cu = packed(m1.cfg, B, T)
+        batch = RolloutBatch(x, cu, torch.ones_like(x, dtype=torch.bool), torch.zeros(B * T), torch.zeros(B),
+                             torch.ones(B, dtype=torch.bool))
+        t = [cpu_s(lambda: reference_logp(m, batch, attn_fn=padded_causal_attention, logprob_chunk=budget_rows(
+            arch.vocab, 256.0), seqs=B), repeats) for m in (m1, m5)]
+        per[T] = (t[1] - t[0]) / 4 - dense_flops(arch, B * T) / F  # = pad_attn_flops(T) / F_pad + o_layer_pad
+        base[T] = t[0] - (t[1] - t[0]) / 4 - head_flops(arch, B * T) / F
+    (l1, l2), sq = sorted(lens), lambda L: pad_attn_flops(arch, B, L)  # noqa: E731
+    F_pad = (sq(l2) - sq(l1)) / (per[l2] - per[l1])
+    return {"F_pad": F_pad, "o_layer_pad": per[l1] - sq(l1) / F_pad, "o_ref": base[l1]}
 
 
 def timed_generate(m, d, prompts, new: int, k: int, repeats: int) -> tuple:
@@ -230,33 +252,37 @@ def probe_oversub(model: str, B: int, repeats: int) -> float:
 
 
 def probe_ttt(m5, arch: Arch, F: float, F_attn: float, seqs: tuple, T: int, repeats: int) -> dict:
-    """o_pass1, o_pass1_seq (TTT pass 1, forward + backward) and o_pass, o_pass_seq (each later pass) from
-    draft_ttt.ttt_loss on random taps, with the fused teacher (the policy's final hidden and head) as the run has."""
+    """o_pass1, o_pass1_seq, o_pass1_tok (TTT pass 1, forward + backward: fixed, per sequence, per token) and o_pass,
+    o_pass_seq, o_pass_tok (each later pass) from draft_ttt.ttt_loss on random taps, with the fused teacher (the
+    policy's final hidden and head) as the run has; at (s1, T), (s2, T) and (s2, 2T) sequences x tokens (an exact
+    3 x 3 solve past the FLOPs: the dense share / F, the attention's / F_attn)."""
     torch.manual_seed(2)
     d = Eagle3Draft.from_target(m5, tap_layers=(0, 1, 2))
     darch = Arch.draft_of(arch, 3)
-    t = {}
-    for S in seqs:
-        x, cu = packed(m5.cfg, S, T)
-        taps = {l: torch.randn(S * T, arch.hidden) for l in d.tap_layers}
-        hid = torch.randn(S * T, arch.hidden)
+    (s1, s2), t = sorted(seqs), {}
+    for S, n in ((s1, T), (s2, T), (s2, 2 * T)):
+        x, cu = packed(m5.cfg, S, n)
+        taps = {l: torch.randn(S * n, arch.hidden) for l in d.tap_layers}
+        hid = torch.randn(S * n, arch.hidden)
 
         def loss(P):
             L, _ = d.ttt_loss(taps, x, cu, teacher_hidden=hid, teacher_head=m5.head_weight.detach(), num_passes=P,
                               backend="torch")
             L.backward()
         for P in (1, 3):
-            t[S, P] = cpu_s(lambda: loss(P), repeats)
-    (s1, s2), first, later = sorted(seqs), {}, {}
-    for S in (s1, s2):  # pass 1: fc over the taps, the trunk, the head, the teacher; passes 2..P add the branch
-        later[S] = (t[S, 3] - t[S, 1]) / 2 - (3 * (draft_pass_flops(darch, S * T, T / 2, fc=False)
-                                                   - attn_flops(darch, S * T, T / 2)) + head_flops(arch, S * T)) / F
-        first[S] = t[S, 1] - (3 * (draft_pass_flops(darch, S * T, T / 2, fc=True) - attn_flops(darch, S * T, T / 2))
-                              + head_flops(arch, S * T)) / F
+            t[S, n, P] = cpu_s(lambda: loss(P), repeats)
+    first, later = {}, {}
+    for S, n in ((s1, T), (s2, T), (s2, 2 * T)):  # pass 1: fc over the taps, the trunk, the head, the teacher;
+        att = 3 * attn_flops(darch, S * n, n / 2)  # passes 2..P add the branch
+        later[S, n] = (t[S, n, 3] - t[S, n, 1]) / 2 - (3 * draft_pass_flops(darch, S * n, n / 2, fc=False) - att
+                                                       + head_flops(arch, S * n)) / F - att / F_attn
+        first[S, n] = t[S, n, 1] - (3 * draft_pass_flops(darch, S * n, n / 2, fc=True) - att
+                                    + head_flops(arch, S * n)) / F - att / F_attn
     o = {}
     for name, v in (("o_pass1", first), ("o_pass", later)):
-        o[name + "_seq"] = (v[s2] - v[s1]) / (s2 - s1) - 3 * attn_flops(darch, T, T / 2) / F_attn
-        o[name] = v[s1] - s1 * (v[s2] - v[s1]) / (s2 - s1)
+        tok = (v[s2, 2 * T] - v[s2, T]) / (s2 * T)
+        seq = (v[s2, T] - v[s1, T]) / (s2 - s1) - T * tok
+        o.update({name: v[s1, T] - s1 * (seq + T * tok), name + "_seq": seq, name + "_tok": tok})
     return o
 
 
@@ -268,7 +294,9 @@ def main(argv=None):
     ap.add_argument("--seq_len", type=int, default=32, help="tokens per packed training sequence (and twice it)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the run's --threads)")
     ap.add_argument("--repeats", type=int, default=7, help="best of this many timings per probe")
-    ap.add_argument("--rounds", type=int, default=3, help="the whole suite this many times, each timing's best kept")
+    ap.add_argument("--rounds", type=int, default=3, help="the whole suite this many times, each timing's calls pooled")
+    ap.add_argument("--stat", default="median", choices=("median", "best"),
+                    help="each timing's figure: the median of its calls (a typical call) or the least (the luckiest)")
     ap.add_argument("--nice", type=int, default=-20,
                     help="run at this niceness (needs privileges; else the current one): other processes barely time-"
                          "slice the probe, as the figures assume a core of its own")
@@ -279,6 +307,7 @@ def main(argv=None):
                                                   "cost_device_cpu.json"))
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
+    STAT[0] = a.stat
     try:
         os.setpriority(os.PRIO_PROCESS, 0, a.nice)  # the oversub probe's children inherit it
     except OSError as e:
@@ -294,18 +323,23 @@ def main(argv=None):
         CALL[0] = 0
         F, BW = probe_gemm(arch, a.repeats), probe_bw(a.repeats)
         o = probe_train_layer(m1, m5, arch, F, (16, 64), a.seq_len, a.repeats)
-        o.update(probe_reference(m1, m5, arch, F, a.batch, a.seq_len, a.repeats))
+        o.update(probe_reference(m1, m5, arch, F, a.batch, (a.seq_len, 3 * a.seq_len), a.repeats))
         o.update(probe_decode(m1, m5, arch, F, a.batch, 11, 48, a.repeats))
         o.update(probe_spec(m5, arch, F, o, a.batch, 11, 48, a.k, a.repeats))
         o.update(probe_ttt(m5, arch, F, o["F_attn"], (16, 64), a.seq_len, a.repeats))
+        o.update(host.probe_update(m1, arch, F, BW, o, (16, 64), a.seq_len, cpu_s, a.repeats))
+        o.update(host.probe_draft_opt(m5, cpu_s, a.repeats))
+        o.update(host.probe_rows(a.batch, 8, 8, cpu_s, a.repeats))
         ratios.append(probe_oversub(a.model, a.batch, a.repeats))
     oversub = sorted(ratios)[len(ratios) // 2]  # a ratio of two timings: the median round's, not a best
     cmd = "python bench/probe_cost.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    F_attn = o.pop("F_attn")
-    dev = {"name": f"cpu-{platform.machine()}-{a.threads}thread", "F": F, "F_attn": F_attn, "BW": BW, "wbytes": 4,
+    F_attn, F_pad = o.pop("F_attn"), o.pop("F_pad")
+    dev = {"name": f"cpu-{platform.machine()}-{a.threads}thread", "F": F, "F_attn": F_attn, "F_pad": F_pad, "BW": BW,
+           "wbytes": 4,
            "kvbytes": 4,
            "cores": os.cpu_count(), "oversub": oversub, "overheads": o,
-           "source": f"{cmd.strip()} (CPU seconds, best of {a.repeats} x {a.rounds} rounds; {os.cpu_count()} cores, "
+           "source": f"{cmd.strip()} (CPU seconds, {a.stat} of {a.repeats} x {a.rounds} rounds; "
+                     f"{os.cpu_count()} cores, "
                      f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
                      f"{time.perf_counter() - t0:.0f} s wall, niceness {os.getpriority(os.PRIO_PROCESS, 0)}, "
                      f"load average {load0:.2f} at the start and "

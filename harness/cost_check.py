@@ -140,7 +140,8 @@ def check(run: str, device: Device, argv: list = (), tail: float = 0.0, prompt_l
         w = workload(cfg, rec, prompt_len, tail, trains, world, bool((stored or {}).get("no_spec")))
         out = predict(arch, device, w)
         roll = out["rollout_spec"] if w.k else out["rollout_ar"]
-        for c, v in (("rollout", roll + out["reference"]), ("policy_train", out["policy_train"]),
+        for c, v in (("rollout", roll + out["reference"] + out["score"]),  # the run's timers: the drafts'
+                     ("policy_train", out["policy_train"] + out["draft_opt"]),  # optimizer steps in policy_train
                      ("draft_train", out["draft_train"])):
             pred[c] += v / len(steps)
             meas[c] += float((rec["time"]["cpu"] if cpu else rec["time"]).get(c, 0.0)) / len(steps)

@@ -22,7 +22,9 @@ B rows x c keys x 2 n_kv d values x b_kv bytes per layer.
 Device figures (every one named; where they come from is the device file's business -- bench/probe_cost.py measures
 this CPU's; the GPU presets state their sources and assumptions):
     F             FLOP/s reached on the model's matmuls (peak x efficiency on a GPU); F_train the update's and TTT's;
-                  F_attn their packed attention's (per-sequence blocks: small matmuls, far below F on a CPU)
+                  F_attn their packed attention's (per-sequence blocks: small matmuls, far below F on a CPU);
+                  F_pad the reference log-probs' attention, padded to the block's longest row and computed over the
+                  full square (0: a varlen kernel, no padding, at F)
     BW            bytes/s of memory
     bytes         bytes per weight / KV value (4 fp32, 2 bf16)
     o_*           fixed seconds per call (docs in bench/probe_cost.py); 0 where a device has none worth counting
@@ -36,7 +38,8 @@ import os
 from dataclasses import dataclass, field, fields, replace
 
 OVERHEADS = ("o_layer", "o_seq", "o_layer_fb", "o_seq_fb", "o_layer_pad", "o_ref", "o_dec", "o_step", "o_vstep",
-             "o_dstep", "o_dext", "o_pass1", "o_pass1_seq", "o_pass", "o_pass_seq")
+             "o_dstep", "o_dext", "o_pass1", "o_pass1_seq", "o_pass1_tok", "o_pass", "o_pass_seq", "o_pass_tok",
+             "o_row", "o_upd", "o_tok_fb", "o_dopt")  # the last four: the host's work around the calls
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEVICE_FILES = {  # preset name -> file, relative to the checkout
     "cpu": "bench/results/cost_device_cpu.json",
@@ -123,6 +126,12 @@ def attn_flops(a: Arch, tokens: float, ctx: float) -> float:
     return tokens * 4 * a.q_dim * ctx
 
 
+def pad_attn_flops(a: Arch, rows: float, longest: float) -> float:
+    """Nominal FLOPs of one layer's attention over `rows` rows padded to `longest` tokens, the full square (a batched
+    kernel over the padded grid): 4 n_q d B L_max^2. Its rate is F_pad, probed with the same count."""
+    return 4 * a.q_dim * rows * longest ** 2
+
+
 def head_flops(a: Arch, tokens: float) -> float:
     """Forward FLOPs of an LM head over `tokens` positions (the draft's: over its own vocabulary)."""
     return tokens * 2 * a.hidden * a.vocab
@@ -148,6 +157,7 @@ class Device:
     kvbytes: float = 4  # bytes per KV-cache value
     F_train: float = 0.0  # FLOP/s of the update's and the TTT's matmuls (0: = F)
     F_attn: float = 0.0  # FLOP/s of the update's and the TTT's attention, per-sequence blocks (0: = F_train)
+    F_pad: float = 0.0  # FLOP/s of the reference's attention padded to the block's longest row (0: not padded, at F)
     cores: float = 1  # processes that run at full speed at once
     oversub: float = 1.0  # CPU seconds per solo CPU second when more processes than cores share them (time slices)
     source: str = ""  # the command or the publication the figures come from, and the conditions

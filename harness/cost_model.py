@@ -29,8 +29,12 @@ engine that refills its batch, continuous batching):
 
     steps_AR   = tail r - 1,            steps_spec = (tail r - 1) / E[kept]
     prefill    = L t_layer(B p, B) (+ the draft's trunk over the prompts, t_ext(B p))
-    reference  = L (flops_layer((p + r)/2) B (p + r) / F + o_layer_pad) + t_head(B (p + r)) + o_ref   (no-grad, padded)
-    rollout    = ceil(blocks / W) (prefill + steps x step + reference) x C(W)
+    reference  = L (dense B (p + r) / F + 4 n_q d B (p + tail r)^2 / F_pad + o_layer_pad) + t_head(B (p + r)) + o_ref
+                 (no-grad; its attention padded to the block's longest row p + tail r, the full square, at F_pad;
+                  a device with F_pad = 0: varlen, flops_layer((p + r)/2) B (p + r) / F)
+    score      = B o_row                (the host: the task's scoring, packing the block, the gather's concatenation
+                                         and the group advantages, per row)
+    rollout    = ceil(blocks / W) (prefill + steps x step + reference + score) x C(W)
     C(A)       = 1 if A <= cores, else A / cores x oversub        (A processes sharing the cores; oversub: the CPU
                                                                    time's inflation under time slicing, probed)
 
@@ -38,25 +42,34 @@ Policy update (GRPO: forward + backward ~ 3x the forward FLOPs, 4x with activati
 one stage rank: T = rows (p + r) / (u M dp cp) tokens, S = rows / (u M dp) sequences, L / pp layers:
 
     t_stage = (L/pp) (x (dense T / F_t + attn((p+r)/2) T / F_a) + o_layer_fb + cp S o_seq_fb) + [last] 3 head(T) / F_t
-              (dense = 2 P_layer per token, attn = 4 n_q d c per token: F_a, the per-sequence attention blocks' rate)
-    update  = u ((M + pp - 1) t_stage + AdamW 28 bytes / weight / BW) x C(A),  A = dp cp (M = 1: one
+              + T o_tok_fb
+              (dense = 2 P_layer per token, attn = 4 n_q d c per token: F_a, the per-sequence attention blocks' rate;
+               o_tok_fb: per token outside the layers -- embedding, final norm, LM-head log-probs, GRPO loss)
+    update  = u ((M + pp - 1) t_stage + AdamW 28 bytes / weight / BW + o_upd) x C(A),  A = dp cp (M = 1: one
               stage at a time), W (M > 1)
+              (o_upd: per optimisation step, the host's: GRPO weights and packing, zero_grad, grad clip, the
+               optimizer's own work, the refit of the rollout copy)
 
 Draft training (TTT, on the last stage, every trained draft, per micro-batch; F_t):
 
-    pass 1  = (3 draft_flops_fc(T) + 2 H V T) / F_t + o_pass1 + cp S o_pass1_seq     (the teacher's head: no grad)
-    pass d  = (3 draft_flops(T) + 2 H V T) / F_t + o_pass + cp S o_pass_seq           (d = 2..P: with the branch)
+    pass 1  = (3 draft_flops_fc(T) + 2 H V T) / F_t + o_pass1 + cp S o_pass1_seq + T o_pass1_tok  (the teacher's
+                                                                                    head: no grad)
+    pass d  = (3 draft_flops(T) + 2 H V T) / F_t + o_pass + cp S o_pass_seq + T o_pass_tok  (d = 2..P: the branch)
               (the attention's share of draft_flops at F_a instead of F_t)
     draft   = share u M drafts (pass 1 + (P - 1) pass d) x C(dp cp)      (share: updates that train the drafts)
+    d_opt   = share u drafts o_dopt x C(dp cp)          (each trained draft's grad clip + AdamW step; a run's timers
+                                                         count it in policy_train, the check does too)
 
 The step and the speedup (the controls a run may add -- watched drafts, the offline arm, eval -- are not the step):
 
-    plain   = rollout_AR + reference + update
-    cospec  = rollout_spec + reference + update + draft(1 draft)
+    plain   = rollout_AR + reference + score + update
+    cospec  = rollout_spec + reference + score + update + draft(1 draft) + d_opt(1 draft)
     speedup = plain / cospec          (rollout speedup: rollout_AR / rollout_spec)
 
 What it leaves out (so a check can fail on them): communication (ring hops, pipeline P2P, TapChannel, refit, the
-rollout gather), the host's tokenisation and scoring, and any difference between the probe's and the run's shapes.
+rollout gather), the tokenisation of prompts, the verify steps' count beyond E[kept] (the block's longest row, which
+sets it, keeps fewer tokens per step than the mean row), and any difference between the probe's and the run's
+shapes.
 """
 from __future__ import annotations
 
@@ -66,7 +79,7 @@ from dataclasses import dataclass, fields, replace
 
 from parallel.cli import parser
 from harness.cost_inputs import (Arch, Device, attn_flops, dense_flops, draft_pass_flops, head_flops, layer_bytes,
-                                 layer_flops)
+                                 layer_flops, pad_attn_flops)
 
 
 def expected_kept(k: int, alpha=(), accept_len: float = 0.0) -> float:
@@ -149,8 +162,13 @@ def rollout_block(a: Arch, d: Arch, dev: Device, w: Workload, k: int) -> dict:
         step = (dev.o("o_vstep") + a.layers * _layer(a, dev, B * (k + 1), B, c) + _head(a, dev, B * (k + 1))
                 + (k - 1) * _draft_step(d, dev, B, c) + _draft_ext(d, dev, B * (k + 1), c))
     n = B * (p + r)
-    ref = a.layers * (layer_flops(a, n, (p + r) / 2) / dev.F + dev.o("o_layer_pad")) + _head(a, dev, n) + dev.o("o_ref")
-    return {"generate": prefill + steps * step, "reference": ref, "steps": steps, "step_s": step}
+    if dev.F_pad:  # padded to the block's longest row, p + tail r, the full square
+        att = dense_flops(a, n) / dev.F + pad_attn_flops(a, B, p + longest) / dev.F_pad
+    else:  # a varlen kernel: each row's own causal half
+        att = layer_flops(a, n, (p + r) / 2) / dev.F
+    ref = a.layers * (att + dev.o("o_layer_pad")) + _head(a, dev, n) + dev.o("o_ref")
+    return {"generate": prefill + steps * step, "reference": ref, "steps": steps, "step_s": step,
+            "score": B * dev.o("o_row")}
 
 
 def _contention(active: float, dev: Device) -> float:
@@ -163,7 +181,8 @@ def rollout(a: Arch, d: Arch, dev: Device, w: Workload, k: int) -> dict:
     """The rollout phase's wall seconds: every rank runs ceil(blocks / W) generate calls at once."""
     blk = rollout_block(a, d, dev, w, k)
     n = math.ceil(math.ceil(w.rows / w.rollout_batch) / w.world) * _contention(w.world, dev)
-    return {"generate": n * blk["generate"], "reference": n * blk["reference"], "steps_per_block": blk["steps"]}
+    return {"generate": n * blk["generate"], "reference": n * blk["reference"], "score": n * blk["score"],
+            "steps_per_block": blk["steps"]}
 
 
 def _per_rank(w: Workload) -> tuple[float, float, float]:
@@ -180,10 +199,16 @@ def update(a: Arch, dev: Device, w: Workload) -> float:
                  + w.cp * S * dev.o("o_seq_fb"))
     if w.checkpointing:
         per_layer += dev.o("o_layer") + w.cp * S * dev.o("o_seq")
-    stage = a.layers / w.pp * per_layer + 3 * head_flops(a, T) / dev.Ft
-    adam = 28 * a.params / w.pp / dev.BW
+    stage = a.layers / w.pp * per_layer + 3 * head_flops(a, T) / dev.Ft + T * dev.o("o_tok_fb")
+    adam = 28 * a.params / w.pp / dev.BW + dev.o("o_upd")
     active = w.dp * w.cp * (1 if w.micro_batches == 1 else w.pp)
     return w.updates * ((w.micro_batches + w.pp - 1) * stage + adam) * _contention(active, dev)
+
+
+def draft_opt(dev: Device, w: Workload, drafts: int) -> float:
+    """The drafts' optimizer steps (grad clip, AdamW): one per trained draft and update that trains them, on the last
+    stage (a run times them in policy_train)."""
+    return w.draft_share * w.updates * drafts * dev.o("o_dopt") * _contention(w.dp * w.cp, dev)
 
 
 def draft_train(a: Arch, d: Arch, dev: Device, w: Workload, drafts: int) -> float:
@@ -191,9 +216,9 @@ def draft_train(a: Arch, d: Arch, dev: Device, w: Workload, drafts: int) -> floa
     T, S, ctx = _per_rank(w)
     teacher, att = head_flops(a, T), 3 * attn_flops(d, T, ctx)
     first = ((3 * draft_pass_flops(d, T, ctx, fc=True) - att + teacher) / dev.Ft + att / dev.Fa + dev.o("o_pass1")
-             + w.cp * S * dev.o("o_pass1_seq"))
+             + w.cp * S * dev.o("o_pass1_seq") + T * dev.o("o_pass1_tok"))
     later = ((3 * draft_pass_flops(d, T, ctx, fc=False) - att + teacher) / dev.Ft + att / dev.Fa + dev.o("o_pass")
-             + w.cp * S * dev.o("o_pass_seq"))
+             + w.cp * S * dev.o("o_pass_seq") + T * dev.o("o_pass_tok"))
     per = first + (w.ttt_passes - 1) * later
     return w.draft_share * w.updates * w.micro_batches * drafts * per * _contention(w.dp * w.cp, dev)
 
@@ -209,13 +234,14 @@ def predict(a: Arch, dev: Device, w: Workload) -> dict:
     spec = rollout(a, d, dev, w, w.k) if w.k else None
     ar = rollout(a, d, dev, w, 0)
     up = update(a, dev, w)
-    one = draft_train(a, d, dev, w, 1)
-    plain = ar["generate"] + ar["reference"] + up
-    out = {"rollout_ar": ar["generate"], "reference": ar["reference"], "policy_train": up, "draft_train_1": one,
-           "draft_train": one * w.drafts, "e_kept": w.kept, "steps_per_block_ar": ar["steps_per_block"],
+    one = draft_train(a, d, dev, w, 1) + draft_opt(dev, w, 1)  # TTT and the optimizer step of one draft
+    plain = ar["generate"] + ar["reference"] + ar["score"] + up
+    out = {"rollout_ar": ar["generate"], "reference": ar["reference"], "score": ar["score"], "policy_train": up,
+           "draft_train_1": one, "draft_train": draft_train(a, d, dev, w, w.drafts),
+           "draft_opt": draft_opt(dev, w, w.drafts), "e_kept": w.kept, "steps_per_block_ar": ar["steps_per_block"],
            "step_plain": plain, "kv_gib": kv_cache_bytes(a, dev, w) / 2 ** 30}
     if spec is not None:
-        cospec = spec["generate"] + spec["reference"] + up + one
+        cospec = spec["generate"] + spec["reference"] + spec["score"] + up + one
         out.update(rollout_spec=spec["generate"], steps_per_block_spec=spec["steps_per_block"], step_cospec=cospec,
                    rollout_speedup=ar["generate"] / spec["generate"], e2e_speedup=plain / cospec)
     return out
@@ -278,7 +304,8 @@ def report(a: Arch, dev: Device, w: Workload, out: dict) -> str:
              f"{'component':<22}{'plain GRPO s':>14}{'co-trained spec s':>20}"]
     spec = out.get("rollout_spec")
     rows = [("rollout (generate)", out["rollout_ar"], spec), ("reference log-probs", out["reference"],
-            out["reference"]), ("policy update", out["policy_train"], out["policy_train"]),
+            out["reference"]), ("scoring, packing", out["score"], out["score"]),
+            ("policy update", out["policy_train"], out["policy_train"]),
             ("draft training (TTT)", 0.0, out["draft_train_1"] if spec is not None else None),
             ("step", out["step_plain"], out.get("step_cospec"))]
     for name, p, s in rows:
