@@ -14,20 +14,25 @@ the controller picks the k with the most tokens per second:
                                                                 once n more rows have tried a draft since; m = 1 pseudo-
                                                                 count towards alpha~_1 = 1/2, alpha~_j = alpha_{j-1}
                                                                 (a position never tried borrows the one before it)
-    c(r, k)     = c_verify(r, k + 1) + k c_draft(r)
-    c_verify(r, S) = a(r) + b(r) S    one policy forward over S tokens per row, the accept rule, the commit and every
-                                      fixed cost of a step: all of the step but the draft
-    c_draft(r)                        the draft's seconds per draft token (its k - 1 passes, k samples, the trunk's
-                                      extend over the k + 1 verified positions)
+    c(r, k, L)  = seconds of a step at k with r rows and context L (the longest row's cached positions): the draft's
+                  k - 1 passes, k samples and trunk extend, one policy forward over S = k + 1 tokens per row, the
+                  accept rule, the commit and every fixed cost of the step
 
-a(r), b(r) >= 0 and c_draft(r) are least-squares fits over the timed steps, each weighted by exp(-age / cost_memory)
-(age in steps) and by a kernel in the batch size, exp(-(ln r_i - ln r)^2 / (2 h^2)), so the steps run at r's size count
-most and nothing is keyed by batch size or temperature. The fit is the prior of each k's own timings: with n_k steps
-timed at k (kernel-weighted counts) and their mean t_k (weighted the same way),
+A step costs more as its context grows (attention reads L keys per token: at batch 64 in bench/bench_rollout.py an
+autoregressive step took ~7 ms at the start of a 96-token call and over 10 ms late in it), and the ks run at different
+points of a call (probes at its start, k = 0 often late), so each k's timings are first moved to the present context
+with one slope g >= 0 of t in x = S L, fitted within each k (the within-k pooled least-squares slope), then
 
-    c(r, k) = (n_k t_k + m_c (c_verify(r, k + 1) + k c_draft(r))) / (n_k + m_c),   m_c = 2 pseudo-steps
+    t_k(L)  = t_k + g (S_k L - x_k)       each k's mean time and mean x, weighted by exp(-age / cost_memory) (age in
+                                          steps) and by a kernel in the batch size, exp(-(ln r_i - ln r)^2 / (2 h^2))
+    a + b S                               the least-squares line (b >= 0) through the moved means t_k(L), weight W_k
 
-so a k run often is costed by what it took and a k rarely or never run by the fit. (A step is not affine in S: with
+so the steps run at r's size count most and nothing is keyed by batch size or temperature. The line is the prior of
+each k's own timings: with n_k steps timed at k (kernel-weighted counts),
+
+    c(r, k, L) = (n_k t_k(L) + m_c (a + b (k + 1))) / (n_k + m_c),   m_c = 2 pseudo-steps
+
+so a k run often is costed by what it took and a k rarely or never run by the line. (A step is not affine in S: with
 bench/bench_rollout.py's policy at batch 64, tau 1.5, one CPU thread on a shared 2-core VM, the median verify part took
 7.7 / 13.9 / 18.3 / 26.2 ms at S = 1 / 2 / 3 / 7, and a line through the k run most overcharged k = 0 by ~40%.)
 Timings are the clock's, taken around the draft's work and around the rest of the step (speculative.chain_step); a
@@ -46,6 +51,10 @@ forward per token (bench/bench_rollout.py's pair at batch 64, one CPU thread: a 
 beside ~12 ms per autoregressive step, i.e. ~7%). A call whose first step finds k* = 0 runs that one step at k = 1
 instead, so acceptance and the k = 1 cost are observed once per call (while k = 0 nothing is observed and nothing
 decays) and speculation comes back when the draft does.
+
+Switching off needs evidence: speculation stays on unless it loses even with every alpha_j raised to its optimistic
+bound alpha_j + z sqrt(alpha_j (1 - alpha_j) / (R_j + 1)) (z = `confidence`, default 2). At batch 1 the probes try 4
+drafts in all, and an estimate of alpha_1 from 4 coin flips once switched a good draft off for a whole call.
 
 The margin (default 5%) is for what the model leaves out, all of it a cost of speculation: the end of a call (rows
 reach max_new_tokens at different steps and finished rows ride along until a quarter of the batch is done,
@@ -88,11 +97,8 @@ def _bucket(ctx):
     return None if ctx is None else round(4 * math.log2(max(ctx, 1)))
 
 
-def _ctx_kernel(b_i, ctx, h: float) -> float:
-    """The kernel in ln(context length) between bucket b_i (centre 2^(b_i / 4)) and `ctx`; 1 where either is None."""
-    if b_i is None or ctx is None:
-        return 1.0
-    return math.exp(-(b_i / 4 * math.log(2) - math.log(max(ctx, 1))) ** 2 / (2 * h * h))
+def _centre(b) -> float:  # a bucket's context length; None (not given) counts as 0
+    return 0.0 if b is None else 2.0 ** (b / 4)
 
 
 def _solve_affine(w, ws, wss, wt, wst):
@@ -106,28 +112,42 @@ def _solve_affine(w, ws, wss, wt, wst):
     return mt - b * ms, b
 
 
-def step_costs_naive(obs, r: float, K: int, memory: float, h: float, m: float = 2.0, ctx=None) -> list:
-    """The reference for AdaptiveK.costs_at: obs [(rows, k, draft s, verify s, context length or None)] oldest first ->
-    c(r, k) at context ctx for k = 0..K, the sums written out (weights exp(-age / memory) * kernel, counts kernel;
-    kernel = kernel(rows, r) * kernel(context bucket, ctx))."""
-    sums, per_k = [0.0] * 5, {}
-    dw = dt = 0.0
-    for age, (r_i, k, td, tv, L) in enumerate(reversed(obs)):
-        kern = _kernel(r_i, r, h) * _ctx_kernel(_bucket(L), ctx, h)
-        w, S = math.exp(-age / memory) * kern, k + 1.0
-        for i, v in enumerate((w, w * S, w * S * S, w * tv, w * S * tv)):
+def _combine(per_k: dict, K: int, ctx, m: float) -> list:
+    """c(k) for k = 0..K from per-k weighted sums [W, T, X, XX, XT, n] (weights w, times t, x = S L): the slope g of
+    t in x pooled within each k, each k's mean moved to x = S ctx, shrunk towards the affine fit a + b S of the
+    moved times by m pseudo-steps (module docstring)."""
+    num = sum(XT - X * T / W for W, T, X, XX, XT, n in per_k.values() if W > 0)
+    den = sum(XX - X * X / W for W, T, X, XX, XT, n in per_k.values() if W > 0)
+    g = max(num / den, 0.0) if den > 1e-12 else 0.0
+    if ctx is None:  # no context asked: the weighted mean one
+        wl = sum(X / (k + 1) for k, (W, T, X, XX, XT, n) in per_k.items())
+        ctx = wl / max(sum(v[0] for v in per_k.values()), 1e-300)
+    moved = {k: (T + g * ((k + 1) * ctx * W - X)) / W for k, (W, T, X, XX, XT, n) in per_k.items() if W > 0}
+    sums = [0.0] * 5
+    for k, t in moved.items():
+        W, S = per_k[k][0], k + 1.0
+        for i, v in enumerate((W, W * S, W * S * S, W * t, W * S * t)):
             sums[i] += v
-        dw, dt = dw + w * k, dt + w * td
-        e = per_k.setdefault(k, [0.0, 0.0, 0.0])
-        e[0], e[1], e[2] = e[0] + w, e[1] + w * (td + tv), e[2] + kern
-    a, b = _solve_affine(*sums)
-    cd = dt / dw if dw > 0 else 0.0
+    a, b = _solve_affine(*sums) or (0.0, 0.0)
     out = []
     for k in range(K + 1):
-        prior = a + b * (k + 1) + k * cd
-        w, wt, n = per_k.get(k, (0.0, 0.0, 0.0))
-        out.append((n * wt / w + m * prior) / (n + m) if w > 0 else prior)
+        prior, n = a + b * (k + 1), per_k[k][5] if k in per_k else 0.0
+        out.append((n * moved[k] + m * prior) / (n + m) if k in moved else prior)
     return out
+
+
+def step_costs_naive(obs, r: float, K: int, memory: float, h: float, m: float = 2.0, ctx=None) -> list:
+    """The reference for AdaptiveK.costs_at: obs [(rows, k, draft s, verify s, context length or None)] oldest first ->
+    c(r, k) at context ctx for k = 0..K, the sums written out (weights exp(-age / memory) * kernel(rows, r), counts
+    kernel(rows, r); a step's context at its bucket's centre)."""
+    per_k = {}
+    for age, (r_i, k, td, tv, L) in enumerate(reversed(obs)):
+        kern = _kernel(r_i, r, h)
+        w, x, t = math.exp(-age / memory) * kern, (k + 1) * _centre(_bucket(L)), td + tv
+        e = per_k.setdefault(k, [0.0] * 6)
+        for i, v in enumerate((w, w * t, w * x, w * x * x, w * x * t, kern)):
+            e[i] += v
+    return _combine(per_k, K, ctx, m)
 
 
 class AdaptiveK:
@@ -136,11 +156,12 @@ class AdaptiveK:
 
     def __init__(self, max_k: int, *, clock=time.perf_counter, costs=None, accept_memory: float = 1000.0,
                  cost_memory: float = 64.0, bandwidth: float = 0.35, explore_every: int = 32, probe_rounds: int = 2,
-                 margin: float = 0.05):
+                 margin: float = 0.05, confidence: float = 2.0):
         if not (isinstance(max_k, int) and max_k >= 1):
             raise ValueError(f"max_k={max_k!r}: expected an int >= 1 (the ceiling K of the adaptive k)")
         self.max_k, self.clock, self.costs = max_k, clock, costs
         self.accept_memory, self.cost_memory, self.h, self.margin = accept_memory, cost_memory, bandwidth, margin
+        self.z = confidence  # k = 0 only where even alpha_j + z sd_j would not pay for speculation
         self.explore_every, self.probes = explore_every, (max_k, 0, 1) * probe_rounds
         self.R, self.A = [0.0] * max_k, [0.0] * max_k  # decayed drafts tried / accepted per position
         self.timed = {}  # rows -> {k: [w, w t_verify, w t_draft, n]}: the steps timed at that batch size and k;
@@ -228,24 +249,15 @@ class AdaptiveK:
     def costs_at(self, rows: int, ctx: int = None) -> list:
         """c(r, k) for k = 0..K at r = rows and context length ctx (seconds per step), from the timed steps (module
         docstring)."""
-        kern = {key: _kernel(key[0], rows, self.h) * _ctx_kernel(key[1], ctx, self.h) for key in self.timed}
-        sums, per_k, dw, dt = [0.0] * 5, {}, 0.0, 0.0
-        for key, by_k in self.timed.items():
-            c = kern[key]
+        per_k = {}
+        for (r, lb), by_k in self.timed.items():
+            c, L = _kernel(r, rows, self.h), _centre(lb)
             for k, (w, wv, wd, n) in by_k.items():
-                S, cw = k + 1.0, c * w
-                sums[0], sums[1], sums[2] = sums[0] + cw, sums[1] + cw * S, sums[2] + cw * S * S
-                sums[3], sums[4] = sums[3] + c * wv, sums[4] + c * wv * S
-                dw, dt = dw + cw * k, dt + c * wd
-                p = per_k.setdefault(k, [0.0, 0.0, 0.0])
-                p[0], p[1], p[2] = p[0] + cw, p[1] + c * (wv + wd), p[2] + c * n
-        a, b = _solve_affine(*sums) or (0.0, 0.0)
-        cd, m, out = dt / dw if dw > 0 else 0.0, 2.0, []
-        for k in range(self.max_k + 1):
-            prior = a + b * (k + 1) + k * cd
-            w, wt, n = per_k.get(k, (0.0, 0.0, 0.0))
-            out.append((n * wt / w + m * prior) / (n + m) if w > 0 else prior)
-        return out
+                x, cw, ct = (k + 1) * L, c * w, c * (wv + wd)
+                e = per_k.setdefault(k, [0.0] * 6)
+                e[0], e[1], e[2], e[3], e[4], e[5] = e[0] + cw, e[1] + ct, e[2] + cw * x, e[3] + cw * x * x, \
+                    e[4] + ct * x, e[5] + c * n
+        return _combine(per_k, self.max_k, ctx, 2.0)
 
     def rates(self, rows: int, ctx: int = None) -> list:
         """Expected tokens per second per row, k = 0..K (E[kept | k] / c(r, k))."""
@@ -253,10 +265,12 @@ class AdaptiveK:
         return [expected_kept(al, k) / max(c, tiny) for k, c in enumerate(self.costs_at(rows, ctx))]
 
     def best(self, rows: int, ctx: int = None) -> int:
-        """k* = argmax rate, except that speculation (k > 0) must beat k = 0 by the factor 1 + margin."""
-        rates = self.rates(rows, ctx)
+        """k* = argmax rate over k >= 1, or 0 where k* does not beat k = 0 by the factor 1 + margin even at the
+        optimistic acceptance (module docstring)."""
+        rates, costs = self.rates(rows, ctx), self.costs_at(rows, ctx)
         k = max(range(1, self.max_k + 1), key=lambda j: rates[j])
-        return k if rates[k] > (1.0 + self.margin) * rates[0] else 0
+        hi = [min(a + self.z * math.sqrt(a * (1 - a) / (R + 1.0)), 1.0) for a, R in zip(self.alphas(), self.R)]
+        return k if expected_kept(hi, k) / max(costs[k], 1e-12) > (1.0 + self.margin) * rates[0] else 0
 
     def summary(self) -> dict:
         """What the controller believes and did: alpha_j, the steps it ran at each k, the k it ran most."""
