@@ -48,9 +48,10 @@ k = 0 step wait in a Backlog, and the draft's trunk extends over them in one for
 catch-up is the price of switching back on and is charged to that step's draft seconds. Once k* = 0 the rest of the
 call is autoregressive (`dormant`: no taps kept, no catch-up, the draft idle): keeping the draft ready costs a trunk
 forward per token (bench/bench_rollout.py's pair at batch 64, one CPU thread: a catch-up over 32 steps took ~26 ms
-beside ~12 ms per autoregressive step, i.e. ~7%). A call whose first step finds k* = 0 runs that one step at k = 1
-instead, so acceptance and the k = 1 cost are observed once per call (while k = 0 nothing is observed and nothing
-decays) and speculation comes back when the draft does.
+beside ~12 ms per autoregressive step, i.e. ~7%). A call that starts at k* = 0 is dormant from its start (no draft
+prefill either), unless explore_off = 4 x explore_every steps ran at k = 0 since speculation last ran: then its first
+step runs k = 1 instead, so acceptance and the k = 1 cost are observed now and then (while k = 0 nothing is observed
+and nothing decays) and speculation comes back when the draft does.
 
 Switching off needs evidence: speculation stays on unless it loses even with every alpha_j raised to its optimistic
 bound alpha_j + z sqrt(alpha_j (1 - alpha_j) / (R_j + 1)) (z = `confidence`, default 2). At batch 1 the probes try 4
@@ -164,7 +165,7 @@ class AdaptiveK:
         self.z = confidence  # k = 0 only where even alpha_j + z sd_j would not pay for speculation
         self.explore_every, self.probes = explore_every, (max_k, 0, 1) * probe_rounds
         self.R, self.A = [0.0] * max_k, [0.0] * max_k  # decayed drafts tried / accepted per position
-        self.timed = {}  # rows -> {k: [w, w t_verify, w t_draft, n]}: the steps timed at that batch size and k;
+        self.timed = {}  # (rows, context bucket) -> {k: [w, w t_verify, w t_draft, n]}: the steps timed there at k;
         self.age = 0  # w = exp(step / cost_memory) (rescaled now and then): the decay without touching old entries
         self.queue, self.since, self.up, self.seen = [], 0, True, None
         self.dormant, self.first = False, True  # off for the rest of the call; the call's first step
@@ -267,10 +268,11 @@ class AdaptiveK:
     def best(self, rows: int, ctx: int = None) -> int:
         """k* = argmax rate over k >= 1, or 0 where k* does not beat k = 0 by the factor 1 + margin even at the
         optimistic acceptance (module docstring)."""
-        rates, costs = self.rates(rows, ctx), self.costs_at(rows, ctx)
+        costs, al = [max(c, 1e-12) for c in self.costs_at(rows, ctx)], self.alphas()
+        rates = [expected_kept(al, j) / c for j, c in enumerate(costs)]
         k = max(range(1, self.max_k + 1), key=lambda j: rates[j])
-        hi = [min(a + self.z * math.sqrt(a * (1 - a) / (R + 1.0)), 1.0) for a, R in zip(self.alphas(), self.R)]
-        return k if expected_kept(hi, k) / max(costs[k], 1e-12) > (1.0 + self.margin) * rates[0] else 0
+        hi = [min(a + self.z * math.sqrt(a * (1 - a) / (R + 1.0)), 1.0) for a, R in zip(al, self.R)]
+        return k if expected_kept(hi, k) / costs[k] > (1.0 + self.margin) * rates[0] else 0
 
     def summary(self) -> dict:
         """What the controller believes and did: alpha_j, the steps it ran at each k, the k it ran most."""
