@@ -63,22 +63,12 @@ from rl_loop import RolloutBatch, reference_logp  # noqa: E402
 from harness.cost_inputs import (Arch, attn_flops, dense_flops, draft_pass_flops, head_flops,  # noqa: E402
                                  layer_flops, pad_attn_flops)
 import probe_cost_host as host  # noqa: E402
-from model import ModelConfig, Transformer  # noqa: E402
+from probe_cost_host import cpu_times, models  # noqa: E402
 from parallel.cli import parser  # noqa: E402
 
 
 BEST, CALL, STAT = {}, [0], ["median"]  # the k-th timing of a round -> its timings so far; the round's call counter
 
-
-def cpu_times(fn, repeats: int) -> list:
-    """CPU seconds of each of `repeats` calls of fn(), after one untimed warm-up call."""
-    fn()
-    out = []
-    for _ in range(repeats):
-        t = time.process_time()
-        fn()
-        out.append(time.process_time() - t)
-    return out
 
 
 def best_cpu_s(fn, repeats: int) -> float:
@@ -96,14 +86,6 @@ def cpu_s(fn, repeats: int) -> float:
     CALL[0] += 1
     BEST[i] = BEST.get(i, []) + ts
     return min(BEST[i]) if STAT[0] == "best" else statistics.median(BEST[i])
-
-
-def models(name: str, seed: int = 0):
-    """(1-layer, 5-layer) random policies of preset `name`, and a random draft on the 3-layer one (taps 0, 1, 1)."""
-    torch.manual_seed(seed)
-    m1 = Transformer(ModelConfig.preset(name, num_hidden_layers=1))
-    m5 = Transformer(ModelConfig.preset(name, num_hidden_layers=5))
-    return m1, m5
 
 
 def packed(cfg, S: int, T: int):  # S sequences of T tokens

@@ -117,16 +117,27 @@ def probe_rows(B: int, G: int, blocks: int, cpu_s, repeats: int) -> dict:
     return {"o_row": cpu_s(step, repeats) / len(probs)}
 
 
-def median_cpu_s(fn, repeats: int) -> float:
-    """The median CPU seconds of `repeats` calls of fn(), after one untimed warm-up call (probe_cost.cpu_s's rule,
-    one round)."""
+def cpu_times(fn, repeats: int) -> list:
+    """CPU seconds of each of `repeats` calls of fn(), after one untimed warm-up call."""
     fn()
-    ts = []
+    out = []
     for _ in range(repeats):
         t = time.process_time()
         fn()
-        ts.append(time.process_time() - t)
-    return statistics.median(ts)
+        out.append(time.process_time() - t)
+    return out
+
+
+def median_cpu_s(fn, repeats: int) -> float:
+    """The median CPU seconds of `repeats` calls of fn() (probe_cost.cpu_s's rule, one round)."""
+    return statistics.median(cpu_times(fn, repeats))
+
+
+def models(name: str, seed: int = 0):
+    """(1-layer, 5-layer) random policies of preset `name`."""
+    from model import ModelConfig, Transformer
+    torch.manual_seed(seed)
+    return tuple(Transformer(ModelConfig.preset(name, num_hidden_layers=n)) for n in (1, 5))
 
 
 def main(argv=None):
@@ -137,12 +148,10 @@ def main(argv=None):
                     "o_layer_fb, o_seq_fb (bench/probe_cost.py writes one)")
     ap.add_argument("--repeats", type=int, default=7, help="calls per timing (their median)")
     a = ap.parse_args(argv)
-    from model import ModelConfig, Transformer
     torch.set_num_threads(1)
     with open(a.device) as f:
         dev = json.load(f)
-    torch.manual_seed(0)  # as probe_cost.models: random 1- and 5-layer policies of the mini preset
-    m1, m5 = (Transformer(ModelConfig.preset("mini", num_hidden_layers=n)) for n in (1, 5))
+    m1, m5 = models("mini")
     arch, o = Arch.load("mini"), dict(dev["overheads"], F_attn=dev["F_attn"])
     out = probe_update(m1, arch, dev["F"], dev["BW"], o, (16, 64), 32, median_cpu_s, a.repeats)
     out.update(probe_draft_opt(m5, median_cpu_s, a.repeats), **probe_rows(32, 8, 8, median_cpu_s, a.repeats))

@@ -165,7 +165,7 @@ class AdaptiveK:
         self.z = confidence  # k = 0 only where even alpha_j + z sd_j would not pay for speculation
         self.explore_every, self.probes = explore_every, (max_k, 0, 1) * probe_rounds
         self.R, self.A = [0.0] * max_k, [0.0] * max_k  # decayed drafts tried / accepted per position
-        self.timed = {}  # (rows, context bucket) -> {k: [w, w t_verify, w t_draft, n]}: the steps timed there at k;
+        self.timed = {}  # (rows, context bucket) -> {k: [w, w t, n]}: the steps timed there at k (t: draft + rest);
         self.age = 0  # w = exp(step / cost_memory) (rescaled now and then): the decay without touching old entries
         self.queue, self.since, self.up, self.seen = [], 0, True, None
         self.dormant, self.first = False, True  # off for the rest of the call; the call's first step
@@ -223,13 +223,13 @@ class AdaptiveK:
             f = math.exp(-self.age / self.cost_memory)
             for by_k in self.timed.values():
                 for e in by_k.values():
-                    e[0], e[1], e[2] = e[0] * f, e[1] * f, e[2] * f
+                    e[0], e[1] = e[0] * f, e[1] * f
             self.timed = {r: {k_: e for k_, e in by_k.items() if e[0] > 1e-12} for r, by_k in self.timed.items()}
             self.timed = {r: by_k for r, by_k in self.timed.items() if by_k}
             self.age = 0
         w = math.exp(self.age / self.cost_memory)
-        e = self.timed.setdefault((rows, _bucket(ctx)), {}).setdefault(k, [0.0, 0.0, 0.0, 0.0])
-        e[0], e[1], e[2], e[3] = e[0] + w, e[1] + w * t_verify, e[2] + w * t_draft, e[3] + 1.0
+        e = self.timed.setdefault((rows, _bucket(ctx)), {}).setdefault(k, [0.0, 0.0, 0.0])
+        e[0], e[1], e[2] = e[0] + w, e[1] + w * (t_draft + t_verify), e[2] + 1.0
         R, A = reached.tolist(), accepted.tolist()  # host sync: K numbers
         prev = self.seen or ([0] * len(R), [0] * len(A))
         dR, dA = [x - y for x, y in zip(R, prev[0])], [x - y for x, y in zip(A, prev[1])]
@@ -253,8 +253,8 @@ class AdaptiveK:
         per_k = {}
         for (r, lb), by_k in self.timed.items():
             c, L = _kernel(r, rows, self.h), _centre(lb)
-            for k, (w, wv, wd, n) in by_k.items():
-                x, cw, ct = (k + 1) * L, c * w, c * (wv + wd)
+            for k, (w, wt, n) in by_k.items():
+                x, cw, ct = (k + 1) * L, c * w, c * wt
                 e = per_k.setdefault(k, [0.0] * 6)
                 e[0], e[1], e[2], e[3], e[4], e[5] = e[0] + cw, e[1] + ct, e[2] + cw * x, e[3] + cw * x * x, \
                     e[4] + ct * x, e[5] + c * n
