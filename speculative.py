@@ -19,9 +19,8 @@ The log-probs returned for GRPO are the policy's, log softmax(logits / tau) (tau
 the verification forwards.
 
 Tree drafts (several candidates per position, verified in the same one forward): speculative_tree.py, generate(tree=).
-Adaptive k (chains only; a tree keeps its fixed shape): generate(adapt=AdaptiveK(K)) asks decoding/adaptive_k.py for
-each step's k in {0..K} and tells it the step's timings (chain_step); k = 0 is an autoregressive step (without the
-draft at all once the controller is `dormant`).
+Adaptive k (chains only): generate(adapt=AdaptiveK(K)) asks decoding/adaptive_k.py for each step's k in {0..K} and
+tells it the step's timings (chain_step); k = 0 is an autoregressive step (no draft at all once `dormant`).
 
     python speculative.py      # tiny random policy + draft: greedy exactness and the stats of a sampled rollout
 
@@ -166,6 +165,8 @@ class _Decode:
     K: int = 0  # the ceiling of k (buffers are sized for it); 0: k never changes
     backlog: object = None  # adaptive_k.Backlog: the draft-trunk entries of k = 0 steps, not yet extended
     drafted: object = 0  # draft tokens proposed to active rows (device scalar once stepping)
+    left: int = 0  # host int, set by poll: the most new tokens an open row may still take
+    open: int = 0  # host int, set by poll: the rows not yet finished
 
 
 @torch.inference_mode()
@@ -189,8 +190,7 @@ def generate(target: Transformer, draft=None, prompts=(), *, max_new_tokens: int
     t0 = time.perf_counter()
     tree = speculative_tree.Tree(tree) if tree else None
     if tree is not None and num_draft_tokens not in (0, tree.k):
-        raise ValueError(f"num_draft_tokens={num_draft_tokens}: with tree={tree.branching} expected 0 or its depth "
-                         f"{tree.k}")
+        raise ValueError(f"num_draft_tokens={num_draft_tokens}: with tree={tree.branching} expected 0 or {tree.k}")
     k = (tree.k if tree is not None else num_draft_tokens) if draft is not None else 0
     tree = tree if k else None  # no draft: plain sampling
     if max_new_tokens == 0:
@@ -198,11 +198,12 @@ def generate(target: Transformer, draft=None, prompts=(), *, max_new_tokens: int
         empty = [torch.zeros(0, dtype=torch.long, device=dev)] * len(prompts)
         return Rollout(empty, [torch.zeros(0, device=dev)] * len(prompts), SpecStats())
     if adapt is not None:  # may switch speculation off for the whole call (dormant): then no draft prefill either
-        adapt.begin(k, len(prompts), max(p.numel() for p in prompts))
+        adapt.begin(k, len(prompts), max(p.numel() for p in prompts), left=max_new_tokens)
     off = getattr(adapt, "dormant", False)
-    s = prefill(target, draft if k and not off else None, prompts, k, temperature, eos_id, max_new_tokens, generator,
-                span=1 + tree.num_nodes if tree is not None else 0, kv_block=kv_block)
-    s.k = 0 if off else s.k
+    s = prefill(target, None if off else draft, prompts, 0 if off else k, temperature, eos_id, max_new_tokens,
+                generator, span=1 + tree.num_nodes if tree is not None else 0, kv_block=kv_block)  # off: sized as AR
+    if off:  # sized as plain sampling: sized for K, one ran at 0.93x its tokens/s (batch 64, 8 calls, this CPU)
+        s.K, s.reached, s.accepted = k, s.reached.new_zeros(k), s.accepted.new_zeros(k)
     while (n_done := poll(s)) < s.live.numel():  # sync point: one per step
         compact(s, n_done)
         if k == 0:
@@ -226,7 +227,7 @@ def chain_step(target, draft, s: _Decode, adapt=None):
     clock = adapt.clock if adapt is not None else _no_clock
     t0, t_draft = clock(), 0.0
     if adapt is not None:
-        s.k = adapt.choose(s.live.numel(), s.pcache.bound)  # bound: the longest row's context, a host int (poll)
+        s.k = adapt.choose(s.live.numel(), s.pcache.bound, left=s.left, open_rows=s.open)  # host ints (poll)
     if s.k == 0:
         off = getattr(adapt, "dormant", False)  # speculation off for the rest of the call: no taps, no catch-up
         out = target.forward_cached(s.y[:, None], s.pcache, tap_layers=None if off else s.tap_layers)  # (b, 1, V)
@@ -293,9 +294,12 @@ def prefill(target, draft, prompts, k: int, temperature, eos_id, max_new_tokens,
 
 def poll(s: _Decode) -> int:
     """The step's one host sync: the number of finished rows, and in the same read each KV cache's longest row, so
-    that the step's forwards attend exactly as far as they need (kv_cache.KVCache.bound) at no extra sync."""
+    that the step's forwards attend exactly as far as they need (kv_cache.KVCache.bound) at no extra sync, and the
+    most tokens an open row may still take (s.left: adaptive k's call model, decoding/adaptive_k.py)."""
     caches = [s.pcache] + ([s.dcache] if s.k else [])
-    n_done, *longest = torch.stack([s.done.sum()] + [c.lengths.max() for c in caches]).tolist()
+    left = (s.max_new_tokens - s.n_gen[s.live]).masked_fill(s.done, 0).max()
+    n_done, s.left, *longest = torch.stack([s.done.sum(), left] + [c.lengths.max() for c in caches]).tolist()
+    s.open = s.live.numel() - n_done
     for c, L in zip(caches, longest):
         c.bound = min(c.bound, L)
     s.stats.kv_peak_bytes = max(s.stats.kv_peak_bytes, sum(c.allocated_bytes() for c in caches))
@@ -399,18 +403,14 @@ def finish(s: _Decode, seconds: float) -> Rollout:
         is_eos = (s.toks == s.eos_id) & (torch.arange(s.toks.shape[1], device=s.toks.device)[None] < n_keep[:, None])
         first = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, n_keep)
         n_keep = torch.minimum(n_keep, first)
-    n_keep = n_keep.tolist()
-    st = s.stats
-    st.seconds = seconds
-    st.row_steps = int(s.row_steps)
-    st.kept = int(s.accept_sum)
+    n_keep, st = n_keep.tolist(), s.stats
+    st.seconds, st.row_steps, st.kept = seconds, int(s.row_steps), int(s.accept_sum)
     st.acceptance_length = st.kept / max(st.row_steps, 1)
     st.drafted, st.accepted = int(s.drafted), st.kept - st.row_steps
     st.accept_per_position = (s.accepted.float() / s.reached.clamp_min(1)).tolist() if s.K or s.k else []
-    st.new_tokens = sum(n_keep)
+    st.new_tokens, st.tokens_per_s = sum(n_keep), sum(n_keep) / seconds
     if s.row_kept is not None:
         st.row_kept, st.row_forwards = s.row_kept.tolist(), s.row_fwd.tolist()
-    st.tokens_per_s = st.new_tokens / seconds
     return Rollout([s.toks[b, :m].clone() for b, m in enumerate(n_keep)],
                    [s.lps[b, :m].clone() for b, m in enumerate(n_keep)], st)
 

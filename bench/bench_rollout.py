@@ -36,7 +36,7 @@ at each batch: they bound what any chain or tree can gain on this machine.
     python bench/bench_rollout.py --repeats=9 --batches=1,8
     python bench/bench_rollout.py --device=cuda --out=bench/results/rollout_gpu.json  # decoders timed on a GPU
     python bench/bench_rollout.py --trees=2,2,1:3,2,1 --hot_temperature=0   # other trees (':'-separated), no hot rows
-    python bench/bench_rollout.py --trees= --out=bench/results/rollout_auto.json  # chains and auto: 13 min at load ~17
+    python bench/bench_rollout.py --trees= --repeats=15 --out=bench/results/rollout_auto.json  # chains, auto: 7 min
 
 Writes bench/results/rollout.json (rows: batch, k, tokens_per_s_ar, tokens_per_s_spec, speedup, acceptance_length, ...;
 best_speedup) and bench/results/rollout.md (the markdown table). Trained weights are cached under

@@ -2,31 +2,63 @@
 draft from costs and acceptance measured online (speculative.generate(adapt=AdaptiveK(K))). k = 0 is plain
 autoregressive decoding.
 
-The cost model. With r rows in the batch, one step at k keeps E[kept | k] tokens per row and takes c(r, k) seconds;
-the controller picks the k with the most tokens per second:
+The cost model. An engine call is batch-synchronous: it lasts until its slowest row is done. With r rows in the
+batch, n of them still open and at most `left` new tokens to come in a row, the controller picks the k with which the
+call would end soonest if it ran at that k to its end:
 
-    k* = argmax_{k = 1..K} E[kept | k] / c(r, k)   if that rate exceeds (1 + margin) / c(r, 0), else 0
+    k* = argmax_{k = 1..K} rate(k)   if rate^(k*) > (1 + margin) rate(0), else 0    (rate^: the optimistic alphas)
+    rate(k)  = left / (c(r, k, L + left / 2) steps(k))                 the slowest row's tokens per second
+    steps(k) = max((left + o_k) / mu_k + e_n sigma_k sqrt(left / mu_k^3), 1)          (call_steps; k = 0: left)
 
-    E[kept | k] = 1 + sum_{i=1..k} prod_{j=1..i} alpha_j        the accepted drafts and the token after them
+    X           = min(kept | k, left): the tokens a row keeps from one step, P(X >= j) = prod_{i<j} alpha_i for
+                  j = 1..min(k + 1, left); mu_k = E[X] = E[kept | k] when left > k, sigma_k^2 its variance
+                  (kept_moments); a row's steps to `left` tokens are about normal with mean (left + o_k) / mu_k,
+                  o_k = (E[X^2] - mu_k) / (2 mu_k) the last step's overshoot, and variance left sigma_k^2 / mu_k^3
+                  (renewal theory)
+    e_n         = E[max of n standard normals] (e_1 = 0, e_8 = 1.42, e_64 = 2.34): the slowest of the n open rows
     alpha_j     = P(d_j accepted | d_<j accepted)               per position, measured online with decay:
                 = (A_j + m alpha~_j) / (R_j + m)                A_j / R_j drafts accepted / tried at position j, each
                                                                 step's counts down-weighted by exp(-n / accept_memory)
-                                                                once n more rows have tried a draft since; m = 1 pseudo-
-                                                                count towards alpha~_1 = 1/2, alpha~_j = alpha_{j-1}
-                                                                (a position never tried borrows the one before it)
-    c(r, k, L)  = seconds of a step at k with r rows and context L (the longest row's cached positions): the draft's
-                  k - 1 passes, k samples and trunk extend, one policy forward over S = k + 1 tokens per row, the
-                  accept rule, the commit and every fixed cost of the step
+                                                                once n more rows have tried a draft since; m = 4 pseudo-
+                                                                counts towards alpha~_1 = 1/2, alpha~_j = alpha_{j-1}
+                                                                (a position tried rarely leans on the one before it);
+                                                                switching off takes each at its optimistic bound
+                                                                alpha_j + z sqrt(alpha_j (1 - alpha_j) / (R_j + 1))
+                                                                (z = `confidence`, 2)
+    c(r, k, L)  = seconds of a step at k with r rows (open or riding along) and context L (the longest row's cached
+                  positions), the costs taken at the mean context of the rest of the call
+
+A step at k is timed whole, from the end of the step before (the draft's k - 1 passes, k samples and trunk extend,
+one policy forward over S = k + 1 tokens per row, the accept rule, the commit, the engine's poll and compaction and
+the controller's own bookkeeping); a call's first step, from its own start.
+
+Why the slowest row: an autoregressive call takes exactly `left` steps, every row in step; a speculative row keeps
+1..k+1 tokens a step, so rows drift apart and the call waits for the last. The per-step rate E[kept | k] / c(r, k)
+leaves that out, and it is what makes speculation lose at large batch: with bench/bench_rollout.py's pair at batch 64,
+tau 1.5, a k = 2 call took ~14% more steps than 96 tokens / 2.3 tokens per step, and every fixed k ran at 0.84-0.88x
+autoregressive decoding (the per-step model saw a tie). The term grows with n (none at batch 1) and with k (a larger
+k keeps a more variable number of tokens). Near a call's end X is capped by `left`: the drafts past the last token a
+row may take are wasted, so k falls there.
+
+Why m = 4 pseudo-counts: a position tried rarely leans on the one before it rather than on a few coin flips (at batch
+1 the probes try a handful of drafts past position 3, and a position estimated at 0.6 from 3 tries, 0.9 in truth,
+was never tried again once k fell below it).
 
 A step costs more as its context grows (attention reads L keys per token: at batch 64 in bench/bench_rollout.py an
 autoregressive step took ~7 ms at the start of a 96-token call and over 10 ms late in it), and the ks run at different
 points of a call (probes at its start, k = 0 often late), so each k's timings are first moved to the present context
-with one slope g >= 0 of t in x = S L, fitted within each k (the within-k pooled least-squares slope), then
+along a slope in L that is a line in S, fitted within each k:
 
-    t_k(L)  = t_k + g (S_k L - x_k)       each k's mean time and mean x, weighted by exp(-age / cost_memory) (age in
-                                          steps) and by a kernel in the batch size, exp(-(ln r_i - ln r)^2 / (2 h^2))
+    t_k(L)  = t_k + g_k (L - L_k),  g_k = max(g0 + g1 S_k, 0)
+                                          t_k, L_k: each k's mean time and context, weighted by exp(-age / cost_memory)
+                                          (age in steps) and by a kernel in the batch size, exp(-(ln r_i - ln r)^2 /
+                                          (2 h^2)); (g0, g1) the least-squares fit to the steps' times centred within
+                                          each k (a common slope g0 where S does not vary)
     a + b S                               the least-squares line (b >= 0) through the moved means t_k(L), weight W_k
 
+(The slope is not proportional to S: with bench/bench_rollout.py's pair at batch 64, tau 1.5, a step's median time
+grew from the first to the sixth 16-token context bucket by 5.1 / 6.3 / 8.9 / 9.3 ms at k = 0 / 1 / 2 / 3, where a
+slope in S L had charged k = 3 four times k = 0's growth and held k at 1 late in calls.)
 so the steps run at r's size count most and nothing is keyed by batch size or temperature. The line is the prior of
 each k's own timings: with n_k steps timed at k (kernel-weighted counts),
 
@@ -35,45 +67,43 @@ each k's own timings: with n_k steps timed at k (kernel-weighted counts),
 so a k run often is costed by what it took and a k rarely or never run by the line. (A step is not affine in S: with
 bench/bench_rollout.py's policy at batch 64, tau 1.5, one CPU thread on a shared 2-core VM, the median verify part took
 7.7 / 13.9 / 18.3 / 26.2 ms at S = 1 / 2 / 3 / 7, and a line through the k run most overcharged k = 0 by ~40%.)
-Timings are the clock's, taken around the draft's work and around the rest of the step (speculative.chain_step); a
-`costs(rows, k) -> (draft s, verify s)` source replaces them (tests, simulations). The first steps, and the first at a
-batch size more than 2x away from every timed one, are probes: k = K, 0, 1, twice, so S and k both vary before the fit
-is used.
+A `costs(rows, k) -> (draft s, verify s)` source replaces the clock (tests, simulations). The first steps, and the
+first at a batch size more than 2x away from every timed one, are probes: k = K, 0, 1, twice, so S and k both vary
+before the fit is used.
 
 While k* > 0, every `explore_every` steps one step runs at a neighbour of k* instead (k* + 1 and k* - 1 in turn,
 inside 0..K), so the timings of the k next to the choice stay fresh (a k left alone keeps its old mean).
 
 k = 0 runs no draft pass. Inside a run of speculation (probes, exploring, k* = 1's neighbour) the policy's taps of a
 k = 0 step wait in a Backlog, and the draft's trunk extends over them in one forward at the next step with k > 0; that
-catch-up is the price of switching back on and is charged to that step's draft seconds. Once k* = 0 the rest of the
-call is autoregressive (`dormant`: no taps kept, no catch-up, the draft idle): keeping the draft ready costs a trunk
+catch-up is the price of switching back on and is charged to that step. Once k* = 0 at `settle` (3) steps running,
+each one run at k = 0 and so timed afresh at the present context, the rest of the call is autoregressive (`dormant`:
+no taps kept, no catch-up, the draft idle): keeping the draft ready costs a trunk
 forward per token (bench/bench_rollout.py's pair at batch 64, one CPU thread: a catch-up over 32 steps took ~26 ms
 beside ~12 ms per autoregressive step, i.e. ~7%). A call that starts at k* = 0 is dormant from its start (no draft
 prefill either), unless explore_off = 4 x explore_every steps ran at k = 0 since speculation last ran: then its first
 step runs k = 1 instead, so acceptance and the k = 1 cost are observed now and then (while k = 0 nothing is observed
 and nothing decays) and speculation comes back when the draft does.
 
-Switching off needs evidence: speculation stays on unless it loses even with every alpha_j raised to its optimistic
-bound alpha_j + z sqrt(alpha_j (1 - alpha_j) / (R_j + 1)) (z = `confidence`, default 2). At batch 1 the probes try 4
-drafts in all, and an estimate of alpha_1 from 4 coin flips once switched a good draft off for a whole call.
-
-The margin (default 5%) is for what the model leaves out, all of it a cost of speculation: the end of a call (rows
-reach max_new_tokens at different steps and finished rows ride along until a quarter of the batch is done,
-speculative.compact, where autoregressive rows all finish together) and the catch-up after k = 0 steps. Where k = 0
-and speculation tie per step (batch 64, tau 1.5 in the benchmark, where every fixed k loses to autoregressive
-decoding end to end) the tie goes to k = 0.
+Switching off needs evidence: the optimistic alphas (at batch 1 the probes try 4 drafts in all, and an estimate of
+alpha_1 from 4 coin flips once switched a good draft off for a whole call) and `settle` decisions running. The margin
+(default 5%) is for what the model leaves out, all of it a cost of speculation: the draft's prefill, the catch-up after
+k = 0 steps, the finished rows that ride along until a quarter of the batch is done (speculative.compact); a tie goes
+to k = 0.
 
 Lossless at every k: each step is an exact speculative-sampling step whatever k is, and k depends only on the past.
 But the sampled tokens then depend on the clock (a run is not reproducible from its seed), so the adaptive k is
 opt-in (--num_draft_tokens=auto); KSchedule (a fixed cycle of k, no clock) is how the tests switch k mid-generation.
 On a GPU pass a clock that synchronizes the device (for_device) or the timings see only the kernel launches.
 
-    expected_kept(alphas, k), step_costs_naive(obs, r, ...)   the formulas above on plain lists (the references)
+    expected_kept, kept_moments, call_steps, step_costs_naive(obs, r, ...)   the formulas above on plain lists (the
+    references; tests/test_adaptive_k.py checks call_steps against a simulation of the slowest row)
 
 Letters: K the ceiling, r rows in the batch, S tokens per row in one verification forward (k + 1), H hidden.
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 
@@ -87,6 +117,45 @@ def expected_kept(alphas, k: int) -> float:
         p *= a
         e += p
     return e
+
+
+def kept_moments(alphas, k: int, left: int = None) -> tuple:
+    """E[X], E[X^2] of X = min(kept | k, left), the tokens a row keeps from one step when it may take `left` more:
+    P(X >= j) = prod_{i<j} alpha_i for j = 1..min(k + 1, left), and E[X^2] = sum_j (2j - 1) P(X >= j)."""
+    top = k + 1 if left is None else max(1, min(k + 1, left))
+    m1, m2, p = 0.0, 0.0, 1.0
+    for j in range(1, top + 1):
+        p = p * alphas[j - 2] if j > 1 else 1.0
+        m1, m2 = m1 + p, m2 + (2 * j - 1) * p
+    return m1, m2
+
+
+@functools.lru_cache(maxsize=None)
+def expected_max_normal(n: int) -> float:
+    """e_n = E[max of n independent standard normals] = integral x n phi(x) Phi(x)^(n-1) dx (e_1 = 0, e_8 = 1.42,
+    e_64 = 2.34), by the trapezoid rule on [-9, 9] with step 0.01 (exact to ~1e-14 for so smooth an integrand: e_2 =
+    1 / sqrt(pi), e_3 = 3 / (2 sqrt(pi)))."""
+    if n <= 1:
+        return 0.0
+    total, dx = 0.0, 0.01
+    for i in range(1801):
+        x = -9.0 + i * dx
+        phi, Phi = math.exp(-0.5 * x * x) / math.sqrt(2 * math.pi), 0.5 * (1.0 + math.erf(x / math.sqrt(2)))
+        total += x * n * phi * Phi ** (n - 1) * (0.5 if i in (0, 1800) else 1.0)
+    return total * dx
+
+
+def call_steps(alphas, k: int, left: int, n: int) -> float:
+    """Steps until the slowest of n open rows has `left` more tokens at k. A row's steps to reach `left` tokens with
+    steps of X tokens (kept_moments: mean mu, variance sigma^2) are about normal (renewal theory) with mean
+    (left + o) / mu, o = (E[X^2] - mu) / (2 mu) the last step's expected overshoot, and variance left sigma^2 / mu^3;
+    the slowest of n such rows lies e_n sd above the mean:
+
+        steps(k) = max((left + o_k) / mu_k + e_n sigma_k sqrt(left / mu_k^3), 1)        (k = 0: exactly `left`)"""
+    m1, m2 = kept_moments(alphas, k, left)
+    var = max(m2 - m1 * m1, 0.0)
+    over = (m2 - m1) / (2 * m1)
+    return max((left + over) / m1 + expected_max_normal(n) * math.sqrt(var * left / m1 ** 3), 1.0)
 
 
 def _kernel(r_i: float, r: float, h: float) -> float:
@@ -104,26 +173,40 @@ def _centre(b) -> float:  # a bucket's context length; None (not given) counts a
 
 def _solve_affine(w, ws, wss, wt, wst):
     """Weighted least squares t = a + b S from the sums of w, w S, w S^2, w t, w S t; b >= 0 (more tokens never
-    cost less), b = 0 when S did not vary."""
+    cost less), b = 0 when S did not vary; a >= 0 (no step is free: where the line would cross 0 above S = 0, the
+    least-squares line through the origin)."""
     if w <= 0:
         return None
     ms, mt = ws / w, wt / w
     var = wss / w - ms * ms
     b = max((wst / w - ms * mt) / var, 0.0) if var > 1e-12 else 0.0
-    return mt - b * ms, b
+    return (mt - b * ms, b) if mt - b * ms >= 0 else (0.0, max(wst / wss, 0.0))
+
+
+def _slopes(per_k: dict) -> dict:
+    """Each k's slope of t in the context L, g_k = max(g0 + g1 S_k, 0): the line in S fitted by least squares to the
+    within-k centred sums pooled over the k's (one common slope g0 where S does not vary among the k's that vary in
+    L)."""
+    c = {k: (XX - X * X / W, XT - X * T / W) for k, (W, T, X, XX, XT, n) in per_k.items() if W > 0}
+    a11, a12, a22 = (sum(sxx * (k + 1.0) ** p for k, (sxx, _) in c.items()) for p in (0, 1, 2))
+    b1, b2 = (sum(sxt * (k + 1.0) ** p for k, (_, sxt) in c.items()) for p in (0, 1))
+    det = a11 * a22 - a12 * a12
+    if det > 1e-6 * a11 * a22 > 0:
+        g0, g1 = (b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det
+    else:
+        g0, g1 = (b1 / a11 if a11 > 1e-12 else 0.0), 0.0
+    return {k: max(g0 + g1 * (k + 1), 0.0) for k in c}
 
 
 def _combine(per_k: dict, K: int, ctx, m: float) -> list:
-    """c(k) for k = 0..K from per-k weighted sums [W, T, X, XX, XT, n] (weights w, times t, x = S L): the slope g of
-    t in x pooled within each k, each k's mean moved to x = S ctx, shrunk towards the affine fit a + b S of the
-    moved times by m pseudo-steps (module docstring)."""
-    num = sum(XT - X * T / W for W, T, X, XX, XT, n in per_k.values() if W > 0)
-    den = sum(XX - X * X / W for W, T, X, XX, XT, n in per_k.values() if W > 0)
-    g = max(num / den, 0.0) if den > 1e-12 else 0.0
+    """c(k) for k = 0..K from per-k weighted sums [W, T, X, XX, XT, n] (weights w, times t, x = L the context): each
+    k's mean moved to x = ctx along its slope (_slopes), shrunk towards the affine fit a + b S of the moved times by m
+    pseudo-steps (module docstring)."""
+    g = _slopes(per_k)
     if ctx is None:  # no context asked: the weighted mean one
-        wl = sum(X / (k + 1) for k, (W, T, X, XX, XT, n) in per_k.items())
-        ctx = wl / max(sum(v[0] for v in per_k.values()), 1e-300)
-    moved = {k: (T + g * ((k + 1) * ctx * W - X)) / W for k, (W, T, X, XX, XT, n) in per_k.items() if W > 0}
+        ctx = sum(v[2] for v in per_k.values()) / max(sum(v[0] for v in per_k.values()), 1e-300)
+    moved = {k: max(T + g[k] * (ctx * W - X), 0.5 * T) / W  # a noisy slope never takes a k below half its mean
+             for k, (W, T, X, XX, XT, n) in per_k.items() if W > 0}
     sums = [0.0] * 5
     for k, t in moved.items():
         W, S = per_k[k][0], k + 1.0
@@ -144,7 +227,7 @@ def step_costs_naive(obs, r: float, K: int, memory: float, h: float, m: float = 
     per_k = {}
     for age, (r_i, k, td, tv, L) in enumerate(reversed(obs)):
         kern = _kernel(r_i, r, h)
-        w, x, t = math.exp(-age / memory) * kern, (k + 1) * _centre(_bucket(L)), td + tv
+        w, x, t = math.exp(-age / memory) * kern, _centre(_bucket(L)), td + tv
         e = per_k.setdefault(k, [0.0] * 6)
         for i, v in enumerate((w, w * t, w * x, w * x * x, w * x * t, kern)):
             e[i] += v
@@ -157,7 +240,7 @@ class AdaptiveK:
 
     def __init__(self, max_k: int, *, clock=time.perf_counter, costs=None, accept_memory: float = 1000.0,
                  cost_memory: float = 64.0, bandwidth: float = 0.35, explore_every: int = 32, probe_rounds: int = 2,
-                 margin: float = 0.05, confidence: float = 2.0):
+                 margin: float = 0.05, confidence: float = 2.0, settle: int = 3):
         if not (isinstance(max_k, int) and max_k >= 1):
             raise ValueError(f"max_k={max_k!r}: expected an int >= 1 (the ceiling K of the adaptive k)")
         self.max_k, self.clock, self.costs = max_k, clock, costs
@@ -165,10 +248,11 @@ class AdaptiveK:
         self.z = confidence  # k = 0 only where even alpha_j + z sd_j would not pay for speculation
         self.explore_every, self.probes = explore_every, (max_k, 0, 1) * probe_rounds
         self.R, self.A = [0.0] * max_k, [0.0] * max_k  # decayed drafts tried / accepted per position
-        self.timed = {}  # (rows, context bucket) -> {k: [w, w t, n]}: the steps timed there at k (t: draft + rest);
+        self.timed = {}  # (rows, context bucket) -> {k: [w, w t, n]}: the steps timed there at k (t: whole steps);
         self.age = 0  # w = exp(step / cost_memory) (rescaled now and then): the decay without touching old entries
-        self.queue, self.since, self.up, self.seen = [], 0, True, None
+        self.queue, self.since, self.up, self.seen, self.mark = [], 0, True, None, None
         self.dormant, self.first = False, True  # off for the rest of the call; the call's first step
+        self.settle, self.zeros = settle, 0  # k* = 0 this many times running switches a call off; the count
         self.explore_off, self.off_steps = 4 * explore_every, 0  # at k* = 0: a call explores after this many steps
         self.chosen = [0] * (max_k + 1)  # steps run at each k (reporting)
 
@@ -181,18 +265,20 @@ class AdaptiveK:
         return cls(max_k, clock=lambda: (torch.cuda.synchronize(dev), time.perf_counter())[1], **kw)
 
     # -- the engine's hooks -----------------------------------------------------------------------------------------
-    def begin(self, K: int, rows: int = None, ctx: int = None):
-        """A call starts: K its ceiling, rows its batch, ctx its longest prompt. Where k* = 0 there and fewer than
-        explore_off steps ran at k = 0 since speculation last ran, the whole call is dormant (no draft prefill)."""
+    def begin(self, K: int, rows: int = None, ctx: int = None, left: int = None):
+        """A call starts: K its ceiling, rows its batch, ctx its longest prompt, left its max_new_tokens. Where k* = 0
+        there and fewer than explore_off steps ran at k = 0 since speculation last ran, the whole call is dormant (no
+        draft prefill)."""
         if K != self.max_k:
             raise ValueError(f"num_draft_tokens={K}: with adapt= expected the controller's ceiling K={self.max_k}")
-        self.seen = None  # the call's cumulative per-position counts start at 0
-        self.first = True
+        self.seen, self.mark = None, None  # the call's cumulative per-position counts start at 0; no step ended yet
+        self.first, self.zeros = True, 0
         self.dormant = (rows is not None and not self.queue and self._near(rows) and self.off_steps < self.explore_off
-                        and self.best(rows, ctx) == 0)
+                        and self.best(rows, ctx, left, rows) == 0)
 
-    def choose(self, rows: int, ctx: int = None) -> int:
-        """k for the next step at `rows` batch rows and context length ctx. Sets `dormant` once k* = 0 after a call's
+    def choose(self, rows: int, ctx: int = None, left: int = None, open_rows: int = None) -> int:
+        """k for the next step at `rows` batch rows (open_rows of them not finished), context length ctx, and at most
+        `left` new tokens still to come in a row (None: the per-step model). Sets `dormant` once k* = 0 after a call's
         first step: k = 0 for the rest of the call, and the engine may drop the draft (no taps kept, no catch-up)."""
         if self.dormant:
             self.chosen[0], self.off_steps = self.chosen[0] + 1, self.off_steps + 1
@@ -202,12 +288,15 @@ class AdaptiveK:
         if self.queue:
             k = self.queue.pop(0)
         else:
-            k, self.since = self.best(rows, ctx), self.since + 1
+            k, self.since = self.best(rows, ctx, left, open_rows), self.since + 1
             if k == 0:  # the call's first step explores k = 1 (acceptance and cost); after it, off until the call ends
-                k, self.dormant = (1, False) if self.first else (0, True)
-            elif self.since >= self.explore_every:  # a neighbour of k*: its timings refresh
-                self.since, self.up = 0, not self.up
-                k = k + 1 if self.up and k < self.max_k else k - 1
+                self.zeros += 0 if self.first else 1  # k* = 0 `settle` times running: off for the rest of the call
+                k, self.dormant = (1, False) if self.first else (0, self.zeros >= self.settle)
+            else:
+                self.zeros = 0
+                if self.since >= self.explore_every:  # a neighbour of k*: its timings refresh
+                    self.since, self.up = 0, not self.up
+                    k = k + 1 if self.up and k < self.max_k else k - 1
         self.first = False
         self.chosen[k] += 1
         self.off_steps = self.off_steps + 1 if k == 0 else 0
@@ -215,9 +304,19 @@ class AdaptiveK:
 
     def record(self, rows: int, k: int, t_draft: float, t_verify: float, reached, accepted, ctx: int = None):
         """After a step: its seconds drafting / verifying, the call's cumulative per-position counts (K,), and the
-        context length it ran at (None: not given; every step then counts alike)."""
-        if self.costs is not None:
-            t_draft, t_verify = self.costs(rows, k)
+        context length it ran at (None: not given; every step then counts alike). A step after the call's first is
+        timed whole, from the end of the step before (the engine's poll and compact, choose and record included)."""
+        R, A = reached.tolist(), accepted.tolist()  # host sync: K numbers
+        prev = self.seen or ([0] * len(R), [0] * len(A))
+        dR, dA = [x - y for x, y in zip(R, prev[0])], [x - y for x, y in zip(A, prev[1])]
+        self.seen = (R, A)
+        if dR and dR[0] > 0:
+            d = math.exp(-dR[0] / self.accept_memory)
+            for j in range(min(len(dR), self.max_k)):
+                self.R[j], self.A[j] = d * self.R[j] + dR[j], d * self.A[j] + dA[j]
+        now = self.clock() if self.costs is None else None
+        t = sum(self.costs(rows, k)) if now is None else t_draft + t_verify if self.mark is None else now - self.mark
+        self.mark = now
         self.age += 1
         if self.age > 200 * self.cost_memory:  # rescale before exp() overflows; drop what has decayed away
             f = math.exp(-self.age / self.cost_memory)
@@ -229,21 +328,13 @@ class AdaptiveK:
             self.age = 0
         w = math.exp(self.age / self.cost_memory)
         e = self.timed.setdefault((rows, _bucket(ctx)), {}).setdefault(k, [0.0, 0.0, 0.0])
-        e[0], e[1], e[2] = e[0] + w, e[1] + w * (t_draft + t_verify), e[2] + 1.0
-        R, A = reached.tolist(), accepted.tolist()  # host sync: K numbers
-        prev = self.seen or ([0] * len(R), [0] * len(A))
-        dR, dA = [x - y for x, y in zip(R, prev[0])], [x - y for x, y in zip(A, prev[1])]
-        self.seen = (R, A)
-        if dR and dR[0] > 0:
-            d = math.exp(-dR[0] / self.accept_memory)
-            for j in range(min(len(dR), self.max_k)):
-                self.R[j], self.A[j] = d * self.R[j] + dR[j], d * self.A[j] + dA[j]
+        e[0], e[1], e[2] = e[0] + w, e[1] + w * t, e[2] + 1.0
 
     # -- the model --------------------------------------------------------------------------------------------------
     def alphas(self) -> list:
         out, prior = [], 0.5
         for R, A in zip(self.R, self.A):
-            prior = (A + prior) / (R + 1.0)  # m = 1 pseudo-count towards the position before
+            prior = (A + 4.0 * prior) / (R + 4.0)  # m = 4 pseudo-counts towards the position before
             out.append(prior)
         return out
 
@@ -254,25 +345,33 @@ class AdaptiveK:
         for (r, lb), by_k in self.timed.items():
             c, L = _kernel(r, rows, self.h), _centre(lb)
             for k, (w, wt, n) in by_k.items():
-                x, cw, ct = (k + 1) * L, c * w, c * wt
+                x, cw, ct = L, c * w, c * wt
                 e = per_k.setdefault(k, [0.0] * 6)
                 e[0], e[1], e[2], e[3], e[4], e[5] = e[0] + cw, e[1] + ct, e[2] + cw * x, e[3] + cw * x * x, \
                     e[4] + ct * x, e[5] + c * n
         return _combine(per_k, self.max_k, ctx, 2.0)
 
-    def rates(self, rows: int, ctx: int = None) -> list:
-        """Expected tokens per second per row, k = 0..K (E[kept | k] / c(r, k))."""
-        al, tiny = self.alphas(), 1e-12
-        return [expected_kept(al, k) / max(c, tiny) for k, c in enumerate(self.costs_at(rows, ctx))]
+    def rates(self, rows: int, ctx: int = None, left: int = None, open_rows: int = None, alphas=None) -> list:
+        """Tokens per second per row, k = 0..K: E[kept | k] / c(r, k) per step (left None), or over the rest of the
+        call, left / (c(r, k) steps(k)) with the costs at its mean context ctx + left / 2 (module docstring)."""
+        costs = self.costs_at(rows, ctx if left is None or ctx is None else ctx + left / 2)
+        return self._rates(self.alphas() if alphas is None else alphas, costs, left, open_rows or rows)
 
-    def best(self, rows: int, ctx: int = None) -> int:
+    @staticmethod
+    def _rates(al, costs, left, n) -> list:
+        if left is None:
+            return [expected_kept(al, k) / max(c, 1e-12) for k, c in enumerate(costs)]
+        return [left / max(c * call_steps(al, k, left, max(n, 1)), 1e-12) for k, c in enumerate(costs)]
+
+    def best(self, rows: int, ctx: int = None, left: int = None, open_rows: int = None) -> int:
         """k* = argmax rate over k >= 1, or 0 where k* does not beat k = 0 by the factor 1 + margin even at the
         optimistic acceptance (module docstring)."""
-        costs, al = [max(c, 1e-12) for c in self.costs_at(rows, ctx)], self.alphas()
-        rates = [expected_kept(al, j) / c for j, c in enumerate(costs)]
+        costs = self.costs_at(rows, ctx if left is None or ctx is None else ctx + left / 2)
+        al, n = self.alphas(), open_rows or rows
+        rates = self._rates(al, costs, left, n)
         k = max(range(1, self.max_k + 1), key=lambda j: rates[j])
         hi = [min(a + self.z * math.sqrt(a * (1 - a) / (R + 1.0)), 1.0) for a, R in zip(al, self.R)]
-        return k if expected_kept(hi, k) / costs[k] > (1.0 + self.margin) * rates[0] else 0
+        return k if self._rates(hi, costs, left, n)[k] > (1.0 + self.margin) * rates[0] else 0
 
     def summary(self) -> dict:
         """What the controller believes and did: alpha_j, the steps it ran at each k, the k it ran most."""
@@ -292,12 +391,12 @@ class KSchedule:
         self.ks, self.max_k, self.i, self.off_after = tuple(ks), max(max(ks), 1), 0, off_after
         self.clock, self.dormant = (lambda: 0.0), False
 
-    def begin(self, K: int, rows: int = None, ctx: int = None):
+    def begin(self, K: int, rows: int = None, ctx: int = None, left: int = None):
         if K != self.max_k:
             raise ValueError(f"num_draft_tokens={K}: with adapt= expected the schedule's ceiling K={self.max_k}")
         self.i, self.dormant = 0, self.off_after == 0  # off_after=0: the whole call, without the draft's prefill
 
-    def choose(self, rows: int, ctx: int = None) -> int:
+    def choose(self, rows: int, ctx: int = None, left: int = None, open_rows: int = None) -> int:
         self.i += 1
         self.dormant = self.off_after is not None and self.i > self.off_after
         return 0 if self.dormant else self.ks[(self.i - 1) % len(self.ks)]
