@@ -123,10 +123,14 @@ def workload(cfg, rec: dict, prompt_len: float, tail: float, drafts: bool = True
 def check(run: str, device: Device, argv: list = (), tail: float = 0.0, prompt_len: float = 0.0,
           world: int = 0, cpu: bool = False) -> dict:
     """{component: (measured mean s, predicted mean s, relative error)} over the run's RL steps. cpu: the records'
-    per-phase CPU seconds (time["cpu"], one rank's) against the prediction without contention (one process)."""
+    per-phase CPU seconds (time["cpu"]) against the prediction without contention, for a one-process run (a
+    multi-rank run's time["cpu"] sums its ranks', harness/update.world_cpu: compare its wall seconds)."""
     if cpu:
         device = replace(device, cores=float("inf"))
     steps, stored = load_run(run)
+    if cpu and len(steps[0].get("rank_rows") or [0]) > 1:
+        raise ValueError(f"--cpu: {run} ran {len(steps[0]['rank_rows'])} ranks, whose CPU seconds its records sum; "
+                         "the model predicts one process's: expected a one-process run (drop --cpu to check wall)")
     cfg = run_config(stored, list(argv))
     arch = Arch.load(cfg.model)
     if not (tail and prompt_len):

@@ -141,6 +141,8 @@ def test_bad_inputs_name_what_was_expected(tmp_path, capsys):
         main(["--alpha", "x"])
     with pytest.raises(ValueError, match="RUN="):
         cost_check.load_run(str(tmp_path))
+    with pytest.raises(ValueError, match="--cpu: .* ran 4 ranks"):  # its CPU seconds are the ranks' sum
+        cost_check.check("docs/default_run_metrics.jsonl", Device.load("cpu"), cpu=True)
     assert main(["--model", "mini", "--k", "4", "--accept_len", "3"]) == 0
     out = capsys.readouterr().out
     assert "A MODEL, not a measurement" in out and "end-to-end step speedup" in out
