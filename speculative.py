@@ -217,7 +217,8 @@ def generate(target: Transformer, draft=None, prompts=(), *, max_new_tokens: int
             commit(s, block, z, n)
         else:
             chain_step(target, draft, s, adapt)
-    return finish(s, time.perf_counter() - t0)
+    r = finish(s, time.perf_counter() - t0)
+    return r if adapt is None else adapt.end(r)  # the controller reads the rows' acceptance spread (host lists)
 
 
 def chain_step(target, draft, s: _Decode, adapt=None):
@@ -293,9 +294,8 @@ def prefill(target, draft, prompts, k: int, temperature, eos_id, max_new_tokens,
 
 
 def poll(s: _Decode) -> int:
-    """The step's one host sync: the number of finished rows, and in the same read each KV cache's longest row, so
-    that the step's forwards attend exactly as far as they need (kv_cache.KVCache.bound) at no extra sync, and the
-    most tokens an open row may still take (s.left: adaptive k's call model, decoding/adaptive_k.py)."""
+    """The step's one host sync: the number of finished rows, each KV cache's longest row (its forwards then attend
+    exactly as far as they need, kv_cache.KVCache.bound) and the most tokens an open row may still take (s.left)."""
     caches = [s.pcache] + ([s.dcache] if s.k else [])
     left = (s.max_new_tokens - s.n_gen[s.live]).masked_fill(s.done, 0).max()
     n_done, s.left, *longest = torch.stack([s.done.sum(), left] + [c.lengths.max() for c in caches]).tolist()

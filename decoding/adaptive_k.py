@@ -8,7 +8,8 @@ call would end soonest if it ran at that k to its end:
 
     k* = argmax_{k = 1..K} rate(k)   if rate^(k*) > (1 + margin) rate(0), else 0    (rate^: the optimistic alphas)
     rate(k)  = left / (c(r, k, L + left / 2) steps(k))                 the slowest row's tokens per second
-    steps(k) = max((left + o_k) / mu_k + e_n sigma_k sqrt(left / mu_k^3), 1)          (call_steps; k = 0: left)
+    steps(k) = max((left + o_k) / mu_k + e_n sqrt(sigma_k^2 left / mu_k^3 + (rho o_k left / mu_k)^2), 1)
+                                                                                      (call_steps; k = 0: left)
 
     X           = min(kept | k, left): the tokens a row keeps from one step, P(X >= j) = prod_{i<j} alpha_i for
                   j = 1..min(k + 1, left); mu_k = E[X] = E[kept | k] when left > k, sigma_k^2 its variance
@@ -16,6 +17,9 @@ call would end soonest if it ran at that k to its end:
                   o_k = (E[X^2] - mu_k) / (2 mu_k) the last step's overshoot, and variance left sigma_k^2 / mu_k^3
                   (renewal theory)
     e_n         = E[max of n standard normals] (e_1 = 0, e_8 = 1.42, e_64 = 2.34): the slowest of the n open rows
+    rho         = the rows' relative spread in acceptance (a row's drafts accepted at (1 + rho z) alpha_j), measured
+                  from each call's per-row kept / forward counts (row_spread, AdaptiveK.end), pooled with decay: a
+                  row's rate moves by mu_k o_k per unit of ln alpha, so its steps spread by left rho o_k / mu_k more
     alpha_j     = P(d_j accepted | d_<j accepted)               per position, measured online with decay:
                 = (A_j + m alpha~_j) / (R_j + m)                A_j / R_j drafts accepted / tried at position j, each
                                                                 step's counts down-weighted by exp(-n / accept_memory)
@@ -37,8 +41,11 @@ Why the slowest row: an autoregressive call takes exactly `left` steps, every ro
 leaves that out, and it is what makes speculation lose at large batch: with bench/bench_rollout.py's pair at batch 64,
 tau 1.5, a k = 2 call took ~14% more steps than 96 tokens / 2.3 tokens per step, and every fixed k ran at 0.84-0.88x
 autoregressive decoding (the per-step model saw a tie). The term grows with n (none at batch 1) and with k (a larger
-k keeps a more variable number of tokens). Near a call's end X is capped by `left`: the drafts past the last token a
-row may take are wasted, so k falls there.
+k keeps a more variable number of tokens, and its rate depends more on the row's acceptance). Rows that are alike
+explain about half the measured straggle (47.4 steps there); with the rows' spread measured on that pair, rho ~0.1 at
+tau 1.5 and ~0.05 at tau 1, the model gives 51.4 (k = 2) and 47.1 (k = 3, measured 45.5) at tau 1.5, 30.8 (k = 3,
+measured 31.5) at tau 1. Near a call's end X is capped by `left`: the drafts past the last token a row may take are
+wasted, so k falls there.
 
 Why m = 4 pseudo-counts: a position tried rarely leans on the one before it rather than on a few coin flips (at batch
 1 the probes try a handful of drafts past position 3, and a position estimated at 0.6 from 3 tries, 0.9 in truth,
@@ -82,8 +89,8 @@ no taps kept, no catch-up, the draft idle): keeping the draft ready costs a trun
 forward per token (bench/bench_rollout.py's pair at batch 64, one CPU thread: a catch-up over 32 steps took ~26 ms
 beside ~12 ms per autoregressive step, i.e. ~7%). A call that starts at k* = 0 is dormant from its start (no draft
 prefill either), unless explore_off = 4 x explore_every steps ran at k = 0 since speculation last ran: then its first
-step runs k = 1 instead, so acceptance and the k = 1 cost are observed now and then (while k = 0 nothing is observed
-and nothing decays) and speculation comes back when the draft does.
+step runs the best k > 0 instead (the argmax the margin turned down), so acceptance and that k's cost are observed
+now and then (while k = 0 nothing is observed and nothing decays) and speculation comes back when the draft does.
 
 Switching off needs evidence: the optimistic alphas (at batch 1 the probes try 4 drafts in all, and an estimate of
 alpha_1 from 4 coin flips once switched a good draft off for a whole call) and `settle` decisions running. The margin
@@ -96,18 +103,19 @@ But the sampled tokens then depend on the clock (a run is not reproducible from 
 opt-in (--num_draft_tokens=auto); KSchedule (a fixed cycle of k, no clock) is how the tests switch k mid-generation.
 On a GPU pass a clock that synchronizes the device (for_device) or the timings see only the kernel launches.
 
-    expected_kept, kept_moments, call_steps, step_costs_naive(obs, r, ...)   the formulas above on plain lists (the
-    references; tests/test_adaptive_k.py checks call_steps against a simulation of the slowest row)
+    expected_kept, step_costs_naive(obs, r, ...)   the formulas above on plain lists (the references); the slowest
+    row's steps and the rows' spread: decoding/call_model.py
 
 Letters: K the ceiling, r rows in the batch, S tokens per row in one verification forward (k + 1), H hidden.
 """
 from __future__ import annotations
 
-import functools
 import math
 import time
 
 import torch
+
+from decoding.call_model import call_steps, row_spread
 
 
 def expected_kept(alphas, k: int) -> float:
@@ -117,45 +125,6 @@ def expected_kept(alphas, k: int) -> float:
         p *= a
         e += p
     return e
-
-
-def kept_moments(alphas, k: int, left: int = None) -> tuple:
-    """E[X], E[X^2] of X = min(kept | k, left), the tokens a row keeps from one step when it may take `left` more:
-    P(X >= j) = prod_{i<j} alpha_i for j = 1..min(k + 1, left), and E[X^2] = sum_j (2j - 1) P(X >= j)."""
-    top = k + 1 if left is None else max(1, min(k + 1, left))
-    m1, m2, p = 0.0, 0.0, 1.0
-    for j in range(1, top + 1):
-        p = p * alphas[j - 2] if j > 1 else 1.0
-        m1, m2 = m1 + p, m2 + (2 * j - 1) * p
-    return m1, m2
-
-
-@functools.lru_cache(maxsize=None)
-def expected_max_normal(n: int) -> float:
-    """e_n = E[max of n independent standard normals] = integral x n phi(x) Phi(x)^(n-1) dx (e_1 = 0, e_8 = 1.42,
-    e_64 = 2.34), by the trapezoid rule on [-9, 9] with step 0.01 (exact to ~1e-14 for so smooth an integrand: e_2 =
-    1 / sqrt(pi), e_3 = 3 / (2 sqrt(pi)))."""
-    if n <= 1:
-        return 0.0
-    total, dx = 0.0, 0.01
-    for i in range(1801):
-        x = -9.0 + i * dx
-        phi, Phi = math.exp(-0.5 * x * x) / math.sqrt(2 * math.pi), 0.5 * (1.0 + math.erf(x / math.sqrt(2)))
-        total += x * n * phi * Phi ** (n - 1) * (0.5 if i in (0, 1800) else 1.0)
-    return total * dx
-
-
-def call_steps(alphas, k: int, left: int, n: int) -> float:
-    """Steps until the slowest of n open rows has `left` more tokens at k. A row's steps to reach `left` tokens with
-    steps of X tokens (kept_moments: mean mu, variance sigma^2) are about normal (renewal theory) with mean
-    (left + o) / mu, o = (E[X^2] - mu) / (2 mu) the last step's expected overshoot, and variance left sigma^2 / mu^3;
-    the slowest of n such rows lies e_n sd above the mean:
-
-        steps(k) = max((left + o_k) / mu_k + e_n sigma_k sqrt(left / mu_k^3), 1)        (k = 0: exactly `left`)"""
-    m1, m2 = kept_moments(alphas, k, left)
-    var = max(m2 - m1 * m1, 0.0)
-    over = (m2 - m1) / (2 * m1)
-    return max((left + over) / m1 + expected_max_normal(n) * math.sqrt(var * left / m1 ** 3), 1.0)
 
 
 def _kernel(r_i: float, r: float, h: float) -> float:
@@ -252,9 +221,10 @@ class AdaptiveK:
         self.age = 0  # w = exp(step / cost_memory) (rescaled now and then): the decay without touching old entries
         self.queue, self.since, self.up, self.seen, self.mark = [], 0, True, None, None
         self.dormant, self.first = False, True  # off for the rest of the call; the call's first step
-        self.settle, self.zeros = settle, 0  # k* = 0 this many times running switches a call off; the count
+        self.settle, self.zeros, self.k_spec = settle, 0, 1  # k* = 0 this many times running: off; the best k > 0
         self.explore_off, self.off_steps = 4 * explore_every, 0  # at k* = 0: a call explores after this many steps
         self.chosen = [0] * (max_k + 1)  # steps run at each k (reporting)
+        self.spread, self.at_begin = [0.0, 0.0], list(self.chosen)  # decayed sums of rows x rho^2 and rows; chosen then
 
     @classmethod
     def for_device(cls, max_k: int, device, **kw) -> "AdaptiveK":
@@ -272,6 +242,7 @@ class AdaptiveK:
         if K != self.max_k:
             raise ValueError(f"num_draft_tokens={K}: with adapt= expected the controller's ceiling K={self.max_k}")
         self.seen, self.mark = None, None  # the call's cumulative per-position counts start at 0; no step ended yet
+        self.at_begin, self.queue = list(self.chosen), []  # probes left from a batch size of the last call: dropped
         self.first, self.zeros = True, 0
         self.dormant = (rows is not None and not self.queue and self._near(rows) and self.off_steps < self.explore_off
                         and self.best(rows, ctx, left, rows) == 0)
@@ -289,9 +260,9 @@ class AdaptiveK:
             k = self.queue.pop(0)
         else:
             k, self.since = self.best(rows, ctx, left, open_rows), self.since + 1
-            if k == 0:  # the call's first step explores k = 1 (acceptance and cost); after it, off until the call ends
+            if k == 0:  # the call's first step explores the best k > 0 (acceptance and cost); then off as below
                 self.zeros += 0 if self.first else 1  # k* = 0 `settle` times running: off for the rest of the call
-                k, self.dormant = (1, False) if self.first else (0, self.zeros >= self.settle)
+                k, self.dormant = (self.k_spec, False) if self.first else (0, self.zeros >= self.settle)
             else:
                 self.zeros = 0
                 if self.since >= self.explore_every:  # a neighbour of k*: its timings refresh
@@ -330,6 +301,23 @@ class AdaptiveK:
         e = self.timed.setdefault((rows, _bucket(ctx)), {}).setdefault(k, [0.0, 0.0, 0.0])
         e[0], e[1], e[2] = e[0] + w, e[1] + w * t, e[2] + 1.0
 
+    def end(self, rollout):
+        """A call ended: the rows' spread in acceptance from its per-row counts (row_spread), rho^2 pooled over calls
+        with decay (each call's weight: its rows; older calls' sums x exp(-rows / accept_memory)). Returns the
+        rollout."""
+        st = rollout.stats
+        rho2, n = row_spread(st.row_kept, st.row_forwards, [a - b for a, b in zip(self.chosen, self.at_begin)],
+                             self.alphas())
+        if n:
+            d = math.exp(-n / self.accept_memory)
+            self.spread = [d * self.spread[0] + n * rho2, d * self.spread[1] + n]
+        return rollout
+
+    def rho(self) -> float:
+        """The rows' relative spread in acceptance: sqrt of the pooled rho^2, clipped at 0 (0 until a call measured
+        it)."""
+        return math.sqrt(max(self.spread[0] / self.spread[1], 0.0)) if self.spread[1] > 0 else 0.0
+
     # -- the model --------------------------------------------------------------------------------------------------
     def alphas(self) -> list:
         out, prior = [], 0.5
@@ -355,23 +343,23 @@ class AdaptiveK:
         """Tokens per second per row, k = 0..K: E[kept | k] / c(r, k) per step (left None), or over the rest of the
         call, left / (c(r, k) steps(k)) with the costs at its mean context ctx + left / 2 (module docstring)."""
         costs = self.costs_at(rows, ctx if left is None or ctx is None else ctx + left / 2)
-        return self._rates(self.alphas() if alphas is None else alphas, costs, left, open_rows or rows)
+        return self._rates(self.alphas() if alphas is None else alphas, costs, left, open_rows or rows, self.rho())
 
     @staticmethod
-    def _rates(al, costs, left, n) -> list:
+    def _rates(al, costs, left, n, rho=0.0) -> list:
         if left is None:
             return [expected_kept(al, k) / max(c, 1e-12) for k, c in enumerate(costs)]
-        return [left / max(c * call_steps(al, k, left, max(n, 1)), 1e-12) for k, c in enumerate(costs)]
+        return [left / max(c * call_steps(al, k, left, max(n, 1), rho), 1e-12) for k, c in enumerate(costs)]
 
     def best(self, rows: int, ctx: int = None, left: int = None, open_rows: int = None) -> int:
         """k* = argmax rate over k >= 1, or 0 where k* does not beat k = 0 by the factor 1 + margin even at the
         optimistic acceptance (module docstring)."""
         costs = self.costs_at(rows, ctx if left is None or ctx is None else ctx + left / 2)
-        al, n = self.alphas(), open_rows or rows
-        rates = self._rates(al, costs, left, n)
-        k = max(range(1, self.max_k + 1), key=lambda j: rates[j])
+        al, n, rho = self.alphas(), open_rows or rows, self.rho()
+        rates = self._rates(al, costs, left, n, rho)
+        k = self.k_spec = max(range(1, self.max_k + 1), key=lambda j: rates[j])  # the best k > 0 (explored when off)
         hi = [min(a + self.z * math.sqrt(a * (1 - a) / (R + 1.0)), 1.0) for a, R in zip(al, self.R)]
-        return k if self._rates(hi, costs, left, n)[k] > (1.0 + self.margin) * rates[0] else 0
+        return k if self._rates(hi, costs, left, n, rho)[k] > (1.0 + self.margin) * rates[0] else 0
 
     def summary(self) -> dict:
         """What the controller believes and did: alpha_j, the steps it ran at each k, the k it ran most."""
@@ -403,6 +391,9 @@ class KSchedule:
 
     def record(self, *args, **kw):
         pass
+
+    def end(self, rollout):
+        return rollout
 
 
 class Backlog:

@@ -1,7 +1,7 @@
-"""decoding/adaptive_k.py: the cost fit against its written-out reference, the choice of k under injected costs (never
-the wall clock) with simulated and with real acceptance, and the --num_draft_tokens=auto flag. The lossless checks
-with k switching mid-generation sit with the others (test_speculative.py, test_temperature.py: spec_cases.SWITCHING).
-~12 s on 2 busy cores, most of it the end-to-end generate runs."""
+"""decoding/adaptive_k.py and decoding/call_model.py: the cost fit against its written-out reference, the slowest row
+against simulations, the choice of k under injected costs (never the wall clock) with simulated and with real
+acceptance, and the --num_draft_tokens=auto flag. The lossless checks with k switching mid-generation sit with the
+others (test_speculative.py, test_temperature.py: spec_cases.SWITCHING). ~15 s on 2 busy cores."""
 import math
 import random
 import re
@@ -9,8 +9,8 @@ import re
 import pytest
 import torch
 
-from decoding.adaptive_k import (AdaptiveK, KSchedule, _bucket, _slopes, call_steps, expected_kept, expected_max_normal,
-                                 kept_moments, step_costs_naive)
+from decoding.adaptive_k import AdaptiveK, KSchedule, _bucket, _slopes, expected_kept, step_costs_naive
+from decoding.call_model import call_steps, expected_max_normal, kept_moments, row_spread
 from harness.config import parse_args
 from spec_cases import make_small_vocab_pair
 from speculative import generate
@@ -69,21 +69,23 @@ class Sim:
         return ks, seconds / (calls * tokens)
 
 
-def slowest_row_steps(alphas, k, left, n, rng, reps):
-    """The mean over reps of the steps the slowest of n rows takes to `left` tokens at k (Monte Carlo)."""
-    total = 0
-    for _ in range(reps):
-        worst = 0
-        for _ in range(n):
-            rem, steps = left, 0
-            while rem > 0:
-                kept = 1
-                while kept <= k and rng.random() < alphas[kept - 1]:
-                    kept += 1
-                rem, steps = rem - kept, steps + 1
-            worst = max(worst, steps)
-        total += worst
-    return total / reps
+def row_steps(alphas, k, left, rng, scale=1.0):
+    """The steps one row takes to `left` tokens at k, its drafts accepted at scale x alpha_j (Monte Carlo), and the
+    tokens it kept."""
+    rem, steps, kept_all = left, 0, 0
+    while rem > 0:
+        kept = 1
+        while kept <= k and rng.random() < min(scale * alphas[kept - 1], 1.0):
+            kept += 1
+        rem, steps, kept_all = rem - kept, steps + 1, kept_all + min(kept, rem)
+    return steps, kept_all
+
+
+def slowest_row_steps(alphas, k, left, n, rng, reps, rho=0.0):
+    """The mean over reps of the steps the slowest of n rows takes to `left` tokens at k, each row's acceptance
+    scaled by 1 + rho z (Monte Carlo)."""
+    return sum(max(row_steps(alphas, k, left, rng, 1 + rho * rng.gauss(0, 1))[0] for _ in range(n))
+               for _ in range(reps)) / reps
 
 
 def test_the_call_model_against_a_simulation_of_the_slowest_row():
@@ -108,6 +110,30 @@ def test_the_call_model_against_a_simulation_of_the_slowest_row():
         assert call_steps(alphas, k, left, n) == pytest.approx(sim, rel=0.05), (alphas, k, left, n)
         if n > 1:
             assert left / expected_kept(alphas, k) < 0.9 * sim
+
+
+def test_rows_that_differ_in_acceptance(mismatched):
+    """Rows whose acceptance is scaled by 1 + rho z: row_spread recovers rho from the rows' kept / forwards (0.1 within
+    0.03 on 3 x 64 rows; none is found where the rows are alike), and call_steps with that rho stays within 6% of a
+    Monte Carlo of the slowest row, where without it it misses by more. ~3 s."""
+    rng, alphas = random.Random(1), [0.8, 0.8, 0.8]
+    for rho, lo, hi in ((0.1, 0.07, 0.13), (0.0, 0.0, 0.03)):
+        est = []
+        for _ in range(3):
+            rows = [row_steps(alphas, 3, 96, rng, 1 + rho * rng.gauss(0, 1)) for _ in range(64)]
+            got, n = row_spread([kp for _, kp in rows], [f for f, _ in rows], [0, 0, 0, 1], alphas)
+            est.append(got)  # rho^2, unclipped
+            assert n == 64
+        assert lo <= math.sqrt(max(sum(est) / 3, 0.0)) <= hi, (rho, est)
+    sim = slowest_row_steps(alphas, 3, 95, 64, rng, 30, rho=0.1)
+    assert call_steps(alphas, 3, 95, 64, rho=0.1) == pytest.approx(sim, rel=0.06)
+    assert call_steps(alphas, 3, 95, 64) < 0.93 * sim
+    assert row_spread([10, 12], [4, 4], [0, 1], alphas) == (0.0, 0)  # too few rows to tell
+    policy, draft = mismatched  # the engine hands each call's rows to the controller (AdaptiveK.end)
+    ctl = AdaptiveK(2, costs=lambda rows, k: (0.0, 1.0))
+    generate(policy, draft, [torch.tensor([1, 4, 2])] * 8, max_new_tokens=16, num_draft_tokens=2, adapt=ctl,
+             generator=torch.Generator().manual_seed(0))
+    assert ctl.spread[1] == 8 and ctl.rho() >= 0.0
 
 
 def test_the_call_model_lowers_k_at_large_batch():
@@ -179,8 +205,8 @@ def test_k_settles_where_the_cost_model_peaks(alphas, b, cd, want):
 @pytest.mark.parametrize("margin", [0.1, 0.0])
 def test_speculation_must_beat_k0_by_the_margin(margin):
     """k = 1 predicted 5% faster than k = 0 (E[kept] 1.5 for 1.4286 of the cost): under a 10% margin k stays 0 (the
-    margin stands for speculation's end-of-call and catch-up costs, which the model leaves out), exploring k = 1 at
-    the start of a call now and then; with no margin it speculates (a neighbour, k = 0 or 2, every 32 steps)."""
+    margin stands for speculation's prefill and catch-up costs, which the model leaves out), exploring the best k > 0
+    (1) at the start of a call now and then; with no margin it speculates (a neighbour, k = 0 or 2, every 32 steps)."""
     sim = Sim([0.5, 0.0], cd=1.5 / 1.05 - 1.0)
     ctl = AdaptiveK(2, costs=sim.costs, margin=margin)
     tail = sim.run(ctl, 64, 600, call=30)[-150:]
@@ -190,7 +216,8 @@ def test_speculation_must_beat_k0_by_the_margin(margin):
 def test_k_follows_a_drifting_draft_and_k0_still_explores():
     """The draft falls out of step mid-run (acceptance 0.95 -> 0.2): k drops from the ceiling to 0 within the
     acceptance memory; at 0 a call runs dormant (k = 0 throughout) unless explore_off = 4 x explore_every steps ran at
-    0 since speculation last ran: then its first step runs k = 1 and the rest none; when the draft recovers, k rises."""
+    0 since speculation last ran: then its first step runs the best k > 0 (here 1) and the rest none; when the draft
+    recovers, k rises."""
     # at 0.95: k = 4 (E / c = 1.26, k = 3: 1.21); at 0.2: k = 0 (0.68, k = 1: 0.60)
     sim = Sim([0.95] * 4, b=0.03, cd=0.05)
     ctl = AdaptiveK(4, costs=sim.costs, accept_memory=200.0, explore_every=10)

@@ -1,0 +1,85 @@
+"""The slowest row of a batch-synchronous generate call: how many steps it takes at k draft tokens, and how much the
+rows differ in acceptance (decoding/adaptive_k.py chooses k by when a call would end).
+
+A call lasts until its slowest row is done. At k each step keeps X = min(kept | k, left) tokens of a row (left: the
+most it may still take), P(X >= j) = prod_{i<j} alpha_i, j = 1..min(k + 1, left). A row's steps to `left` tokens are
+a renewal count, about normal with mean (left + o) / mu and variance left sigma^2 / mu^3 (mu, sigma^2: X's mean and
+variance; o = (E[X^2] - mu) / (2 mu) the last step's overshoot); rows whose drafts are accepted at (1 + rho z) alpha_j
+spread by left rho o / mu more; the slowest of n rows lies e_n sd above the mean (e_n = E[max of n standard normals]).
+
+    kept_moments(alphas, k, left)                  E[X], E[X^2]
+    expected_max_normal(n)                         e_n
+    call_steps(alphas, k, left, n, rho)            the slowest row's steps
+    row_spread(kept, forwards, steps_at_k, alphas) rho^2 from one call's per-row counts
+
+tests/test_adaptive_k.py checks them against enumeration, closed forms and Monte Carlo simulations of the rows.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+
+def kept_moments(alphas, k: int, left: int = None) -> tuple:
+    """E[X], E[X^2] of X = min(kept | k, left), the tokens a row keeps from one step when it may take `left` more:
+    P(X >= j) = prod_{i<j} alpha_i for j = 1..min(k + 1, left), and E[X^2] = sum_j (2j - 1) P(X >= j)."""
+    top = k + 1 if left is None else max(1, min(k + 1, left))
+    m1, m2, p = 0.0, 0.0, 1.0
+    for j in range(1, top + 1):
+        p = p * alphas[j - 2] if j > 1 else 1.0
+        m1, m2 = m1 + p, m2 + (2 * j - 1) * p
+    return m1, m2
+
+
+@functools.lru_cache(maxsize=None)
+def expected_max_normal(n: int) -> float:
+    """e_n = E[max of n independent standard normals] = integral x n phi(x) Phi(x)^(n-1) dx (e_1 = 0, e_8 = 1.42,
+    e_64 = 2.34), by the trapezoid rule on [-9, 9] with step 0.01 (exact to ~1e-14 for so smooth an integrand: e_2 =
+    1 / sqrt(pi), e_3 = 3 / (2 sqrt(pi)))."""
+    if n <= 1:
+        return 0.0
+    total, dx = 0.0, 0.01
+    for i in range(1801):
+        x = -9.0 + i * dx
+        phi, Phi = math.exp(-0.5 * x * x) / math.sqrt(2 * math.pi), 0.5 * (1.0 + math.erf(x / math.sqrt(2)))
+        total += x * n * phi * Phi ** (n - 1) * (0.5 if i in (0, 1800) else 1.0)
+    return total * dx
+
+
+def call_steps(alphas, k: int, left: int, n: int, rho: float = 0.0) -> float:
+    """Steps until the slowest of n open rows has `left` more tokens at k. A row's steps to reach `left` tokens with
+    steps of X tokens (kept_moments: mean mu, variance sigma^2) are about normal (renewal theory) with mean
+    (left + o) / mu, o = (E[X^2] - mu) / (2 mu) the last step's expected overshoot, and variance left sigma^2 / mu^3.
+    Rows also differ: a row whose drafts are accepted at (1 + rho z) alpha_j (z standard normal; rho the rows'
+    relative spread, AdaptiveK.end) keeps mu (1 + rho o z) a step to first order, since d mu / d ln alpha =
+    sum_j (j - 1) P(X >= j) = mu o: its steps spread by left rho o / mu more. The slowest of n rows lies e_n sd above
+    the mean:
+
+        steps(k) = max((left + o_k) / mu_k + e_n sqrt(sigma_k^2 left / mu_k^3 + (rho o_k left / mu_k)^2), 1)
+                                                                                   (k = 0: exactly `left`)"""
+    m1, m2 = kept_moments(alphas, k, left)
+    var = max(m2 - m1 * m1, 0.0)
+    over = (m2 - m1) / (2 * m1)
+    sd = math.sqrt(var * left / m1 ** 3 + (rho * over * left / m1) ** 2)
+    return max((left + over) / m1 + expected_max_normal(n) * sd, 1.0)
+
+
+def row_spread(kept, forwards, steps_at_k, alphas) -> tuple:
+    """The rows' relative spread in acceptance, rho, from one call: the sd across rows of kept_i / forwards_i (rows
+    with >= 4 forwards), less what a row's own sampling explains (sigma^2 / forwards_i, sigma^2 the steps' within-k
+    variance), over sum_k w_k mu_k o_k (the rate's derivative in ln alpha; w_k the call's share of steps at k)
+    -> (rho^2, rows used), rho^2 unclipped (noise can make it negative: pooled over calls first, clipped after, it
+    stays unbiased); (0, 0) when fewer than 4 rows count or the call hardly speculated."""
+    rows = [(kp / f, f) for kp, f in zip(kept, forwards) if f >= 4]
+    total = sum(steps_at_k)
+    if len(rows) < 4 or total <= 0:
+        return 0.0, 0
+    w = [c / total for c in steps_at_k]
+    mom = [kept_moments(alphas, k) for k in range(len(w))]
+    var_in = sum(wk * (m2 - m1 * m1) for wk, (m1, m2) in zip(w, mom))
+    slope = sum(wk * (m2 - m1) / 2 for wk, (m1, m2) in zip(w, mom))  # sum_k w_k mu_k o_k: d rate / d ln alpha
+    mean = sum(m for m, _ in rows) / len(rows)
+    between = sum((m - mean) ** 2 for m, _ in rows) / (len(rows) - 1) - sum(var_in / f for _, f in rows) / len(rows)
+    if slope < 0.05 * mean:  # (almost) no drafts: the rows' rates say nothing of their acceptance
+        return 0.0, 0
+    return between / (slope * slope), len(rows)
