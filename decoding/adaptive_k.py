@@ -103,8 +103,8 @@ But the sampled tokens then depend on the clock (a run is not reproducible from 
 opt-in (--num_draft_tokens=auto); KSchedule (a fixed cycle of k, no clock) is how the tests switch k mid-generation.
 On a GPU pass a clock that synchronizes the device (for_device) or the timings see only the kernel launches.
 
-    expected_kept, step_costs_naive(obs, r, ...)   the formulas above on plain lists (the references); the slowest
-    row's steps and the rows' spread: decoding/call_model.py
+    step_costs_naive(obs, r, ...)   the cost fit written out on a plain list (the reference); E[kept | k]
+    (kept_moments), the slowest row's steps and the rows' spread: decoding/call_model.py
 
 Letters: K the ceiling, r rows in the batch, S tokens per row in one verification forward (k + 1), H hidden.
 """
@@ -115,16 +115,7 @@ import time
 
 import torch
 
-from decoding.call_model import call_steps, row_spread
-
-
-def expected_kept(alphas, k: int) -> float:
-    """E[kept | k] = 1 + sum_{i<=k} prod_{j<=i} alpha_j: tokens a row keeps from one verification forward."""
-    e, p = 1.0, 1.0
-    for a in alphas[:k]:
-        p *= a
-        e += p
-    return e
+from decoding.call_model import call_steps, kept_moments, row_spread
 
 
 def _kernel(r_i: float, r: float, h: float) -> float:
@@ -339,22 +330,18 @@ class AdaptiveK:
                     e[4] + ct * x, e[5] + c * n
         return _combine(per_k, self.max_k, ctx, 2.0)
 
-    def rates(self, rows: int, ctx: int = None, left: int = None, open_rows: int = None, alphas=None) -> list:
-        """Tokens per second per row, k = 0..K: E[kept | k] / c(r, k) per step (left None), or over the rest of the
-        call, left / (c(r, k) steps(k)) with the costs at its mean context ctx + left / 2 (module docstring)."""
-        costs = self.costs_at(rows, ctx if left is None or ctx is None else ctx + left / 2)
-        return self._rates(self.alphas() if alphas is None else alphas, costs, left, open_rows or rows, self.rho())
-
     @staticmethod
     def _rates(al, costs, left, n, rho=0.0) -> list:
+        """Tokens per second per row, k = 0..K: E[kept | k] / c(r, k) per step (left None), or over the rest of the
+        call, left / (c(r, k) steps(k)) (module docstring)."""
         if left is None:
-            return [expected_kept(al, k) / max(c, 1e-12) for k, c in enumerate(costs)]
+            return [kept_moments(al, k)[0] / max(c, 1e-12) for k, c in enumerate(costs)]
         return [left / max(c * call_steps(al, k, left, max(n, 1), rho), 1e-12) for k, c in enumerate(costs)]
 
     def best(self, rows: int, ctx: int = None, left: int = None, open_rows: int = None) -> int:
         """k* = argmax rate over k >= 1, or 0 where k* does not beat k = 0 by the factor 1 + margin even at the
         optimistic acceptance (module docstring)."""
-        costs = self.costs_at(rows, ctx if left is None or ctx is None else ctx + left / 2)
+        costs = self.costs_at(rows, ctx if left is None or ctx is None else ctx + left / 2)  # the rest's mean context
         al, n, rho = self.alphas(), open_rows or rows, self.rho()
         rates = self._rates(al, costs, left, n, rho)
         k = self.k_spec = max(range(1, self.max_k + 1), key=lambda j: rates[j])  # the best k > 0 (explored when off)
