@@ -38,6 +38,7 @@ from decoding import speculative_tree
 from decoding.adaptive_k import Backlog
 from model import Transformer
 from modeling.layers import at_least_f32
+from decoding.generate_args import check_generate_args
 from decoding.spec_rule import accept_prob, probs, residual
 from decoding.row_streams import multinomial, uniform
 
@@ -54,6 +55,8 @@ class SpecStats:
     new_tokens: int = 0  # tokens returned (after EOS / max_new_tokens truncation)
     row_kept: list = field(default_factory=list)  # per prompt: its share of `kept` (paired per-prompt comparisons)
     row_forwards: list = field(default_factory=list)  # per prompt: verification forwards it was active in
+    row_tried: list = field(default_factory=list)  # per prompt: its drafts tried at positions 1..K (kept positions)
+    row_accepted: list = field(default_factory=list)  # per prompt: of which accepted
     seconds: float = 0.0
     tokens_per_s: float = 0.0
     kv_peak_bytes: int = 0  # the most bytes both KV caches held together, read at each step's poll (host ints)
@@ -100,41 +103,6 @@ def _logprob(logits, tokens, temperature):  # (B, S, V), (B, S) -> (B, S) log p(
     return torch.log_softmax(z, -1).gather(-1, tokens[..., None])[..., 0]
 
 
-def _check(target, draft, prompts, max_new_tokens, k, temperature, eos_id=None):
-    if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
-        raise ValueError("prompts: expected a non-empty list of 1-D token tensors")
-    for i, p in enumerate(prompts):
-        if not isinstance(p, torch.Tensor) or p.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"prompts[{i}]: expected an integer token tensor, got {type(p).__name__} "
-                            f"{getattr(p, 'dtype', '')}")
-        if p.dim() != 1 or p.numel() == 0:
-            raise ValueError(f"prompts[{i}]: expected a non-empty 1-D tensor, got shape {tuple(p.shape)}")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 0")
-    if k < 0:
-        raise ValueError(f"num_draft_tokens={k}: expected >= 0")
-    if not temperature >= 0:
-        raise ValueError(f"temperature={temperature}: expected >= 0 (0 = greedy)")
-    if not (target.is_first and target.is_last):
-        raise ValueError("target: generation needs the whole policy, not a pipeline-stage slice")
-    V = target.cfg.vocab_size
-    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, int) or not 0 <= eos_id < V):
-        raise ValueError(f"eos_id={eos_id!r}: expected an int token id in [0, vocab_size={V}) or None (a row would "
-                         "never stop at an id the policy cannot sample)")
-    ids = torch.cat(list(prompts))  # one min/max for the whole batch: two host syncs, not two per prompt
-    if int(ids.min()) < 0 or int(ids.max()) >= V:
-        i = next(i for i, p in enumerate(prompts) if int(p.min()) < 0 or int(p.max()) >= V)
-        raise ValueError(f"prompts[{i}]: token ids must lie in [0, vocab_size={V}), got min {int(prompts[i].min())} "
-                         f"max {int(prompts[i].max())}")
-    if draft is not None:
-        c, dc = target.cfg, draft.cfg
-        if dc.vocab_size != c.vocab_size:
-            raise ValueError(f"draft: vocab_size={dc.vocab_size} does not match the target's vocab_size={c.vocab_size}")
-        if dc.hidden_size != c.hidden_size or dc.target_num_layers != c.num_hidden_layers:
-            raise ValueError(f"draft: built for hidden_size={dc.hidden_size} / {dc.target_num_layers} layers, the "
-                             f"target has {c.hidden_size} / {c.num_hidden_layers}")
-
-
 # ------------------------------------------------------------------------------------------------------ the engine
 @dataclass
 class _Decode:
@@ -161,6 +129,8 @@ class _Decode:
     accept_sum: int = 0  # tokens kept (kept_tokens), summed over forwards and rows (device scalar once stepping)
     row_kept: torch.Tensor = None  # (B,) per prompt: tokens kept over its verification forwards
     row_fwd: torch.Tensor = None  # (B,) per prompt: verification forwards it was active in
+    row_tried: torch.Tensor = None  # (B, K) per prompt: drafts tried at each position (reached, per row)
+    row_acc: torch.Tensor = None  # (B,) per prompt: drafts accepted
     row_steps: int = 0  # rows active, summed over forwards
     K: int = 0  # the ceiling of k (buffers are sized for it); 0: k never changes
     backlog: object = None  # adaptive_k.Backlog: the draft-trunk entries of k = 0 steps, not yet extended
@@ -184,7 +154,7 @@ def generate(target: Transformer, draft=None, prompts=(), *, max_new_tokens: int
     each step of a chain draft; num_draft_tokens is then its ceiling K.
     kv_block: both KV caches grow (and shrink) in blocks of this many positions per row as the longest row advances
     (kv_cache.py; None: kv_cache.BLOCK); the outputs do not depend on it."""
-    _check(target, draft, prompts, max_new_tokens, num_draft_tokens, temperature, eos_id)
+    check_generate_args(target, draft, prompts, max_new_tokens, num_draft_tokens, temperature, eos_id)
     if adapt is not None and (draft is None or tree):
         raise ValueError("adapt: expected a chain draft (a draft, and tree=None: a tree keeps its fixed shape)")
     t0 = time.perf_counter()
@@ -284,6 +254,7 @@ def prefill(target, draft, prompts, k: int, temperature, eos_id, max_new_tokens,
     s.toks[:, 0], s.lps[:, 0] = y, _logprob(z[:, None], y[:, None], temperature)[:, 0]
     s.accept_sum, s.K, s.backlog = torch.zeros((), dtype=torch.long, device=dev), k, Backlog()
     s.row_kept, s.row_fwd = torch.zeros(B, dtype=torch.long, device=dev), torch.zeros(B, dtype=torch.long, device=dev)
+    s.row_tried, s.row_acc = torch.zeros(B, max(k, 1), dtype=torch.long, device=dev), torch.zeros_like(s.row_kept)
     s.row_steps = torch.zeros((), dtype=torch.long, device=dev)
     if taps is not None:
         s.tap_layers, s.dcache = draft.tap_layers, draft.new_cache(B, max_len, block=kv_block)
@@ -385,8 +356,12 @@ def commit(s: _Decode, block, z, n):
     s.y = block[torch.arange(block.shape[0], device=block.device), n]
     if s.k:  # per position j: draft j tried (j <= n) / accepted (j < n), among the positions the row keeps
         j = cols[None, : s.k]
-        s.reached[: s.k] += ((j <= n[:, None]) & (j < kept[:, None])).sum(0)
-        s.accepted[: s.k] += ((j < n[:, None]) & (j < kept[:, None])).sum(0)
+        tried, acc = (j <= n[:, None]) & (j < kept[:, None]), (j < n[:, None]) & (j < kept[:, None])  # (b, k)
+        s.reached[: s.k] += tried.sum(0)
+        s.accepted[: s.k] += acc.sum(0)
+        if s.row_tried is not None:  # per prompt (the rows' spread in acceptance, adaptive_k.AdaptiveK.end)
+            s.row_tried[s.live, : s.k] += tried
+            s.row_acc[s.live] += acc.sum(1)
         s.drafted = s.drafted + s.k * active.sum()
     s.accept_sum += kept.sum()
     s.row_steps += active.sum()
@@ -411,6 +386,7 @@ def finish(s: _Decode, seconds: float) -> Rollout:
     st.new_tokens, st.tokens_per_s = sum(n_keep), sum(n_keep) / seconds
     if s.row_kept is not None:
         st.row_kept, st.row_forwards = s.row_kept.tolist(), s.row_fwd.tolist()
+        st.row_tried, st.row_accepted = s.row_tried.tolist(), s.row_acc.tolist()
     return Rollout([s.toks[b, :m].clone() for b, m in enumerate(n_keep)],
                    [s.lps[b, :m].clone() for b, m in enumerate(n_keep)], st)
 
