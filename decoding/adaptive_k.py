@@ -18,7 +18,7 @@ call would end soonest if it ran at that k to its end:
                   (renewal theory)
     e_n         = E[max of n standard normals] (e_1 = 0, e_8 = 1.42, e_64 = 2.34): the slowest of the n open rows
     rho         = the rows' relative spread in acceptance (a row's drafts accepted at (1 + rho z) alpha_j), measured
-                  from each call's per-row kept / forward counts (row_spread, AdaptiveK.end), pooled with decay: a
+                  from each call's per-row drafts tried / accepted (row_spread, AdaptiveK.end), pooled with decay: a
                   row's rate moves by mu_k o_k per unit of ln alpha, so its steps spread by left rho o_k / mu_k more
     alpha_j     = P(d_j accepted | d_<j accepted)               per position, measured online with decay:
                 = (A_j + m alpha~_j) / (R_j + m)                A_j / R_j drafts accepted / tried at position j, each
@@ -41,10 +41,11 @@ Why the slowest row: an autoregressive call takes exactly `left` steps, every ro
 leaves that out, and it is what makes speculation lose at large batch: with bench/bench_rollout.py's pair at batch 64,
 tau 1.5, a k = 2 call took ~14% more steps than 96 tokens / 2.3 tokens per step, and every fixed k ran at 0.84-0.88x
 autoregressive decoding (the per-step model saw a tie). The term grows with n (none at batch 1) and with k (a larger
-k keeps a more variable number of tokens, and its rate depends more on the row's acceptance). Rows that are alike
-explain about half the measured straggle (47.4 steps there); with the rows' spread measured on that pair, rho ~0.1 at
-tau 1.5 and ~0.05 at tau 1, the model gives 51.4 (k = 2) and 47.1 (k = 3, measured 45.5) at tau 1.5, 30.8 (k = 3,
-measured 31.5) at tau 1. Near a call's end X is capped by `left`: the drafts past the last token a row may take are
+k keeps a more variable number of tokens, and its rate depends more on the row's acceptance). Measured on that pair
+(6 calls of 64 rows x 96 tokens at a fixed k; mean steps of a call / of a row / the model for alike rows / the model at
+the rho row_spread measured there): tau 1.5, k = 2: 51.2 / 41.6 / 47.3 / 49.6 (rho 0.071); k = 3: 45.7 / 35.3 / 41.9
+/ 44.3 (rho 0.064); tau 1, k = 3: 32.8 / 25.9 / 28.5 / 29.5 (rho 0.029). What the model still misses (3-10%) leans
+towards speculation. Near a call's end X is capped by `left`: the drafts past the last token a row may take are
 wasted, so k falls there.
 
 Why m = 4 pseudo-counts: a position tried rarely leans on the one before it rather than on a few coin flips (at batch
@@ -78,8 +79,24 @@ A `costs(rows, k) -> (draft s, verify s)` source replaces the clock (tests, simu
 first at a batch size more than 2x away from every timed one, are probes: k = K, 0, 1, twice, so S and k both vary
 before the fit is used.
 
+k* is decided afresh every `decide_every` (4) steps while it is > 0, at every step near a call's end (left <= 2 (K + 1))
+or at k* = 0 (best() costs ~0.3 ms of Python: 2-3% of a step at batch 8 on this CPU, once a step).
+
 While k* > 0, every `explore_every` steps one step runs at a neighbour of k* instead (k* + 1 and k* - 1 in turn,
 inside 0..K), so the timings of the k next to the choice stay fresh (a k left alone keeps its old mean).
+
+The machine's pace moves all k alike, and only the k that run see it: a slow spell while k = 3 runs would leave k = 3
+dear next to a k = 0 timed before it, and switch speculation off on a clock artefact (bench/bench_rollout.py's pair,
+batch 8, tau 1.5, CPU time: one call ran ~1.4x slower throughout; afterwards k = 1 kept the spell's cost while k = 0,
+timed afresh, fell back, and the next calls ran with speculation off). So each step is stored at a common pace,
+
+    t_stored = t / P,   ln P += clip(ln(t / (P tbar)), +-0.5) / pace_memory      (pace_memory = 16 steps)
+
+tbar the stored mean of the step's own cell (batch size, context bucket, k; once it holds 4 steps; a call's first
+step, not timed whole, does not move P). The choice is unchanged by P (every rate scales by 1 / P); what changes is
+that a spell's timings are stored at the common pace, so afterwards the k not run since are not cheaper than the k run
+through it (tests/test_adaptive_k.py: a 1.5x spell, every k within 5% of its true cost afterwards; without P, 20-40%
+off).
 
 k = 0 runs no draft pass. Inside a run of speculation (probes, exploring, k* = 1's neighbour) the policy's taps of a
 k = 0 step wait in a Backlog, and the draft's trunk extends over them in one forward at the next step with k > 0; that
@@ -88,9 +105,14 @@ each one run at k = 0 and so timed afresh at the present context, the rest of th
 no taps kept, no catch-up, the draft idle): keeping the draft ready costs a trunk
 forward per token (bench/bench_rollout.py's pair at batch 64, one CPU thread: a catch-up over 32 steps took ~26 ms
 beside ~12 ms per autoregressive step, i.e. ~7%). A call that starts at k* = 0 is dormant from its start (no draft
-prefill either), unless explore_off = 4 x explore_every steps ran at k = 0 since speculation last ran: then its first
-step runs the best k > 0 instead (the argmax the margin turned down), so acceptance and that k's cost are observed
-now and then (while k = 0 nothing is observed and nothing decays) and speculation comes back when the draft does.
+prefill either), unless `explore_off` (512) steps ran at k = 0 since speculation last ran: then its first step runs
+the best k > 0 instead (the argmax the margin turned down), so acceptance and that k's cost are observed now and
+then (while k = 0 nothing is observed and nothing decays) and speculation comes back when the draft does. Exploring is
+dear beyond its own step: the draft's prefill, and rows that then differ in length for the rest of the call, so every
+later step attends through a padding mask (bench/bench_rollout.py's pair, batch 64, tau 1.5, equal prompts: a call
+that ran one k = 2 step and then k = 0 took 11% more CPU time than plain sampling, 2% when dormant from its start) --
+exploring after 4 x 32 steps off, every other 96-token call explored, and a bench run where auto was mostly off there
+ran at 0.91x plain sampling.
 
 Switching off needs evidence: the optimistic alphas (at batch 1 the probes try 4 drafts in all, and an estimate of
 alpha_1 from 4 coin flips once switched a good draft off for a whole call) and `settle` decisions running. The margin
@@ -110,6 +132,7 @@ Letters: K the ceiling, r rows in the batch, S tokens per row in one verificatio
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 
@@ -118,6 +141,7 @@ import torch
 from decoding.call_model import call_steps, kept_moments, row_spread
 
 
+@functools.lru_cache(maxsize=4096)
 def _kernel(r_i: float, r: float, h: float) -> float:
     return math.exp(-(math.log(r_i) - math.log(r)) ** 2 / (2 * h * h))
 
@@ -200,7 +224,8 @@ class AdaptiveK:
 
     def __init__(self, max_k: int, *, clock=time.perf_counter, costs=None, accept_memory: float = 1000.0,
                  cost_memory: float = 64.0, bandwidth: float = 0.35, explore_every: int = 32, probe_rounds: int = 2,
-                 margin: float = 0.05, confidence: float = 2.0, settle: int = 3):
+                 margin: float = 0.05, confidence: float = 2.0, settle: int = 3, pace_memory: float = 16.0,
+                 decide_every: int = 4, explore_off: int = 512):
         if not (isinstance(max_k, int) and max_k >= 1):
             raise ValueError(f"max_k={max_k!r}: expected an int >= 1 (the ceiling K of the adaptive k)")
         self.max_k, self.clock, self.costs = max_k, clock, costs
@@ -210,12 +235,14 @@ class AdaptiveK:
         self.R, self.A = [0.0] * max_k, [0.0] * max_k  # decayed drafts tried / accepted per position
         self.timed = {}  # (rows, context bucket) -> {k: [w, w t, n]}: the steps timed there at k (t: whole steps);
         self.age = 0  # w = exp(step / cost_memory) (rescaled now and then): the decay without touching old entries
+        self.pace, self.pace_memory = 0.0, pace_memory  # ln of the machine's pace (steps take exp(pace) x their norm)
+        self.decide_every, self.held, self.k_star, self.held_rows = decide_every, 0, 0, None  # _decide
         self.queue, self.since, self.up, self.seen, self.mark = [], 0, True, None, None
         self.dormant, self.first = False, True  # off for the rest of the call; the call's first step
         self.settle, self.zeros, self.k_spec = settle, 0, 1  # k* = 0 this many times running: off; the best k > 0
-        self.explore_off, self.off_steps = 4 * explore_every, 0  # at k* = 0: a call explores after this many steps
+        self.explore_off, self.off_steps = explore_off, 0  # at k* = 0: a call explores after this many steps at 0
         self.chosen = [0] * (max_k + 1)  # steps run at each k (reporting)
-        self.spread, self.at_begin = [0.0, 0.0], list(self.chosen)  # decayed sums of rows x rho^2 and rows; chosen then
+        self.spread = [0.0, 0.0]  # decayed sums of rows x rho^2 and of rows
 
     @classmethod
     def for_device(cls, max_k: int, device, **kw) -> "AdaptiveK":
@@ -233,8 +260,8 @@ class AdaptiveK:
         if K != self.max_k:
             raise ValueError(f"num_draft_tokens={K}: with adapt= expected the controller's ceiling K={self.max_k}")
         self.seen, self.mark = None, None  # the call's cumulative per-position counts start at 0; no step ended yet
-        self.at_begin, self.queue = list(self.chosen), []  # probes left from a batch size of the last call: dropped
-        self.first, self.zeros = True, 0
+        self.queue = []  # probes left from a batch size of the last call: dropped
+        self.first, self.zeros, self.held = True, 0, 0
         self.dormant = (rows is not None and not self.queue and self._near(rows) and self.off_steps < self.explore_off
                         and self.best(rows, ctx, left, rows) == 0)
 
@@ -250,7 +277,7 @@ class AdaptiveK:
         if self.queue:
             k = self.queue.pop(0)
         else:
-            k, self.since = self.best(rows, ctx, left, open_rows), self.since + 1
+            k, self.since = self._decide(rows, ctx, left, open_rows), self.since + 1
             if k == 0:  # the call's first step explores the best k > 0 (acceptance and cost); then off as below
                 self.zeros += 0 if self.first else 1  # k* = 0 `settle` times running: off for the rest of the call
                 k, self.dormant = (self.k_spec, False) if self.first else (0, self.zeros >= self.settle)
@@ -277,6 +304,7 @@ class AdaptiveK:
             for j in range(min(len(dR), self.max_k)):
                 self.R[j], self.A[j] = d * self.R[j] + dR[j], d * self.A[j] + dA[j]
         now = self.clock() if self.costs is None else None
+        whole = now is None or self.mark is not None  # timed whole (a call's first step is not: no step before it)
         t = sum(self.costs(rows, k)) if now is None else t_draft + t_verify if self.mark is None else now - self.mark
         self.mark = now
         self.age += 1
@@ -290,6 +318,10 @@ class AdaptiveK:
             self.age = 0
         w = math.exp(self.age / self.cost_memory)
         e = self.timed.setdefault((rows, _bucket(ctx)), {}).setdefault(k, [0.0, 0.0, 0.0])
+        if whole and e[2] >= 4 and t > 0:  # the machine's pace now: this step against its cell's (normalised) mean
+            r = math.log(t / (math.exp(self.pace) * e[1] / e[0]))
+            self.pace += max(min(r, 0.5), -0.5) / self.pace_memory  # an outlier moves it by 3% at most
+        t = t / math.exp(self.pace)  # stored at the common pace: a slow spell moves every k's costs alike
         e[0], e[1], e[2] = e[0] + w, e[1] + w * t, e[2] + 1.0
 
     def end(self, rollout):
@@ -297,8 +329,7 @@ class AdaptiveK:
         with decay (each call's weight: its rows; older calls' sums x exp(-rows / accept_memory)). Returns the
         rollout."""
         st = rollout.stats
-        rho2, n = row_spread(st.row_kept, st.row_forwards, [a - b for a, b in zip(self.chosen, self.at_begin)],
-                             self.alphas())
+        rho2, n = row_spread(st.row_tried, st.row_accepted, self.alphas())
         if n:
             d = math.exp(-n / self.accept_memory)
             self.spread = [d * self.spread[0] + n * rho2, d * self.spread[1] + n]
@@ -308,6 +339,16 @@ class AdaptiveK:
         """The rows' relative spread in acceptance: sqrt of the pooled rho^2, clipped at 0 (0 until a call measured
         it)."""
         return math.sqrt(max(self.spread[0] / self.spread[1], 0.0)) if self.spread[1] > 0 else 0.0
+
+    def _decide(self, rows: int, ctx, left, open_rows) -> int:
+        """k* = best(...), or the last k* > 0 again for up to decide_every - 1 steps at the same batch size while more
+        than 2 (K + 1) tokens are left (k* moves slowly; best() costs ~0.3 ms of Python, ~2-3% of a step at batch 8)."""
+        near_end = left is not None and left <= 2 * (self.max_k + 1)
+        if self.held > 0 and self.k_star > 0 and rows == self.held_rows and not near_end:
+            self.held -= 1
+            return self.k_star
+        self.k_star, self.held_rows, self.held = self.best(rows, ctx, left, open_rows), rows, self.decide_every - 1
+        return self.k_star
 
     # -- the model --------------------------------------------------------------------------------------------------
     def alphas(self) -> list:

@@ -10,7 +10,7 @@ spread by left rho o / mu more; the slowest of n rows lies e_n sd above the mean
     kept_moments(alphas, k, left)                  E[X], E[X^2]
     expected_max_normal(n)                         e_n
     call_steps(alphas, k, left, n, rho)            the slowest row's steps
-    row_spread(kept, forwards, steps_at_k, alphas) rho^2 from one call's per-row counts
+    row_spread(tried, accepted, alphas)            rho^2 from one call's per-row counts
 
 tests/test_adaptive_k.py checks them against enumeration, closed forms and Monte Carlo simulations of the rows.
 """
@@ -64,22 +64,26 @@ def call_steps(alphas, k: int, left: int, n: int, rho: float = 0.0) -> float:
     return max((left + over) / m1 + expected_max_normal(n) * sd, 1.0)
 
 
-def row_spread(kept, forwards, steps_at_k, alphas) -> tuple:
-    """The rows' relative spread in acceptance, rho, from one call: the sd across rows of kept_i / forwards_i (rows
-    with >= 4 forwards), less what a row's own sampling explains (sigma^2 / forwards_i, sigma^2 the steps' within-k
-    variance), over sum_k w_k mu_k o_k (the rate's derivative in ln alpha; w_k the call's share of steps at k)
+def row_spread(tried, accepted, alphas) -> tuple:
+    """The rows' relative spread in acceptance, rho, from one call's per-row counts. Row i tried T_ij drafts at
+    position j and accepted A_i of them; were its drafts accepted at alpha_j (1 + rho z_i), it would expect
+    E_i = sum_j T_ij alpha_j, so r_i = A_i / E_i spreads across rows by
+
+        var_i(r_i) = rho^2 mean(r)^2 + mean_i(V_i / E_i^2),   V_i = sum_j T_ij alpha_j (1 - alpha_j) (its coin flips)
+
+    over the rows with >= 8 drafts tried. Which positions a row tried -- the k of the steps it ran, where it stopped --
+    enters only through E_i: a call whose k changes mid-way (probes first, k = 0 late, run by the rows that finish
+    last) is measured like one at a fixed k. (A ratio of kept tokens to forwards per row mixes the rows' k's into
+    their acceptance: with k = 0 in a call's last steps it made alike rows look ~2.5x as spread.)
     -> (rho^2, rows used), rho^2 unclipped (noise can make it negative: pooled over calls first, clipped after, it
-    stays unbiased); (0, 0) when fewer than 4 rows count or the call hardly speculated."""
-    rows = [(kp / f, f) for kp, f in zip(kept, forwards) if f >= 4]
-    total = sum(steps_at_k)
-    if len(rows) < 4 or total <= 0:
+    stays unbiased); (0, 0) when fewer than 4 rows count."""
+    rows = []
+    for T, A in zip(tried, accepted):
+        E = sum(t * a for t, a in zip(T, alphas))
+        if sum(T) >= 8 and E > 0:
+            rows.append((A / E, sum(t * a * (1 - a) for t, a in zip(T, alphas)) / (E * E)))
+    if len(rows) < 4:
         return 0.0, 0
-    w = [c / total for c in steps_at_k]
-    mom = [kept_moments(alphas, k) for k in range(len(w))]
-    var_in = sum(wk * (m2 - m1 * m1) for wk, (m1, m2) in zip(w, mom))
-    slope = sum(wk * (m2 - m1) / 2 for wk, (m1, m2) in zip(w, mom))  # sum_k w_k mu_k o_k: d rate / d ln alpha
-    mean = sum(m for m, _ in rows) / len(rows)
-    between = sum((m - mean) ** 2 for m, _ in rows) / (len(rows) - 1) - sum(var_in / f for _, f in rows) / len(rows)
-    if slope < 0.05 * mean:  # (almost) no drafts: the rows' rates say nothing of their acceptance
-        return 0.0, 0
-    return between / (slope * slope), len(rows)
+    mean = sum(r for r, _ in rows) / len(rows)
+    var = sum((r - mean) ** 2 for r, _ in rows) / (len(rows) - 1)
+    return (var - sum(v for _, v in rows) / len(rows)) / (mean * mean), len(rows)

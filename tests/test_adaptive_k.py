@@ -121,28 +121,48 @@ def test_the_call_model_against_a_simulation_of_the_slowest_row():
             assert left / expected_kept(alphas, k) < 0.9 * sim
 
 
+def row_tries(alphas, ks, left, rng, scale=1.0):
+    """One row of a call whose step i runs at ks[i] (the last repeats) until it has `left` tokens, its drafts accepted
+    at scale x alpha_j (Monte Carlo), counted as the engine counts them (positions the row keeps): (drafts tried per
+    position, accepted)."""
+    tried, acc, rem, i = [0] * max(ks), 0, left, 0
+    while rem > 0:
+        k, n = ks[min(i, len(ks) - 1)], 0
+        while n < k and rng.random() < min(scale * alphas[n], 1.0):
+            n += 1
+        kept = min(n + 1, rem)
+        for j in range(min(k, kept)):  # tried: j <= n; accepted: j < n (both among the kept positions)
+            tried[j] += j <= n
+            acc += j < n
+        rem, i = rem - kept, i + 1
+    return tried, acc
+
+
 def test_rows_that_differ_in_acceptance(mismatched):
-    """Rows whose acceptance is scaled by 1 + rho z: row_spread recovers rho from the rows' kept / forwards (0.1 within
-    0.03 on 3 x 64 rows; none is found where the rows are alike), and call_steps with that rho stays within 6% of a
-    Monte Carlo of the slowest row, where without it it misses by more. ~3 s."""
+    """Rows whose acceptance is scaled by 1 + rho z: row_spread recovers rho from the rows' drafts tried / accepted
+    (0.1 within 0.03 on 3 x 64 rows; none is found where the rows are alike), at a fixed k and in calls whose k
+    changes mid-way (probes first, k = 0 from step 18 on: the rows that finish last run the k = 0 steps); call_steps
+    with that rho stays within 6% of a Monte Carlo of the slowest row, where without it it misses by more. ~4 s."""
     rng, alphas = random.Random(1), [0.8, 0.8, 0.8]
-    for rho, lo, hi in ((0.1, 0.07, 0.13), (0.0, 0.0, 0.03)):
-        est = []
-        for _ in range(3):
-            rows = [row_steps(alphas, 3, 96, rng, 1 + rho * rng.gauss(0, 1)) for _ in range(64)]
-            got, n = row_spread([kp for _, kp in rows], [f for f, _ in rows], [0, 0, 0, 1], alphas)
-            est.append(got)  # rho^2, unclipped
-            assert n == 64
-        assert lo <= math.sqrt(max(sum(est) / 3, 0.0)) <= hi, (rho, est)
+    for ks in ([3], [3, 0, 1, 3, 0, 1] + [3] * 12 + [0]):
+        for rho, lo, hi in ((0.1, 0.07, 0.13), (0.0, 0.0, 0.03)):
+            est = []
+            for _ in range(3):
+                rows = [row_tries(alphas, ks, 96, rng, 1 + rho * rng.gauss(0, 1)) for _ in range(64)]
+                got, n = row_spread([t for t, _ in rows], [a for _, a in rows], alphas)
+                est.append(got)  # rho^2, unclipped
+                assert n == 64
+            assert lo <= math.sqrt(max(sum(est) / 3, 0.0)) <= hi, (ks, rho, est)
     sim = slowest_row_steps(alphas, 3, 95, 64, rng, 30, rho=0.1)
     assert call_steps(alphas, 3, 95, 64, rho=0.1) == pytest.approx(sim, rel=0.06)
     assert call_steps(alphas, 3, 95, 64) < 0.93 * sim
-    assert row_spread([10, 12], [4, 4], [0, 1], alphas) == (0.0, 0)  # too few rows to tell
+    assert row_spread([[4, 4, 2]] * 3, [8] * 3, alphas) == (0.0, 0)  # too few rows to tell
+    assert row_spread([[4, 2, 1]] * 8, [6] * 8, alphas) == (0.0, 0)  # too few drafts per row
     policy, draft = mismatched  # the engine hands each call's rows to the controller (AdaptiveK.end)
     ctl = AdaptiveK(2, costs=lambda rows, k: (0.0, 1.0))
-    generate(policy, draft, [torch.tensor([1, 4, 2])] * 8, max_new_tokens=16, num_draft_tokens=2, adapt=ctl,
+    generate(policy, draft, [torch.tensor([1, 4, 2])] * 8, max_new_tokens=40, num_draft_tokens=2, adapt=ctl,
              generator=torch.Generator().manual_seed(0))
-    assert ctl.spread[1] == 8  # all 8 rows counted (each ran >= 4 forwards)
+    assert ctl.spread[1] == 8  # all 8 rows counted (each tried >= 8 drafts)
 
 
 def test_the_call_model_lowers_k_at_large_batch():
@@ -225,12 +245,12 @@ def test_speculation_must_beat_k0_by_the_margin(margin):
 
 def test_k_follows_a_drifting_draft_and_k0_still_explores():
     """The draft falls out of step mid-run (acceptance 0.95 -> 0.2): k drops from the ceiling to 0 within the
-    acceptance memory; at 0 a call runs dormant (k = 0 throughout) unless explore_off = 4 x explore_every steps ran at
-    0 since speculation last ran: then its first step runs the best k > 0 (here 1) and the rest none; when the draft
+    acceptance memory; at 0 a call runs dormant (k = 0 throughout) unless explore_off (here 40) steps ran at 0 since
+    speculation last ran: then its first step runs the best k > 0 (here 1) and the rest none; when the draft
     recovers, k rises."""
     # at 0.95: k = 4 (E / c = 1.26, k = 3: 1.21); at 0.2: k = 0 (0.68, k = 1: 0.60)
     sim = Sim([0.95] * 4, b=0.03, cd=0.05)
-    ctl = AdaptiveK(4, costs=sim.costs, accept_memory=200.0, explore_every=10)
+    ctl = AdaptiveK(4, costs=sim.costs, accept_memory=200.0, explore_every=10, explore_off=40)
     assert sim.run(ctl, 16, 100, call=20)[-20:].count(4) >= 18  # one exploring step at k = 3 in every 10
     sim.alphas = [0.2] * 4
     ks = sim.run(ctl, 16, 400, call=20)
@@ -239,6 +259,30 @@ def test_k_follows_a_drifting_draft_and_k0_still_explores():
     assert all(k == 0 for i, k in enumerate(tail) if i % 20) and ctl.dormant
     sim.alphas = [0.95] * 4
     assert sim.run(ctl, 16, 400, call=20)[-20:].count(4) >= 18
+
+
+def test_a_slow_spell_of_the_machine_moves_every_k_alike():
+    """The machine runs 1.5x slower for one call of 40 steps, then at its pace again. The k run during the spell (here
+    1-3) must not keep the spell's costs once it is over, while the k not run since keep theirs:
+    each step is stored at the machine's common pace (the ratio of recent steps to their own means), so afterwards
+    every k's cost is within 5% of the truth and k is what it was before the spell (2). Without the pace (pace_memory
+    = inf) a k timed last in the spell stays 20-40% dear. ~1 s."""
+    def spell(pace_memory):
+        sim = Sim([0.8] * 4, b=0.03, cd=0.15)
+        pace, true = [1.0], sim.costs
+        sim.costs = lambda rows, k: tuple(pace[0] * x for x in true(rows, k))
+        ctl = AdaptiveK(4, costs=sim.costs, pace_memory=pace_memory)
+        before = sim.run(ctl, 16, 200, call=40)[-40:]
+        pace[0] = 1.5
+        sim.run(ctl, 16, 40, call=40)
+        pace[0] = 1.0
+        after = sim.run(ctl, 16, 200, call=40)[-40:]
+        return before, after, [c / sum(true(16, k)) for k, c in enumerate(ctl.costs_at(16))]
+
+    before, after, ratio = spell(16.0)
+    assert before.count(2) >= 36 and after.count(2) >= 36, (before, after)
+    assert ratio == pytest.approx([1.0] * 5, rel=0.05)  # a k explored early in the spell, before the pace caught up
+    assert max(spell(float("inf"))[2]) > 1.2  # the control: the timings of k run in the spell kept
 
 
 def test_the_engine_times_steps_with_the_injected_clock(mismatched, monkeypatch):
