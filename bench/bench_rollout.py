@@ -14,9 +14,10 @@ samples are therefore peaky, like an RL policy late in training on a structured 
 soft CE against the policy) on rollouts the policy itself sampled, and the two decoders run on held-out prompts at
 batch sizes 1, 8, 64 and k = 2, 3, 4, 6 draft tokens at temperature 1, runs interleaved so machine noise hits all
 methods alike; the median of `repeats` runs is reported (each repeat its own prompts and sampling seed, the same for
-every draft), and speedup_sd, the standard deviation over repeats of the paired speedup (that repeat's spec / that
-repeat's AR). Exactness is checked on the way: at temperature 0 the speculative tokens must equal the autoregressive
-ones.
+every draft; `repeat_scale` runs the small batches' rows, the noisiest and cheapest, several times as often: at batch 1
+one prompt's acceptance moves a repeat's speedup by ~20%), and speedup_sd, the standard deviation over repeats of the
+paired speedup (that repeat's spec / that repeat's AR). Exactness is checked on the way: at temperature 0 the
+speculative tokens must equal the autoregressive ones.
 
 `auto` (on by default) adds a row per (batch, tau) with "k": "auto": decoding/adaptive_k.py picks k in {0, ..., max(ks)}
 every step from its own timings (the benchmark's clock) and measured acceptance. One controller serves all of a row's
@@ -87,7 +88,8 @@ class BenchConfig:
     max_new_tokens: int = 96
     prompt_len: int = 8
     temperature: float = 1.0
-    repeats: int = 9  # each row's speedup_sd is over these
+    repeats: int = 9  # each row's speedup_sd is over these (times repeat_scale)
+    repeat_scale: str = "1:4,8:2"  # batch:factor: that batch's rows run repeats x factor (small batches: noisy, cheap)
     auto: bool = True  # an adaptive-k row (decoding/adaptive_k.py, ceiling max(ks)) per (batch, tau)
     threads: int = 1
     clock: str = "auto"  # "cpu": the process's CPU time (excludes a shared host's steal; 1 thread), "wall"; auto: cpu
@@ -107,7 +109,8 @@ def parse_args(argv) -> BenchConfig:
     cfg, types = BenchConfig(), {f.name: f.type for f in fields(BenchConfig)}
     for arg in argv:
         key, _, val = arg.removeprefix("--").partition("=")
-        if not arg.startswith("--") or key not in types or (not val and key != "trees"):  # --trees= : no trees
+        empty_ok = key in ("trees", "repeat_scale")  # --trees= : no trees; --repeat_scale= : every batch x 1
+        if not arg.startswith("--") or key not in types or (not val and not empty_ok):
             raise SystemExit(f"bad argument {arg!r}; expected --key=value with key in {sorted(types)}")
         cur = getattr(cfg, key)
         try:
@@ -120,12 +123,25 @@ def parse_args(argv) -> BenchConfig:
         setattr(cfg, key, new)
     if cfg.device != "cpu" and not (cfg.device.startswith("cuda") and torch.cuda.is_available()):
         raise SystemExit(f"--device={cfg.device!r}: expected cpu, or cuda[:i] on a machine with a CUDA GPU")
+    repeat_factors(cfg.repeat_scale)  # checked here: a bad value fails before the training
     if cfg.clock == "auto":
         cfg.clock = "cpu" if cfg.device == "cpu" else "wall"
     if cfg.clock not in CLOCKS or (cfg.clock == "cpu" and cfg.device != "cpu"):
         raise SystemExit(f"--clock={cfg.clock!r}: expected one of {sorted(CLOCKS)} (wall on a GPU: the host's CPU "
                          "time does not see the device's work)")
     return cfg
+
+
+def repeat_factors(spec: str) -> dict:
+    """--repeat_scale "1:4,8:2" -> {1: 4, 8: 2}; "" -> {}."""
+    out = {}
+    for item in filter(None, spec.split(",")):
+        b, _, f = item.partition(":")
+        if not (b.isdigit() and f.isdigit() and int(b) >= 1 and int(f) >= 1):
+            raise SystemExit(f"--repeat_scale={spec!r}: expected comma-separated batch:factor pairs of ints >= 1, "
+                             "e.g. 1:4,8:2")
+        out[int(b)] = int(f)
+    return out
 
 
 # ------------------------------------------------------------------------------------------ the synthetic language
@@ -257,7 +273,8 @@ def measure(cfg, policy, draft, prompts, B: int, tau: float) -> list:
 
     ds = drafts(cfg)
     res, tps = {label: [] for label, _, _ in ds}, {label: [] for label, _, _ in ds}
-    for r in range(cfg.repeats):  # repeat r: the same prompts and sampling seed for every draft, new ones per repeat,
+    reps = cfg.repeats * repeat_factors(cfg.repeat_scale).get(B, 1)
+    for r in range(reps):  # repeat r: the same prompts and sampling seed for every draft, new ones per repeat,
         for label, k, tree in ds[r % len(ds):] + ds[:r % len(ds)]:  # so acceptance averages over prompts and paths
             st, rate = run(label, k, tree, r)  # (one at B = 1 is noisy); the order rotates: no draft always runs last
             res[label].append(st)
@@ -274,7 +291,8 @@ def measure(cfg, policy, draft, prompts, B: int, tau: float) -> list:
                          tree=list(tree or ()), nodes=Tree(tree).num_nodes if tree else k, tokens_per_s_ar=round(ar, 1),
                          tokens_per_s_spec=round(sp, 1), speedup=round(sp / ar, 2),
                          speedup_sd=round(statistics.stdev(paired), 3) if len(paired) > 1 else None,
-                         speedup_per_repeat=[round(x, 3) for x in paired], acceptance_length=round(acc, 2),
+                         speedup_per_repeat=[round(x, 3) for x in paired], repeats=reps,
+                         acceptance_length=round(acc, 2),
                          speedup_wall=round(sp_wall / ar_wall, 2), clock=cfg.clock,
                          accept_per_position=per_pos, policy_forwards_ar=res["AR"][0].policy_forwards,
                          policy_forwards_spec=st[0].policy_forwards,

@@ -14,6 +14,8 @@ def test_clock_follows_the_device():
     assert bench_rollout.parse_args([]).clock == "cpu"  # auto on the CPU: the process's CPU time
     assert bench_rollout.parse_args(["--clock=wall"]).clock == "wall"
     assert bench_rollout.parse_args(["--trees=2,1:3,1", "--batches=1,8"]).batches == (1, 8)
+    assert bench_rollout.repeat_factors(bench_rollout.parse_args(["--repeat_scale=1:3"]).repeat_scale) == {1: 3}
+    assert bench_rollout.repeat_factors(bench_rollout.parse_args(["--repeat_scale="]).repeat_scale) == {}
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -21,6 +23,8 @@ def test_clock_follows_the_device():
     (["--repeats=x"], "--repeats"),
     (["--no_such_key=1"], "bad argument"),
     (["--device=tpu"], "--device"),
+    (["--repeat_scale=1x4"], "--repeat_scale"),
+    (["--repeat_scale=1:0"], "--repeat_scale"),
 ])
 def test_bad_flags_are_refused(argv, match):
     with pytest.raises(SystemExit, match=match):
