@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 
 from decoding import speculative_tree
-from decoding.adaptive_k import Backlog
+from decoding.backlog import Backlog
 from model import Transformer
 from modeling.layers import at_least_f32
 from decoding.generate_args import check_generate_args
@@ -133,7 +133,7 @@ class _Decode:
     row_acc: torch.Tensor = None  # (B,) per prompt: drafts accepted
     row_steps: int = 0  # rows active, summed over forwards
     K: int = 0  # the ceiling of k (buffers are sized for it); 0: k never changes
-    backlog: object = None  # adaptive_k.Backlog: the draft-trunk entries of k = 0 steps, not yet extended
+    backlog: object = None  # decoding/backlog.py: the draft-trunk entries of k = 0 steps, not yet extended
     drafted: object = 0  # draft tokens proposed to active rows (device scalar once stepping)
     left: int = 0  # host int, set by poll: the most new tokens an open row may still take
     open: int = 0  # host int, set by poll: the rows not yet finished

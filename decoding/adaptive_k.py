@@ -42,11 +42,11 @@ leaves that out, and it is what makes speculation lose at large batch: with benc
 tau 1.5, a k = 2 call took ~14% more steps than 96 tokens / 2.3 tokens per step, and every fixed k ran at 0.84-0.88x
 autoregressive decoding (the per-step model saw a tie). The term grows with n (none at batch 1) and with k (a larger
 k keeps a more variable number of tokens, and its rate depends more on the row's acceptance). Measured on that pair
-(6 calls of 64 rows x 96 tokens at a fixed k; mean steps of a call / of a row / the model for alike rows / the model at
-the rho row_spread measured there): tau 1.5, k = 2: 51.2 / 41.6 / 47.3 / 49.6 (rho 0.071); k = 3: 45.7 / 35.3 / 41.9
-/ 44.3 (rho 0.064); tau 1, k = 3: 32.8 / 25.9 / 28.5 / 29.5 (rho 0.029). What the model still misses (3-10%) leans
-towards speculation. Near a call's end X is capped by `left`: the drafts past the last token a row may take are
-wasted, so k falls there.
+at batch 64 (its straggle table: 15 calls of 96 tokens at each fixed k; steps of a call / of its mean row / the model
+for alike rows / the model at the rho row_spread measured there): tau 1.5, k = 2: 50.6 / 41.6 / 47.3 / 49.5 (rho
+0.069); k = 3: 46.3 / 35.4 / 42.1 / 44.5; tau 1, k = 3: 32.0 / 25.8 / 28.3 / 29.4 (rho 0.029); k = 6: 22.7 / 16.3 /
+19.2 / 20.2. What the model still misses (2-11%, most at tau 1 and large k) leans towards speculation. Near a call's
+end X is capped by `left`: the drafts past the last token a row may take are wasted, so k falls there.
 
 Why m = 4 pseudo-counts: a position tried rarely leans on the one before it rather than on a few coin flips (at batch
 1 the probes try a handful of drafts past position 3, and a position estimated at 0.6 from 3 tries, 0.9 in truth,
@@ -99,11 +99,11 @@ through it (tests/test_adaptive_k.py: a 1.5x spell, every k within 5% of its tru
 off).
 
 k = 0 runs no draft pass. Inside a run of speculation (probes, exploring, k* = 1's neighbour) the policy's taps of a
-k = 0 step wait in a Backlog, and the draft's trunk extends over them in one forward at the next step with k > 0; that
-catch-up is the price of switching back on and is charged to that step. Once k* = 0 at `settle` (3) steps running,
-each one run at k = 0 and so timed afresh at the present context, the rest of the call is autoregressive (`dormant`:
-no taps kept, no catch-up, the draft idle): keeping the draft ready costs a trunk
-forward per token (bench/bench_rollout.py's pair at batch 64, one CPU thread: a catch-up over 32 steps took ~26 ms
+k = 0 step wait in a Backlog (decoding/backlog.py), and the draft's trunk extends over them in one forward at the
+next step with k > 0; that catch-up is the price of switching back on and is charged to that step. Once k* = 0 at
+`settle` (3) steps running, each one run at k = 0 and so timed afresh at the present context, the rest of the call is
+autoregressive (`dormant`: no taps kept, no catch-up, the draft idle): keeping the draft ready costs a trunk forward
+per token (bench/bench_rollout.py's pair at batch 64, one CPU thread: a catch-up over 32 steps took ~26 ms
 beside ~12 ms per autoregressive step, i.e. ~7%). A call that starts at k* = 0 is dormant from its start (no draft
 prefill either), unless `explore_off` (512) steps ran at k = 0 since speculation last ran: then its first step runs
 the best k > 0 instead (the argmax the margin turned down), so acceptance and that k's cost are observed now and
@@ -422,31 +422,3 @@ class KSchedule:
 
     def end(self, rollout):
         return rollout
-
-
-class Backlog:
-    """The draft-trunk entries of k = 0 steps, not yet seen by the draft: per step (b, 1) tokens (the token sampled
-    after each tapped position) and the policy's taps {layer: (b, 1, H)} there, as draft.extend takes them."""
-
-    def __init__(self):
-        self.tokens, self.taps = [], []
-
-    def __bool__(self):
-        return bool(self.tokens)
-
-    def push(self, tokens, taps: dict) -> "Backlog":
-        self.tokens.append(tokens)
-        self.taps.append(taps)
-        return self
-
-    def keep(self, rows):  # the batch was compacted to `rows`
-        self.tokens = [t[rows] for t in self.tokens]
-        self.taps = [{key: v[rows] for key, v in t.items()} for t in self.taps]
-
-    def flush(self, draft, cache):
-        """One draft.extend over the L waiting steps (every row advanced by one token in each) -> (h, zq) there."""
-        tokens = torch.cat(self.tokens, 1)  # (b, L)
-        taps = {key: torch.cat([t[key] for t in self.taps], 1) for key in self.taps[0]}
-        self.tokens, self.taps = [], []
-        last = torch.full((tokens.shape[0],), tokens.shape[1] - 1, dtype=torch.long, device=tokens.device)
-        return draft.extend(cache, tokens, taps, last)
