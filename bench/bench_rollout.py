@@ -65,6 +65,7 @@ from model import ModelConfig, Transformer  # noqa: E402
 from speculative import generate  # noqa: E402
 from decoding.speculative_tree import Tree  # noqa: E402
 from decoding.adaptive_k import AdaptiveK  # noqa: E402
+from decoding.call_model import call_steps, row_spread  # noqa: E402
 from parallel.cli import describe, flags_help, wants_help  # noqa: E402
 
 
@@ -296,6 +297,7 @@ def measure(cfg, policy, draft, prompts, B: int, tau: float) -> list:
                          speedup_wall=round(sp_wall / ar_wall, 2), clock=cfg.clock,
                          accept_per_position=per_pos, policy_forwards_ar=res["AR"][0].policy_forwards,
                          policy_forwards_spec=st[0].policy_forwards,
+                         **(straggle(st, k, B, cfg.max_new_tokens - 1) if tree is None and label != "auto" else {}),
                          **(dict(k_ceiling=k, auto=adapt.summary()) if label == "auto" else {})))
         print(f"B={B:3d} tau={tau} {label:>16}: AR {ar:8.1f} tok/s  spec {sp:8.1f} tok/s  speedup {sp / ar:5.2f}x "
               f"(sd {rows[-1]['speedup_sd']})  tokens/forward {acc:.2f}  per position {per_pos}" +
@@ -382,7 +384,8 @@ def main(cfg: BenchConfig):
                      torch=torch.__version__, load_avg_1min_at_start=load),
         policy_parameters=sum(p.numel() for p in policy.parameters()),
         draft_parameters=sum(p.numel() for p in draft.parameters()))
-    table = "\n\n".join([markdown(rows), markdown_costs(cost), markdown_depth(result["equal_depth"])] +
+    table = "\n\n".join([markdown(rows), markdown_costs(cost), markdown_depth(result["equal_depth"]),
+                          markdown_straggle(rows)] +
                           ([markdown_auto(result["auto_targets"])] if cfg.auto else []))
     print("\n" + table)
     os.makedirs(os.path.dirname(cfg.out), exist_ok=True)
@@ -395,13 +398,35 @@ def main(cfg: BenchConfig):
 
 
 def markdown(rows) -> str:
-    head = (f"| batch | tau | draft | nodes | AR tok/s | spec tok/s | speedup | tokens / policy forward | "
-            f"acceptance per depth |\n|---:|---:|---|---:|---:|---:|---:|---:|---|")
+    head = ("| batch | tau | draft | nodes | AR tok/s | spec tok/s | speedup | tokens / policy forward | "
+            "acceptance per depth |\n|---:|---:|---|---:|---:|---:|---:|---:|---|")
     body = [f"| {r['batch']} | {r['temperature']:g} | {r['draft']} | {r['nodes']} | {r['tokens_per_s_ar']:.0f} | "
             f"{r['tokens_per_s_spec']:.0f} | **{r['speedup']:.2f}x** ± {r['speedup_sd'] or 0:.2f} | "
             f"{r['acceptance_length']:.2f} | "
             f"{', '.join(f'{a:.2f}' for a in r['accept_per_position'])} |" for r in rows]
     return "\n".join([head] + body)
+
+
+def straggle(st: list, k: int, B: int, left: int) -> dict:
+    """A fixed-k chain's calls against the slowest-row model (decoding/call_model.py): the verification steps a call
+    took (its slowest row's), the mean row's, the rows' spread rho (row_spread over each call's per-row drafts tried /
+    accepted, rho^2 averaged over the calls), and the model's steps for alike rows and at that rho, from the calls'
+    mean per-position acceptance and `left` = max_new_tokens - 1 tokens after the prefill's."""
+    al = [statistics.mean(x.accept_per_position[j] for x in st) for j in range(k)]
+    rho = math.sqrt(max(statistics.mean(row_spread(x.row_tried, x.row_accepted, al)[0] for x in st), 0.0))
+    return dict(call_steps=round(statistics.mean(x.policy_forwards for x in st), 2),
+                row_steps=round(statistics.mean(statistics.mean(x.row_forwards) for x in st), 2), rho=round(rho, 3),
+                model_steps_alike=round(call_steps(al, k, left, B), 2),
+                model_steps=round(call_steps(al, k, left, B, rho), 2))
+
+
+def markdown_straggle(rows) -> str:
+    head = ("| batch | tau | k | steps of a call | of the mean row | rho | model, alike rows | model at rho |\n"
+            "|---:|---:|---:|---:|---:|---:|---:|---:|")
+    body = [f"| {r['batch']} | {r['temperature']:g} | {r['k']} | {r['call_steps']:.1f} | {r['row_steps']:.1f} | "
+            f"{r['rho']:.3f} | {r['model_steps_alike']:.1f} | {r['model_steps']:.1f} |" for r in rows if "rho" in r]
+    return "\n".join([head] + body + ["\n(verification steps per generate call, means over the repeats; "
+                                       "decoding/call_model.py's model of the slowest row)"])
 
 
 def equal_depth(rows) -> list:
