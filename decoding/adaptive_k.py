@@ -8,7 +8,7 @@ call would end soonest if it ran at that k to its end:
 
     k* = argmax_{k = 1..K} rate(k)   if rate^(k*) > (1 + margin) rate(0), else 0    (rate^: the optimistic alphas)
     rate(k)  = left / (c(r, k, L + left / 2) steps(k))                 the slowest row's tokens per second
-    steps(k) = max((left + o_k) / mu_k + e_n sqrt(sigma_k^2 left / mu_k^3 + (rho o_k left / mu_k)^2), 1)
+    steps(k) = max((left + o_k) / mu_k + kappa e_n sqrt(sigma_k^2 left / mu_k^3 + (rho o_k left / mu_k)^2), 1)
                                                                                       (call_steps; k = 0: left)
 
     X           = min(kept | k, left): the tokens a row keeps from one step, P(X >= j) = prod_{i<j} alpha_i for
@@ -45,8 +45,11 @@ k keeps a more variable number of tokens, and its rate depends more on the row's
 at batch 64 (its straggle table: 15 calls of 96 tokens at each fixed k; steps of a call / of its mean row / the model
 for alike rows / the model at the rho row_spread measured there): tau 1.5, k = 2: 50.6 / 41.6 / 47.3 / 49.5 (rho
 0.069); k = 3: 46.3 / 35.4 / 42.1 / 44.5; tau 1, k = 3: 32.0 / 25.8 / 28.3 / 29.4 (rho 0.029); k = 6: 22.7 / 16.3 /
-19.2 / 20.2. What the model still misses (2-11%, most at tau 1 and large k) leans towards speculation. Near a call's
-end X is capped by `left`: the drafts past the last token a row may take are wasted, so k falls there.
+19.2 / 20.2: 2-11% short, most at tau 1 and large k, leaning towards speculation. So each call measures its own
+slowest row: kappa, the rows' max - mean forwards over e_n x the model's sd (straggle_ratio: among the rows that took
+the whole budget, the sd averaged over the call's k), pooled over calls with decay from a prior of 1 (64 pseudo-rows);
+it came out ~1.6-1.9 on that pair at batch 64, tau 1 (rows alike in a simulation: ~1). Near a call's end X is
+capped by `left`: the drafts past the last token a row may take are wasted, so k falls there.
 
 Why m = 4 pseudo-counts: a position tried rarely leans on the one before it rather than on a few coin flips (at batch
 1 the probes try a handful of drafts past position 3, and a position estimated at 0.6 from 3 tries, 0.9 in truth,
@@ -138,7 +141,7 @@ import time
 
 import torch
 
-from decoding.call_model import call_steps, kept_moments, row_spread
+from decoding.call_model import call_steps, kept_moments, row_spread, straggle_ratio
 
 
 @functools.lru_cache(maxsize=4096)
@@ -242,7 +245,8 @@ class AdaptiveK:
         self.settle, self.zeros, self.k_spec = settle, 0, 1  # k* = 0 this many times running: off; the best k > 0
         self.explore_off, self.off_steps = explore_off, 0  # at k* = 0: a call explores after this many steps at 0
         self.chosen = [0] * (max_k + 1)  # steps run at each k (reporting)
-        self.spread = [0.0, 0.0]  # decayed sums of rows x rho^2 and of rows
+        self.spread, self.straggle = [0.0, 0.0], [0.0, 0.0]  # decayed sums of rows x (rho^2, kappa) and of rows
+        self.at_begin = list(self.chosen)  # steps at each k when the call began
 
     @classmethod
     def for_device(cls, max_k: int, device, **kw) -> "AdaptiveK":
@@ -260,7 +264,7 @@ class AdaptiveK:
         if K != self.max_k:
             raise ValueError(f"num_draft_tokens={K}: with adapt= expected the controller's ceiling K={self.max_k}")
         self.seen, self.mark = None, None  # the call's cumulative per-position counts start at 0; no step ended yet
-        self.queue = []  # probes left from a batch size of the last call: dropped
+        self.queue, self.at_begin = [], list(self.chosen)  # probes left from a batch size of the last call: dropped
         self.first, self.zeros, self.held = True, 0, 0
         self.dormant = (rows is not None and not self.queue and self._near(rows) and self.off_steps < self.explore_off
                         and self.best(rows, ctx, left, rows) == 0)
@@ -333,7 +337,17 @@ class AdaptiveK:
         if n:
             d = math.exp(-n / self.accept_memory)
             self.spread = [d * self.spread[0] + n * rho2, d * self.spread[1] + n]
+        ratio, n = straggle_ratio(st.row_forwards, st.row_kept, [a - b for a, b in zip(self.chosen, self.at_begin)],
+                                  self.alphas(), self.rho())
+        if n:
+            d = math.exp(-n / self.accept_memory)
+            self.straggle = [d * self.straggle[0] + n * ratio, d * self.straggle[1] + n]
         return rollout
+
+    def kappa(self) -> float:
+        """The slowest row's distance above the mean row, measured over the model's (straggle_ratio), pooled over
+        calls with decay towards 1 by 64 pseudo-rows (one batch-64 call)."""
+        return (self.straggle[0] + 64.0) / (self.straggle[1] + 64.0)
 
     def rho(self) -> float:
         """The rows' relative spread in acceptance: sqrt of the pooled rho^2, clipped at 0 (0 until a call measured
@@ -372,22 +386,22 @@ class AdaptiveK:
         return _combine(per_k, self.max_k, ctx, 2.0)
 
     @staticmethod
-    def _rates(al, costs, left, n, rho=0.0) -> list:
+    def _rates(al, costs, left, n, rho=0.0, kappa=1.0) -> list:
         """Tokens per second per row, k = 0..K: E[kept | k] / c(r, k) per step (left None), or over the rest of the
         call, left / (c(r, k) steps(k)) (module docstring)."""
         if left is None:
             return [kept_moments(al, k)[0] / max(c, 1e-12) for k, c in enumerate(costs)]
-        return [left / max(c * call_steps(al, k, left, max(n, 1), rho), 1e-12) for k, c in enumerate(costs)]
+        return [left / max(c * call_steps(al, k, left, max(n, 1), rho, kappa), 1e-12) for k, c in enumerate(costs)]
 
     def best(self, rows: int, ctx: int = None, left: int = None, open_rows: int = None) -> int:
         """k* = argmax rate over k >= 1, or 0 where k* does not beat k = 0 by the factor 1 + margin even at the
         optimistic acceptance (module docstring)."""
         costs = self.costs_at(rows, ctx if left is None or ctx is None else ctx + left / 2)  # the rest's mean context
-        al, n, rho = self.alphas(), open_rows or rows, self.rho()
-        rates = self._rates(al, costs, left, n, rho)
+        al, n, rho, kappa = self.alphas(), open_rows or rows, self.rho(), self.kappa()
+        rates = self._rates(al, costs, left, n, rho, kappa)
         k = self.k_spec = max(range(1, self.max_k + 1), key=lambda j: rates[j])  # the best k > 0 (explored when off)
         hi = [min(a + self.z * math.sqrt(a * (1 - a) / (R + 1.0)), 1.0) for a, R in zip(al, self.R)]
-        return k if self._rates(hi, costs, left, n, rho)[k] > (1.0 + self.margin) * rates[0] else 0
+        return k if self._rates(hi, costs, left, n, rho, kappa)[k] > (1.0 + self.margin) * rates[0] else 0
 
     def summary(self) -> dict:
         """What the controller believes and did: alpha_j, the steps it ran at each k, the k it ran most."""

@@ -9,7 +9,8 @@ spread by left rho o / mu more; the slowest of n rows lies e_n sd above the mean
 
     kept_moments(alphas, k, left)                  E[X], E[X^2]
     expected_max_normal(n)                         e_n
-    call_steps(alphas, k, left, n, rho)            the slowest row's steps
+    call_steps(alphas, k, left, n, rho, kappa)     the slowest row's steps
+    straggle_ratio(forwards, kept, steps_at_k, ...) kappa from one call: its slowest row against the model
     row_spread(tried, accepted, alphas)            rho^2 from one call's per-row counts
 
 tests/test_adaptive_k.py checks them against enumeration, closed forms and Monte Carlo simulations of the rows.
@@ -46,22 +47,42 @@ def expected_max_normal(n: int) -> float:
     return total * dx
 
 
-def call_steps(alphas, k: int, left: int, n: int, rho: float = 0.0) -> float:
+def call_steps(alphas, k: int, left: int, n: int, rho: float = 0.0, kappa: float = 1.0) -> float:
     """Steps until the slowest of n open rows has `left` more tokens at k. A row's steps to reach `left` tokens with
     steps of X tokens (kept_moments: mean mu, variance sigma^2) are about normal (renewal theory) with mean
     (left + o) / mu, o = (E[X^2] - mu) / (2 mu) the last step's expected overshoot, and variance left sigma^2 / mu^3.
     Rows also differ: a row whose drafts are accepted at (1 + rho z) alpha_j (z standard normal; rho the rows'
     relative spread, AdaptiveK.end) keeps mu (1 + rho o z) a step to first order, since d mu / d ln alpha =
     sum_j (j - 1) P(X >= j) = mu o: its steps spread by left rho o / mu more. The slowest of n rows lies e_n sd above
-    the mean:
+    the mean, kappa x that where calls measured their slowest rows further out (straggle_ratio):
 
-        steps(k) = max((left + o_k) / mu_k + e_n sqrt(sigma_k^2 left / mu_k^3 + (rho o_k left / mu_k)^2), 1)
+        steps(k) = max((left + o_k) / mu_k + kappa e_n sqrt(sigma_k^2 left / mu_k^3 + (rho o_k left / mu_k)^2), 1)
                                                                                    (k = 0: exactly `left`)"""
     m1, m2 = kept_moments(alphas, k, left)
-    var = max(m2 - m1 * m1, 0.0)
     over = (m2 - m1) / (2 * m1)
-    sd = math.sqrt(var * left / m1 ** 3 + (rho * over * left / m1) ** 2)
-    return max((left + over) / m1 + expected_max_normal(n) * sd, 1.0)
+    return max((left + over) / m1 + kappa * expected_max_normal(n) * row_steps_sd(alphas, k, left, rho), 1.0)
+
+
+def row_steps_sd(alphas, k: int, left: int, rho: float = 0.0) -> float:
+    """The sd of one row's steps to `left` tokens at k (call_steps): sqrt(sigma^2 left / mu^3 + (rho o left / mu)^2)."""
+    m1, m2 = kept_moments(alphas, k, left)
+    over = (m2 - m1) / (2 * m1)
+    return math.sqrt(max(m2 - m1 * m1, 0.0) * left / m1 ** 3 + (rho * over * left / m1) ** 2)
+
+
+def straggle_ratio(forwards, kept, steps_at_k, alphas, rho: float = 0.0) -> tuple:
+    """How far out one call's slowest row lay, against the model: among the rows that took the whole budget (the most
+    tokens kept; a row ended by EOS says nothing of straggling), measured max_i f_i - mean_i f_i (f_i: the row's
+    verification forwards) over e_n x the model's sd, the sd averaged over the call's steps at k > 0 (steps_at_k)
+    -> (ratio, rows used); (0, 0) with fewer than 4 such rows or where k = 0 ran half the call's steps or more."""
+    top = max(kept, default=0)
+    f = [fi for fi, kp in zip(forwards, kept) if kp == top]
+    spec = sum(steps_at_k[1:])
+    if len(f) < 4 or top < 1 or spec <= sum(steps_at_k) / 2:
+        return 0.0, 0
+    sd = sum(c * row_steps_sd(alphas, k, top, rho) for k, c in enumerate(steps_at_k) if k) / spec
+    model = expected_max_normal(len(f)) * sd
+    return ((max(f) - sum(f) / len(f)) / model, len(f)) if model > 0 else (0.0, 0)
 
 
 def row_spread(tried, accepted, alphas) -> tuple:

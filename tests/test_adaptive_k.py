@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from decoding.adaptive_k import AdaptiveK, KSchedule, _bucket, _slopes, step_costs_naive
-from decoding.call_model import call_steps, expected_max_normal, kept_moments, row_spread
+from decoding.call_model import (call_steps, expected_max_normal, kept_moments, row_spread, row_steps_sd,
+                                 straggle_ratio)
 from harness.config import parse_args
 from spec_cases import make_small_vocab_pair
 from speculative import generate
@@ -259,6 +260,36 @@ def test_k_follows_a_drifting_draft_and_k0_still_explores():
     assert all(k == 0 for i, k in enumerate(tail) if i % 20) and ctl.dormant
     sim.alphas = [0.95] * 4
     assert sim.run(ctl, 16, 400, call=20)[-20:].count(4) >= 18
+
+
+def test_kappa_measures_how_far_out_the_slowest_row_lies():
+    """straggle_ratio on simulated calls of 64 rows (Monte Carlo): alike rows, as the model assumes, average ~1
+    (within 0.2 over 12 calls); rows spread by rho = 0.1, the model told so, ~1.2 (rho's first-order term is short, and
+    kappa takes that in too); rows twice as spread as the model's sd give ~2; rows ended by EOS (fewer tokens kept)
+    and calls mostly at k = 0 say nothing. Fed to AdaptiveK.end, the pooled kappa moves from 1 towards the calls'
+    ratio, and call_steps grows by (kappa - 1) e_n sd. ~1 s."""
+    rng, alphas = random.Random(2), [0.8, 0.85, 0.9]
+    for rho, lo, hi in ((0.0, 0.8, 1.2), (0.1, 1.0, 1.45)):  # rho's first-order term is ~20% short: kappa ~1.2
+        got = []
+        for _ in range(12):
+            rows = [row_steps(alphas, 3, 95, rng, 1 + rho * rng.gauss(0, 1)) for _ in range(64)]
+            got.append(straggle_ratio([f for f, _ in rows], [kp for _, kp in rows], [0, 0, 0, 30], alphas, rho)[0])
+        assert lo <= sum(got) / len(got) <= hi, (rho, got)
+    mean, sd = (95 + 0.5) / kept_moments(alphas, 3)[0], row_steps_sd(alphas, 3, 95)
+    wide = [[mean + 2 * sd * rng.gauss(0, 1) for _ in range(64)] for _ in range(12)]
+    ratios = [straggle_ratio(f, [95] * 64, [0, 0, 0, 30], alphas)[0] for f in wide]
+    assert sum(ratios) / 12 == pytest.approx(2.0, abs=0.3), ratios
+    assert straggle_ratio(wide[0][:8] + [1.0] * 56, [95] * 8 + [40] * 56, [0, 0, 0, 30], alphas)[1] == 8  # EOS rows out
+    assert straggle_ratio(wide[0], [95] * 64, [40, 0, 0, 30], alphas) == (0.0, 0)  # k = 0 ran most of the call
+    ctl = AdaptiveK(3, costs=lambda rows, k: (0.0, 1.0))
+    ctl.chosen = [0, 0, 0, 30]  # the call's steps (begin took at_begin = 0)
+    st = type("Stats", (), dict(row_tried=[], row_accepted=[], row_forwards=wide[1], row_kept=[95] * 64))
+    for _ in range(20):
+        ctl.end(type("Rollout", (), {"stats": st}))
+    ratio = straggle_ratio(wide[1], [95] * 64, [0, 0, 0, 30], ctl.alphas())[0]  # at the controller's alphas
+    assert 1.0 < ctl.kappa() < ratio and ctl.kappa() == pytest.approx(ratio, rel=0.1)  # the prior's 64 rows left
+    extra = call_steps(alphas, 3, 95, 64, kappa=2.0) - call_steps(alphas, 3, 95, 64)
+    assert extra == pytest.approx(expected_max_normal(64) * sd)
 
 
 def test_a_slow_spell_of_the_machine_moves_every_k_alike():
