@@ -36,9 +36,9 @@ import torch
 
 from decoding import speculative_tree
 from decoding.backlog import Backlog
+from decoding.generate_args import check_generate_args
 from model import Transformer
 from modeling.layers import at_least_f32
-from decoding.generate_args import check_generate_args
 from decoding.spec_rule import accept_prob, probs, residual
 from decoding.row_streams import multinomial, uniform
 
