@@ -85,18 +85,27 @@ before the fit is used.
 k* is decided afresh every `decide_every` (4) steps while it is > 0, at every step near a call's end (left <= 2 (K + 1))
 or at k* = 0 (best() costs ~0.3 ms of Python: 2-3% of a step at batch 8 on this CPU, once a step).
 
-While k* > 0, every `explore_every` steps one step runs at a neighbour of k* instead (k* + 1 and k* - 1 in turn,
-inside 0..K), so the timings of the k next to the choice stay fresh (a k left alone keeps its old mean).
+While k* > 0, every `explore_every` steps one step runs at a neighbour of k* or at 0 instead (k* + 1, k* - 1 and 0
+in turn, inside 0..K), so the timings of the k next to the choice, and of the k it is weighed against, stay fresh at
+the batch size running (a k left alone keeps its old mean; k = 0 was otherwise timed mostly in a call's last steps,
+at 1-2 rows: with bench/bench_rollout.py's pair at batch 8, tau 1.5, 42 of its 57 steps ran at <= 2 rows, its cost
+at 8 rows came out 2.2-2.9x below k = 3's where whole calls took 1.96x, and calls started with speculation off).
 
 The machine's pace moves all k alike, and only the k that run see it: a slow spell while k = 3 runs would leave k = 3
 dear next to a k = 0 timed before it, and switch speculation off on a clock artefact (bench/bench_rollout.py's pair,
 batch 8, tau 1.5, CPU time: one call ran ~1.4x slower throughout; afterwards k = 1 kept the spell's cost while k = 0,
 timed afresh, fell back, and the next calls ran with speculation off). So each step is stored at a common pace,
 
-    t_stored = t / P,   ln P += clip(ln(t / (P tbar)), +-0.5) / pace_memory      (pace_memory = 16 steps)
+    t_stored = t / P,   ln P += clip(ln t - ln P - lbar, +-0.5) / pace_memory      (pace_memory = 16 steps)
+                        ln P *= 1 - 1 / pace_anchor                               (pace_anchor = 256 steps)
 
-tbar the stored mean of the step's own cell (batch size, context bucket, k; once it holds 4 steps; a call's first
-step, not timed whole, does not move P). The choice is unchanged by P (every rate scales by 1 / P); what changes is
+lbar the stored mean of ln t_stored in the step's own cell (batch size, context bucket, k; once it holds 4 steps; a
+call's first step, not timed whole, does not move P). The mean of the logs, not the log of the mean: for noisy steps
+the latter sits ~sd^2 / 2 higher, so every step pushed ln P down (with log-normal noise of sd 0.25, to ~-1.2 in 3000
+steps). And the pull back to P = 1: P and the cells' means can trade places along a line (a higher P, lower stored
+times), so the estimate is a random walk, and a k not run since an earlier P is mis-costed against the k run now
+by the whole drift (bench/bench_rollout.py's pair, batch 8, tau 1.5: ln P at 0.5 after ~1000 steps, k = 3 then
+costed 2.9x k = 0 and k = 1 chosen; tests/test_adaptive_k.py: within 12% after 2600 steps at one k). The choice is unchanged by P (every rate scales by 1 / P); what changes is
 that a spell's timings are stored at the common pace, so afterwards the k not run since are not cheaper than the k run
 through it (tests/test_adaptive_k.py: a 1.5x spell, every k within 5% of its true cost afterwards; without P, 20-40%
 off).
@@ -175,13 +184,14 @@ def _slopes(per_k: dict) -> dict:
     within-k centred sums pooled over the k's (one common slope g0 where S does not vary among the k's that vary in
     L)."""
     c = {k: (XX - X * X / W, XT - X * T / W) for k, (W, T, X, XX, XT, n) in per_k.items() if W > 0}
+    tiny = 1e-9 * sum(v[3] for v in per_k.values()) + 1e-12  # below: rounding of a context that did not vary
     a11, a12, a22 = (sum(sxx * (k + 1.0) ** p for k, (sxx, _) in c.items()) for p in (0, 1, 2))
     b1, b2 = (sum(sxt * (k + 1.0) ** p for k, (_, sxt) in c.items()) for p in (0, 1))
     det = a11 * a22 - a12 * a12
-    if det > 1e-6 * a11 * a22 > 0:
+    if a11 > tiny and det > 1e-6 * a11 * a22 > 0:
         g0, g1 = (b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det
     else:
-        g0, g1 = (b1 / a11 if a11 > 1e-12 else 0.0), 0.0
+        g0, g1 = (b1 / a11 if a11 > tiny else 0.0), 0.0
     return {k: max(g0 + g1 * (k + 1), 0.0) for k in c}
 
 
@@ -226,9 +236,10 @@ class AdaptiveK:
     (its measurements carry over); begin(K) starts a call."""
 
     def __init__(self, max_k: int, *, clock=time.perf_counter, costs=None, accept_memory: float = 1000.0,
-                 cost_memory: float = 64.0, bandwidth: float = 0.35, explore_every: int = 32, probe_rounds: int = 2,
+                 cost_memory: float = 64.0, bandwidth: float = 0.2, explore_every: int = 32, probe_rounds: int = 2,
                  margin: float = 0.05, confidence: float = 2.0, settle: int = 3, pace_memory: float = 16.0,
-                 decide_every: int = 4, explore_off: int = 512):
+                 decide_every: int = 4, explore_off: int = 512,
+                 pace_anchor: float = 256.0):
         if not (isinstance(max_k, int) and max_k >= 1):
             raise ValueError(f"max_k={max_k!r}: expected an int >= 1 (the ceiling K of the adaptive k)")
         self.max_k, self.clock, self.costs = max_k, clock, costs
@@ -238,9 +249,9 @@ class AdaptiveK:
         self.R, self.A = [0.0] * max_k, [0.0] * max_k  # decayed drafts tried / accepted per position
         self.timed = {}  # (rows, context bucket) -> {k: [w, w t, n]}: the steps timed there at k (t: whole steps);
         self.age = 0  # w = exp(step / cost_memory) (rescaled now and then): the decay without touching old entries
-        self.pace, self.pace_memory = 0.0, pace_memory  # ln of the machine's pace (steps take exp(pace) x their norm)
+        self.pace, self.pace_memory, self.pace_anchor = 0.0, pace_memory, pace_anchor  # ln of the machine's pace (steps take exp(pace) x their norm)
         self.decide_every, self.held, self.k_star, self.held_rows = decide_every, 0, 0, None  # _decide
-        self.queue, self.since, self.up, self.seen, self.mark = [], 0, True, None, None
+        self.queue, self.since, self.up, self.seen, self.mark = [], 0, 0, None, None
         self.dormant, self.first = False, True  # off for the rest of the call; the call's first step
         self.settle, self.zeros, self.k_spec = settle, 0, 1  # k* = 0 this many times running: off; the best k > 0
         self.explore_off, self.off_steps = explore_off, 0  # at k* = 0: a call explores after this many steps at 0
@@ -287,9 +298,9 @@ class AdaptiveK:
                 k, self.dormant = (self.k_spec, False) if self.first else (0, self.zeros >= self.settle)
             else:
                 self.zeros = 0
-                if self.since >= self.explore_every:  # a neighbour of k*: its timings refresh
-                    self.since, self.up = 0, not self.up
-                    k = k + 1 if self.up and k < self.max_k else k - 1
+                if self.since >= self.explore_every:  # a neighbour of k*, or k = 0: its timings refresh
+                    self.since, self.up = 0, (self.up + 1) % 3
+                    k = (k + 1 if k < self.max_k else k - 1) if self.up == 1 else k - 1 if self.up == 2 else 0
         self.first = False
         self.chosen[k] += 1
         self.off_steps = self.off_steps + 1 if k == 0 else 0
@@ -316,17 +327,19 @@ class AdaptiveK:
             f = math.exp(-self.age / self.cost_memory)
             for by_k in self.timed.values():
                 for e in by_k.values():
-                    e[0], e[1] = e[0] * f, e[1] * f
+                    e[0], e[1], e[3] = e[0] * f, e[1] * f, e[3] * f
             self.timed = {r: {k_: e for k_, e in by_k.items() if e[0] > 1e-12} for r, by_k in self.timed.items()}
             self.timed = {r: by_k for r, by_k in self.timed.items() if by_k}
             self.age = 0
         w = math.exp(self.age / self.cost_memory)
-        e = self.timed.setdefault((rows, _bucket(ctx)), {}).setdefault(k, [0.0, 0.0, 0.0])
-        if whole and e[2] >= 4 and t > 0:  # the machine's pace now: this step against its cell's (normalised) mean
-            r = math.log(t / (math.exp(self.pace) * e[1] / e[0]))
+        e = self.timed.setdefault((rows, _bucket(ctx)), {}).setdefault(k, [0.0, 0.0, 0.0, 0.0])
+        t = max(t, 1e-9)
+        self.pace *= 1.0 - 1.0 / self.pace_anchor  # pulled back to 1: its estimate is a random walk otherwise
+        if whole and e[2] >= 4:  # the machine's pace now: this step's log time against its cell's (normalised) mean
+            r = math.log(t) - self.pace - e[3] / e[0]
             self.pace += max(min(r, 0.5), -0.5) / self.pace_memory  # an outlier moves it by 3% at most
         t = t / math.exp(self.pace)  # stored at the common pace: a slow spell moves every k's costs alike
-        e[0], e[1], e[2] = e[0] + w, e[1] + w * t, e[2] + 1.0
+        e[0], e[1], e[2], e[3] = e[0] + w, e[1] + w * t, e[2] + 1.0, e[3] + w * math.log(t)
 
     def end(self, rollout):
         """A call ended: the rows' spread in acceptance from its per-row counts (row_spread), rho^2 pooled over calls
@@ -378,7 +391,7 @@ class AdaptiveK:
         per_k = {}
         for (r, lb), by_k in self.timed.items():
             c, L = _kernel(r, rows, self.h), _centre(lb)
-            for k, (w, wt, n) in by_k.items():
+            for k, (w, wt, n, _) in by_k.items():
                 x, cw, ct = L, c * w, c * wt
                 e = per_k.setdefault(k, [0.0] * 6)
                 e[0], e[1], e[2], e[3], e[4], e[5] = e[0] + cw, e[1] + ct, e[2] + cw * x, e[3] + cw * x * x, \
