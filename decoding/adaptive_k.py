@@ -85,11 +85,10 @@ before the fit is used.
 k* is decided afresh every `decide_every` (4) steps while it is > 0, at every step near a call's end (left <= 2 (K + 1))
 or at k* = 0 (best() costs ~0.3 ms of Python: 2-3% of a step at batch 8 on this CPU, once a step).
 
-While k* > 0, every `explore_every` steps one step runs at a neighbour of k* or at 0 instead (k* + 1, k* - 1 and 0
-in turn, inside 0..K), so the timings of the k next to the choice, and of the k it is weighed against, stay fresh at
-the batch size running (a k left alone keeps its old mean; k = 0 was otherwise timed mostly in a call's last steps,
-at 1-2 rows: with bench/bench_rollout.py's pair at batch 8, tau 1.5, 42 of its 57 steps ran at <= 2 rows, its cost
-at 8 rows came out 2.2-2.9x below k = 3's where whole calls took 1.96x, and calls started with speculation off).
+While k* > 0, every `explore_every` steps runs at k* + 1, k* - 1 or 0 in turn (inside 0..K), so the k next to the
+choice and the k it is weighed against stay timed at the batch size running (k = 0 was else timed mostly at a call's
+end, at 1-2 rows: bench/bench_rollout.py's pair, batch 8, tau 1.5, costed k = 3 2.2-2.9x k = 0 at 8 rows, where
+whole calls took 1.96x, and calls started with speculation off).
 
 The machine's pace moves all k alike, and only the k that run see it: a slow spell while k = 3 runs would leave k = 3
 dear next to a k = 0 timed before it, and switch speculation off on a clock artefact (bench/bench_rollout.py's pair,
@@ -100,15 +99,15 @@ timed afresh, fell back, and the next calls ran with speculation off). So each s
                         ln P *= 1 - 1 / pace_anchor                               (pace_anchor = 256 steps)
 
 lbar the stored mean of ln t_stored in the step's own cell (batch size, context bucket, k; once it holds 4 steps; a
-call's first step, not timed whole, does not move P). The mean of the logs, not the log of the mean: for noisy steps
-the latter sits ~sd^2 / 2 higher, so every step pushed ln P down (with log-normal noise of sd 0.25, to ~-1.2 in 3000
-steps). And the pull back to P = 1: P and the cells' means can trade places along a line (a higher P, lower stored
-times), so the estimate is a random walk, and a k not run since an earlier P is mis-costed against the k run now
-by the whole drift (bench/bench_rollout.py's pair, batch 8, tau 1.5: ln P at 0.5 after ~1000 steps, k = 3 then
-costed 2.9x k = 0 and k = 1 chosen; tests/test_adaptive_k.py: within 12% after 2600 steps at one k). The choice is unchanged by P (every rate scales by 1 / P); what changes is
-that a spell's timings are stored at the common pace, so afterwards the k not run since are not cheaper than the k run
-through it (tests/test_adaptive_k.py: a 1.5x spell, every k within 5% of its true cost afterwards; without P, 20-40%
-off).
+call's first step, not timed whole, does not move P). The mean of the logs, not the log of the mean: for noisy steps the
+latter sits ~sd^2 / 2 higher, so every step pushed ln P down (with log-normal noise of sd 0.25, to ~-1.2 in 3000 steps).
+And the pull back to P = 1: P and the cells' means can trade places along a line (a higher P, lower stored times), so
+the estimate is a random walk, and a k not run since an earlier P is mis-costed against the k run now by the whole drift
+(bench/bench_rollout.py's pair, batch 8, tau 1.5: ln P at 0.5 after ~1000 steps, k = 3 then costed 2.9x k = 0 and k = 1
+chosen; tests/test_adaptive_k.py: within 12% after 2600 steps at one k). The choice is unchanged by P (every rate scales
+by 1 / P); what changes is that a spell's timings are stored at the common pace, so afterwards the k not run since are
+not cheaper than the k run through it (tests/test_adaptive_k.py: a 1.5x spell, every k within 5% of its true cost
+afterwards; without P, 10% off there, 20-40% before k = 0 was explored beside k* +- 1).
 
 k = 0 runs no draft pass. Inside a run of speculation (probes, exploring, k* = 1's neighbour) the policy's taps of a
 k = 0 step wait in a Backlog (decoding/backlog.py), and the draft's trunk extends over them in one forward at the
@@ -249,7 +248,7 @@ class AdaptiveK:
         self.R, self.A = [0.0] * max_k, [0.0] * max_k  # decayed drafts tried / accepted per position
         self.timed = {}  # (rows, context bucket) -> {k: [w, w t, n]}: the steps timed there at k (t: whole steps);
         self.age = 0  # w = exp(step / cost_memory) (rescaled now and then): the decay without touching old entries
-        self.pace, self.pace_memory, self.pace_anchor = 0.0, pace_memory, pace_anchor  # ln of the machine's pace (steps take exp(pace) x their norm)
+        self.pace, self.pace_memory, self.pace_anchor = 0.0, pace_memory, pace_anchor  # ln of the machine's pace
         self.decide_every, self.held, self.k_star, self.held_rows = decide_every, 0, 0, None  # _decide
         self.queue, self.since, self.up, self.seen, self.mark = [], 0, 0, None, None
         self.dormant, self.first = False, True  # off for the rest of the call; the call's first step

@@ -30,6 +30,8 @@ this CPU's; the GPU presets state their sources and assumptions):
     o_*           fixed seconds per call (docs in bench/probe_cost.py); 0 where a device has none worth counting
     cores         processes that run at full speed at once (CPU cores; GPUs: one process each)
     oversub       the CPU-time inflation when processes outnumber cores (time slices refill caches); 1 on GPUs
+    o_comm, BW_comm   per exchange or collective, and bytes/s, of one rank's communication (harness/cost_comm.py;
+                  bench/probe_cost_comm.py measures this CPU's over gloo)
 """
 from __future__ import annotations
 
@@ -39,7 +41,8 @@ from dataclasses import dataclass, field, fields, replace
 
 OVERHEADS = ("o_layer", "o_seq", "o_layer_fb", "o_seq_fb", "o_layer_pad", "o_ref", "o_dec", "o_step", "o_vstep",
              "o_dstep", "o_dext", "o_pass1", "o_pass1_seq", "o_pass1_tok", "o_pass", "o_pass_seq", "o_pass_tok",
-             "o_row", "o_upd", "o_tok_fb", "o_dopt")  # the last four: the host's work around the calls
+             "o_row", "o_upd", "o_tok_fb", "o_dopt",  # these four: the host's work around the calls
+             "o_comm")  # per exchange or collective of one rank (harness/cost_comm.py)
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEVICE_FILES = {  # preset name -> file, relative to the checkout
     "cpu": "bench/results/cost_device_cpu.json",
@@ -160,6 +163,7 @@ class Device:
     F_pad: float = 0.0  # FLOP/s of the reference's attention padded to the block's longest row (0: not padded, at F)
     cores: float = 1  # processes that run at full speed at once
     oversub: float = 1.0  # CPU seconds per solo CPU second when more processes than cores share them (time slices)
+    BW_comm: float = 0.0  # bytes/s one rank sends through the communication backend (0: transfers not counted)
     source: str = ""  # the command or the publication the figures come from, and the conditions
     overheads: dict = field(default_factory=dict)  # o_* seconds per call (bench/probe_cost.py names them)
 

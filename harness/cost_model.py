@@ -9,8 +9,9 @@ numbers are predictions, checked against measured runs by harness/cost_check.py 
 Inputs (harness/cost_inputs.py: Arch, Device): the policy (L layers, H, heads, I, V) and its draft (one layer, fc over
 3 taps, head over V_d); the device (F FLOP/s, BW bytes/s, bytes per weight b_w, fixed seconds per call o_*, cores);
 the workload (Workload below). Letters: B rows per generate call (rollout_batch), p prompt and r response tokens, c the
-mean context while decoding (p + r/2), k draft tokens per verify step, P TTT passes, u updates, M micro-batches,
-pp / cp / dp the mesh (W = pp cp dp ranks), S sequences and T tokens per rank and micro-batch.
+mean context while decoding (p + r/2), k draft tokens per verify step, P TTT passes, u updates, M micro-batches
+per update (all DP replicas together, as --micro_batches; each rank runs M_r = max(M / dp, 1)), pp / cp / dp the mesh
+(W = pp cp dp ranks), S sequences and T tokens per rank and micro-batch.
 
 Acceptance. alpha_j = P(draft token j kept | tokens 1..j-1 kept); tokens kept per verify step (the bonus included)
 
@@ -39,16 +40,22 @@ engine that refills its batch, continuous batching):
                                                                    time's inflation under time slicing, probed)
 
 Policy update (GRPO: forward + backward ~ 3x the forward FLOPs, 4x with activation checkpointing), per micro-batch on
-one stage rank: T = rows (p + r) / (u M dp cp) tokens, S = rows / (u M dp) sequences, L / pp layers:
+one stage rank: T = rows (p + r) / (u M_r dp cp) tokens, S = rows / (u M_r dp) sequences, L / pp layers:
 
     t_stage = (L/pp) (x (dense T / F_t + attn((p+r)/2) T / F_a) + o_layer_fb + cp S o_seq_fb) + [last] 3 head(T) / F_t
               + T o_tok_fb
               (dense = 2 P_layer per token, attn = 4 n_q d c per token: F_a, the per-sequence attention blocks' rate;
                o_tok_fb: per token outside the layers -- embedding, final norm, LM-head log-probs, GRPO loss)
-    update  = u ((M + pp - 1) t_stage + AdamW 28 bytes / weight / BW + o_upd) x C(A),  A = dp cp (M = 1: one
-              stage at a time), W (M > 1)
+    update  = u ((M_r + pp - 1) t_stage + AdamW 28 bytes / weight / BW + o_upd) x C(A)  A = dp cp (M_r = 1:
+              + u ((M_r + pp - 1) comm_stage + comm_post + share comm_taps)     one stage at a time), W (M_r > 1)
+              + comm_step
               (o_upd: per optimisation step, the host's: GRPO weights and packing, zero_grad, grad clip, the
                optimizer's own work, the refit of the rollout copy)
+    comm_x  = ops o_comm + bytes / BW_comm, counted per rank from the mesh (harness/cost_comm.py): comm_stage the
+              context ring's hops and the pipeline's exchanges of a stage pass; comm_post the gradients'
+              all-reduces, the scalars, the statistics and the refit's broadcasts; comm_taps TapChannel's
+              receives; 0 on one process. No C(): o_comm and BW_comm are measured with the run's processes sharing
+              the cores (bench/probe_cost_comm.py: a waiting peer must first be scheduled)
 
 Draft training (TTT, on the last stage, every trained draft, per micro-batch; F_t):
 
@@ -56,7 +63,7 @@ Draft training (TTT, on the last stage, every trained draft, per micro-batch; F_
                                                                                     head: no grad)
     pass d  = (3 draft_flops(T) + 2 H V T) / F_t + o_pass + cp S o_pass_seq + T o_pass_tok  (d = 2..P: the branch)
               (the attention's share of draft_flops at F_a instead of F_t)
-    draft   = share u M drafts (pass 1 + (P - 1) pass d) x C(dp cp)      (share: updates that train the drafts)
+    draft   = share u M_r drafts (pass 1 + (P - 1) pass d) x C(dp cp)      (share: updates that train the drafts)
     d_opt   = share u drafts o_dopt x C(dp cp)          (each trained draft's grad clip + AdamW step; a run's timers
                                                          count it in policy_train, the check does too)
 
@@ -66,9 +73,9 @@ The step and the speedup (the controls a run may add -- watched drafts, the offl
     cospec  = rollout_spec + reference + score + update + draft(1 draft) + d_opt(1 draft)
     speedup = plain / cospec          (rollout speedup: rollout_AR / rollout_spec)
 
-What it leaves out (so a check can fail on them): communication (ring hops, pipeline P2P, TapChannel, refit, the
-rollout gather), the tokenisation of prompts, the verify steps' count beyond E[kept] (the block's longest row, which
-sets it, keeps fewer tokens per step than the mean row), and any difference between the probe's and the run's
+What it leaves out (so a check can fail on them): the drafts' own CP traffic in TTT and the rollout phase's gathers
+(harness/cost_comm.py), the tokenisation of prompts, the verify steps' count beyond E[kept] (the block's longest row,
+which sets it, keeps fewer tokens per step than the mean row), and any difference between the probe's and the run's
 shapes.
 """
 from __future__ import annotations
@@ -78,6 +85,7 @@ import sys
 from dataclasses import dataclass, fields, replace
 
 from parallel.cli import parser
+from harness.cost_comm import comm_counts, comm_seconds
 from harness.cost_inputs import (Arch, Device, attn_flops, dense_flops, draft_pass_flops, head_flops, layer_bytes,
                                  layer_flops, pad_attn_flops)
 
@@ -109,7 +117,7 @@ class Workload:
     accept_len: float = 0.0  # E[kept] per verify step; 0: from alpha
     alpha: tuple = (0.8,)  # per-position acceptance alpha_j (the last repeats)
     updates: int = 2  # optimisation steps per RL step
-    micro_batches: int = 1
+    micro_batches: int = 1  # per update, all DP replicas together (--micro_batches): each runs M / dp of them
     ttt_passes: int = 3
     drafts: int = 1  # trained drafts in the measured step (a run with --cold_arm trains 2); the speedup uses 1
     pp: int = 1
@@ -122,6 +130,11 @@ class Workload:
     @property
     def world(self) -> int:
         return self.pp * self.cp * self.dp
+
+    @property
+    def mb(self) -> float:
+        """M_r: micro-batches each rank runs per update (dist_step.microbatches deals them out over DP; >= 1)."""
+        return max(self.micro_batches / self.dp, 1.0)
 
     @property
     def kept(self) -> float:
@@ -187,8 +200,8 @@ def rollout(a: Arch, d: Arch, dev: Device, w: Workload, k: int) -> dict:
 
 def _per_rank(w: Workload) -> tuple[float, float, float]:
     """(T tokens, S sequences, mean context) of one micro-batch on one rank."""
-    tokens = w.rows * (w.prompt_len + w.resp_len) / (w.updates * w.micro_batches * w.dp * w.cp)
-    return tokens, w.rows / (w.updates * w.micro_batches * w.dp), (w.prompt_len + w.resp_len) / 2
+    tokens = w.rows * (w.prompt_len + w.resp_len) / (w.updates * w.mb * w.dp * w.cp)
+    return tokens, w.rows / (w.updates * w.mb * w.dp), (w.prompt_len + w.resp_len) / 2
 
 
 def update(a: Arch, dev: Device, w: Workload) -> float:
@@ -201,8 +214,12 @@ def update(a: Arch, dev: Device, w: Workload) -> float:
         per_layer += dev.o("o_layer") + w.cp * S * dev.o("o_seq")
     stage = a.layers / w.pp * per_layer + 3 * head_flops(a, T) / dev.Ft + T * dev.o("o_tok_fb")
     adam = 28 * a.params / w.pp / dev.BW + dev.o("o_upd")
-    active = w.dp * w.cp * (1 if w.micro_batches == 1 else w.pp)
-    return w.updates * ((w.micro_batches + w.pp - 1) * stage + adam) * _contention(active, dev)
+    active = w.dp * w.cp * (1 if w.mb == 1 else w.pp)
+    n = comm_counts(a, w, T, dev.wbytes)  # 0 on one process; o_comm, BW_comm are probed at the run's process count
+    comm = ((w.mb + w.pp - 1) * comm_seconds(dev, n["stage"]) + comm_seconds(dev, n["post"])
+            + w.draft_share * comm_seconds(dev, n["taps"]))
+    return w.updates * (((w.mb + w.pp - 1) * stage + adam) * _contention(active, dev) + comm) + comm_seconds(
+        dev, n["step"])
 
 
 def draft_opt(dev: Device, w: Workload, drafts: int) -> float:
@@ -220,7 +237,7 @@ def draft_train(a: Arch, d: Arch, dev: Device, w: Workload, drafts: int) -> floa
     later = ((3 * draft_pass_flops(d, T, ctx, fc=False) - att + teacher) / dev.Ft + att / dev.Fa + dev.o("o_pass")
              + w.cp * S * dev.o("o_pass_seq") + T * dev.o("o_pass_tok"))
     per = first + (w.ttt_passes - 1) * later
-    return w.draft_share * w.updates * w.micro_batches * drafts * per * _contention(w.dp * w.cp, dev)
+    return w.draft_share * w.updates * w.mb * drafts * per * _contention(w.dp * w.cp, dev)
 
 
 def kv_cache_bytes(a: Arch, dev: Device, w: Workload) -> float:
@@ -253,7 +270,8 @@ HELP = {  # the CLI's flags: Workload's fields
     "rollout_batch": "rows per generate call (per engine)", "k": "draft tokens per verify step (0: autoregressive)",
     "accept_len": "E[kept tokens] per verify step, the bonus included (0: from --alpha)",
     "alpha": "per-position acceptance alpha_1,alpha_2,... (the last repeats to k)",
-    "updates": "optimisation steps per RL step", "micro_batches": "micro-batches per update",
+    "updates": "optimisation steps per RL step",
+    "micro_batches": "micro-batches per update, all DP replicas together (each runs M / dp)",
     "ttt_passes": "TTT passes of the draft", "drafts": "drafts trained in the step (the speedup uses 1)",
     "pp": "pipeline stages", "cp": "context-parallel ranks", "dp": "data-parallel replicas (W = pp cp dp processes)",
     "checkpointing": "activation checkpointing in the update (4x instead of 3x the forward)",

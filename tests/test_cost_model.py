@@ -116,12 +116,13 @@ def test_check_reproduces_the_stored_default_run():
     """A deterministic computation on stored data: docs/examples/cost_check_run (metrics.jsonl and its config.json), the
     stored CPU figures (bench/results/cost_device_cpu.json, from bench/probe_cost.py), the task's seeded
     demonstrations. It reproduces docs/cost_model.md's table (predicted s/step to 1 ms) and the tolerance that page
-    claims for it: within ±50% (rollout +48%). That run is 4 ranks on 2 cores on a loaded machine, wall seconds, at an
-    earlier commit: its miss is the contention and the load, not the model's counts, which the single-process runs on
-    a quiet machine check within ±15% (docs/cost_model.md; those runs are not stored in the repository)."""
+    claims for it: within ±50% (rollout +48%, policy_train +30% with the update's communication). That run is 4
+    ranks on 2 cores on a loaded machine, wall seconds, at an earlier commit: its miss is the contention and the load,
+    not the model's counts, which the single-process runs on a quiet machine and both 4-rank runs with the quiet
+    figures check within ±15% (docs/cost_model.md; the single-process runs are not stored in the repository)."""
     res = cost_check.check("docs/examples/cost_check_run", Device.load("cpu"))
     assert res["_inputs"]["steps"] == 30 and res["_inputs"]["world"] == 4
-    table = {"rollout": (0.926, 1.370), "policy_train": (1.591, 1.866), "draft_train": (1.818, 2.171)}
+    table = {"rollout": (0.926, 1.370), "policy_train": (1.591, 2.070), "draft_train": (1.818, 2.171)}
     for c in cost_check.COMPONENTS:
         measured, predicted, err = res[c]
         assert (measured, predicted) == pytest.approx(table[c], abs=1e-3), c
@@ -178,8 +179,8 @@ def test_draft_budget_share_and_the_documented_qwen3_8b_prediction():
                  checkpointing=True, draft_vocab=32000)
     out = predict(q, Device.load("h100"), w)
     got = [out[k] for k in ("rollout_ar", "rollout_spec", "reference", "policy_train", "draft_train_1")]
-    assert got == pytest.approx([485.5, 224.3, 39.9, 196.7, 30.9], abs=0.06)
+    assert got == pytest.approx([485.5, 224.3, 39.9, 198.0, 30.9], abs=0.06)
     assert out["score"] == pytest.approx(4 * 32 * 0.001)  # ceil(32 blocks / 8 ranks) x 32 rows x o_row 1 ms
-    assert (out["rollout_speedup"], out["e2e_speedup"]) == pytest.approx((2.165, 1.468), abs=5e-4)
+    assert (out["rollout_speedup"], out["e2e_speedup"]) == pytest.approx((2.165, 1.467), abs=5e-4)
     half = predict(q, Device.load("h100"), replace(w, draft_share=0.5))
     assert half["draft_train_1"] == pytest.approx(out["draft_train_1"] / 2)
