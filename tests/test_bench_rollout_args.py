@@ -53,3 +53,14 @@ def test_auto_targets_pair_the_repeats():
     (r,) = t["rows"]
     assert (r["best_k"], r["diff_sd"], r["vs_best_ok"], r["vs_ar_ok"]) == (2, 0.0, False, True)
     assert t["geomean_auto"] == 1.4 and t["geomean_best_fixed"] == 1.5 and not t["geomean_ok"]
+
+
+def test_the_held_out_best_fixed_k_is_not_picked_by_its_own_noise():
+    """Column A is 1.0 on even repeats and 2.0 on odd ones, B 1.5 throughout. Picked on the even half, B (1.5) is
+    scored on the odd half: 1.5; picked on the odd half, A (2.0) is scored on the even half: 1.0. The held-out best is
+    their mean, 1.25, where the in-sample best (A's median, 1.5, or any max over columns) would credit A's luck."""
+    from bench_rollout import heldout_best
+    a = dict(speedup=1.5, speedup_per_repeat=[1.0, 2.0] * 4)
+    b = dict(speedup=1.5, speedup_per_repeat=[1.5] * 8)
+    assert heldout_best([a, b]) == 1.25
+    assert heldout_best([dict(speedup=1.3, speedup_per_repeat=[1.0, 2.0])]) == 1.3  # < 4 repeats: the in-sample one
