@@ -475,8 +475,8 @@ def auto_targets(rows) -> dict:
 
 def heldout_best(fixed) -> float:
     """The best fixed k chosen on half the repeats (even or odd) and measured on the other half (the median of its
-    paired per-repeat speedups), the two ways averaged: the best of several noisy columns picked on the same repeats it is scored on
-    is biased upwards (its noise picked it), this is not."""
+    paired per-repeat speedups), the two ways averaged: the best of several noisy columns picked on the same repeats
+    it is scored on is biased upwards (its noise picked it), this is not."""
     n = len(fixed[0]["speedup_per_repeat"])
     if n < 4:
         return max(r["speedup"] for r in fixed)
@@ -492,9 +492,9 @@ def markdown_auto(t) -> str:
             f"**{r['auto']:.2f}x** ± {r['auto_sd']:.2f} | {r['diff_sd']:.2f} | {r['steps_at_k']} | {r['k_mode']} | "
             f"{'yes' if r['vs_best_ok'] else 'NO'} | {'yes' if r['vs_ar_ok'] else 'NO'} |" for r in t["rows"]]
     foot = (f"geometric mean of the speedups: auto {t['geomean_auto']:.3f}, per-row best fixed k "
-            f"{t['geomean_best_fixed']:.3f} (auto >= 0.98 x best: {'yes' if t['geomean_ok'] else 'NO'}; the best fixed k "
-            f"chosen on half the repeats, measured on the other half: {t['geomean_best_heldout']:.3f}, against auto's "
-            f"{t['geomean_auto_paired']:.3f}, both medians of the paired per-repeat speedups); ± is the "
+            f"{t['geomean_best_fixed']:.3f} (auto >= 0.98 x best: {'yes' if t['geomean_ok'] else 'NO'}; the best "
+            f"fixed k chosen on half the repeats, measured on the other half: {t['geomean_best_heldout']:.3f}, against "
+            f"auto's {t['geomean_auto_paired']:.3f}, both medians of the paired per-repeat speedups); ± is the "
             "standard deviation over repeats of the paired per-repeat speedup") if t["rows"] else ""
     return "\n".join([head] + body) + "\n\n" + foot
 

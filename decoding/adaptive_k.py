@@ -246,7 +246,7 @@ class AdaptiveK:
         self.z = confidence  # k = 0 only where even alpha_j + z sd_j would not pay for speculation
         self.explore_every, self.probes = explore_every, (max_k, 0, 1) * probe_rounds
         self.R, self.A = [0.0] * max_k, [0.0] * max_k  # decayed drafts tried / accepted per position
-        self.timed = {}  # (rows, context bucket) -> {k: [w, w t, n]}: the steps timed there at k (t: whole steps);
+        self.timed = {}  # (rows, context bucket) -> {k: [w, w t, n, w ln t]}: the steps timed there at k (whole);
         self.age = 0  # w = exp(step / cost_memory) (rescaled now and then): the decay without touching old entries
         self.pace, self.pace_memory, self.pace_anchor = 0.0, pace_memory, pace_anchor  # ln of the machine's pace
         self.decide_every, self.held, self.k_star, self.held_rows = decide_every, 0, 0, None  # _decide
