@@ -86,9 +86,9 @@ k* is decided afresh every `decide_every` (4) steps while it is > 0, at every st
 or at k* = 0 (best() costs ~0.3 ms of Python: 2-3% of a step at batch 8 on this CPU, once a step).
 
 While k* > 0, every `explore_every` steps runs at k* + 1, k* - 1 or 0 in turn (inside 0..K), so the k next to the
-choice and the k it is weighed against stay timed at the batch size running (k = 0 was else timed mostly at a call's
-end, at 1-2 rows: bench/bench_rollout.py's pair, batch 8, tau 1.5, costed k = 3 2.2-2.9x k = 0 at 8 rows, where
-whole calls took 1.96x, and calls started with speculation off).
+choice and the k it is weighed against stay timed at the batch size running (k = 0 was else timed at a call's end:
+bench/trace_adaptive_k.py with commit 0e6ec48's controller, 21 of 27 k = 0 steps at <= 2 rows, 3 at 8; at 8 rows it
+costed k = 3 3.1x k = 0, where a whole call's step took ~1.8x (bench_rollout), and calls started off).
 
 The machine's pace moves all k alike, and only the k that run see it: a slow spell while k = 3 runs would leave k = 3
 dear next to a k = 0 timed before it, and switch speculation off on a clock artefact (bench/bench_rollout.py's pair,
@@ -103,8 +103,8 @@ call's first step, not timed whole, does not move P). The mean of the logs, not 
 latter sits ~sd^2 / 2 higher, so every step pushed ln P down (with log-normal noise of sd 0.25, to ~-1.2 in 3000 steps).
 And the pull back to P = 1: P and the cells' means can trade places along a line (a higher P, lower stored times), so
 the estimate is a random walk, and a k not run since an earlier P is mis-costed against the k run now by the whole drift
-(bench/bench_rollout.py's pair, batch 8, tau 1.5: ln P at 0.5 after ~1000 steps, k = 3 then costed 2.9x k = 0 and k = 1
-chosen; tests/test_adaptive_k.py: within 12% after 2600 steps at one k). The choice is unchanged by P (every rate scales
+(bench/trace_adaptive_k.py with commit 0e6ec48's controller: ln P up to 0.35 in 20 calls at batch 8, tau 1.5;
+tests/test_adaptive_k.py: within 12% after 2600 steps at one k). The choice is unchanged by P (every rate scales
 by 1 / P); what changes is that a spell's timings are stored at the common pace, so afterwards the k not run since are
 not cheaper than the k run through it (tests/test_adaptive_k.py: a 1.5x spell, every k within 5% of its true cost
 afterwards; without P, 10% off there, 20-40% before k = 0 was explored beside k* +- 1).
