@@ -1,6 +1,6 @@
 """The communication figures of harness/cost_model.py, measured on THIS machine with real gloo processes (never a run):
 
-    python bench/probe_cost_comm.py --out bench/results/cost_device_cpu_quiet.json   # ~30 s: o_comm, BW_comm into it
+    python bench/probe_cost_comm.py --out bench/results/cost_device_cpu_quiet.json   # ~10 s: o_comm, BW_comm into it
 
   o_comm    wall seconds of one exchange between ring neighbours (batch_isend_irecv: a send to rank + 1 and a receive
             from rank - 1, as the context ring's hops and the pipeline's sends are issued) of a 4-byte tensor: the
