@@ -58,7 +58,7 @@ def _worker(rank, n, store, nice, numels, repeats, rounds, q):
         pass
     dist.init_process_group("gloo", store=dist.FileStore(store, n), rank=rank, world_size=n)
     try:
-        q.put((rank, [[_exchange_s(rank, n, m, repeats) for m in numels] for _ in range(rounds)]))
+        q.put((rank, (os.nice(0), [[_exchange_s(rank, n, m, repeats) for m in numels] for _ in range(rounds)])))
     finally:
         dist.destroy_process_group()
 
@@ -76,10 +76,12 @@ def probe(procs: int, mib: float, repeats: int, rounds: int, nice: int) -> dict:
         got = dict(q.get(timeout=600) for _ in ps)
         for p in ps:
             p.join(timeout=10)
+    niceness = max(v[0] for v in got.values())  # what the processes got (raising priority needs the right)
+    got = {r: v[1] for r, v in got.items()}
     slowest = [[max(got[r][i][j] for r in got) for j in range(2)] for i in range(rounds)]  # per round: tiny, big
     tiny = statistics.median(s[0] for s in slowest)
     per_byte = statistics.median((s[1] - s[0]) / (4 * big) for s in slowest)
-    return {"o_comm": tiny, "BW_comm": 1.0 / per_byte if per_byte > 0 else 0.0,
+    return {"o_comm": tiny, "BW_comm": 1.0 / per_byte if per_byte > 0 else 0.0, "niceness": niceness,
             "rounds": [[round(x * 1e3, 4) for x in s] for s in slowest]}
 
 
@@ -110,7 +112,7 @@ def main(argv=None):
     dev["source"] = dev.get("source", "").split("; o_comm, BW_comm by")[0] + (
         f"; o_comm, BW_comm by python bench/probe_cost_comm.py --procs {procs} --mib {a.mib:g} --repeats {a.repeats} "
         f"--rounds {a.rounds} (wall seconds, the slowest rank per round, ms per exchange [4 B, {a.mib:g} MiB]: "
-        f"{res['rounds']}; {time.perf_counter() - t0:.0f} s wall, load average {load0:.2f} at the start and "
+        f"{res['rounds']}; niceness {res['niceness']}, {time.perf_counter() - t0:.0f} s wall, load average {load0:.2f} at the start and "
         f"{os.getloadavg()[0]:.2f} at the end)")
     with open(a.out, "w") as f:
         json.dump(dev, f, indent=1)
