@@ -112,7 +112,8 @@ def main(argv=None):
     dev["source"] = dev.get("source", "").split("; o_comm, BW_comm by")[0] + (
         f"; o_comm, BW_comm by python bench/probe_cost_comm.py --procs {procs} --mib {a.mib:g} --repeats {a.repeats} "
         f"--rounds {a.rounds} (wall seconds, the slowest rank per round, ms per exchange [4 B, {a.mib:g} MiB]: "
-        f"{res['rounds']}; niceness {res['niceness']}, {time.perf_counter() - t0:.0f} s wall, load average {load0:.2f} at the start and "
+        f"{res['rounds']}; niceness {res['niceness']}, {time.perf_counter() - t0:.0f} s wall, load average "
+        f"{load0:.2f} at the start and "
         f"{os.getloadavg()[0]:.2f} at the end)")
     with open(a.out, "w") as f:
         json.dump(dev, f, indent=1)
