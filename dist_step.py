@@ -20,7 +20,7 @@ After the update `refit` re-assembles the full policy and drafts on every rank f
 production an inference engine refit with the new weights). This rank's stage is not a copy: its parameters are the
 full policy's own tensors for the layers it trains (stage_of), so refit copies only the other stages' layers.
 
-    python -m pytest -q tests/test_dist_step.py      # 5 layouts (dp, pp, cp) vs the single-process step, 4 gloo ranks
+    python -m pytest -q tests/test_dist_step.py   # 5 (dp, pp, cp) layouts + 7 variants vs one process, 4 gloo ranks
     torchrun --standalone --nproc_per_node=4 train.py --preset smoke        # the loop that calls it (pp=2, cp=2)
 
 Letters: T packed tokens (this rank's shard under CP), S sequences, M micro-batches, V vocab, H hidden.

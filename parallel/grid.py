@@ -11,7 +11,7 @@ group is that set). A group of one rank is None and its collectives are skipped.
 Why a warm-up (the NCCL rules nccl_check.py simulates): NCCL creates a communicator lazily, on first use, and blocks
 until every member has joined -- the group's communicator for collectives and batched P2P, one per (group, pair) for a
 single isend/irecv. Left lazy, the last stage of a pipeline first touches TapChannel's pair (its tap irecvs are posted
-at the start of a step) while stage 0 first touches the pipeline group (its first activation send): each waits for the
+as its F(m) starts) while stage 0 first touches the pipeline group (its first activation send): each waits for the
 other to join. warm_up_links creates them all up front, in one order shared by every rank. gloo connects at new_group,
 so on CPU it costs a few tiny messages.
 

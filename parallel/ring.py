@@ -8,7 +8,7 @@ wait() returns when each buffer holds what its peer sent. Ring attention (attent
     over threads             ThreadRing + run_ranks: the ranks of one CP group as threads of one process, which is how
                              the tests and the demos run the real per-rank code without torchrun.
 
-    python -c "from ring import run_ranks; print(run_ranks(3, lambda r: r.rank))"     # [0, 1, 2]
+    python -c "from parallel.ring import run_ranks; print(run_ranks(3, lambda r: r.rank))"     # [0, 1, 2]
 """
 from __future__ import annotations
 
