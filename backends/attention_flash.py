@@ -19,7 +19,7 @@ and out'_i = dO_i delta_i / |dO_i|^2 is one whose bf16 rounding costs a relative
 with dO_i = 0 but delta_i != 0 have no such out'; a call that meets one (or an overflow) runs the PyTorch kernel.
 
     pip install "flash-attn>=2.7" --no-build-isolation           # CUDA only
-    python -c "import attention_flash"                           # registers backend "flash"
+    python -c "import backends.attention_flash"                   # registers backend "flash"
     python bench/bench_attention_gpu.py                          # torch vs triton vs flash on one GPU
 
 Importing this module registers backend "flash" even without flash_attn; using it then raises an error that names

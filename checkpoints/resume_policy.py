@@ -30,7 +30,7 @@ checkpoints in <out>/ckpt (checkpoint.py). The rules, one function each:
 
 Everything here reads JSON (the manifest) or moves directories: no checkpoint file is unpickled.
 
-    python -c "from resume_policy import check_fresh_out_dir; check_fresh_out_dir('runs/default')"
+    python -c "from checkpoints.resume_policy import check_fresh_out_dir; check_fresh_out_dir('runs/default')"
 """
 from __future__ import annotations
 
