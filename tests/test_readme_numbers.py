@@ -1,0 +1,131 @@
+"""The README's results table against the files its numbers come from. ~1 s.
+
+Every row of the table under "## Results" is declared here, by the start of its first cell, with where its numbers
+come from:
+- ("json", file, values): every number printed in the row's number cell is one of `values` (read from the committed
+  results file by the current code's benchmark) at the digits printed, and every value is printed. A number in the
+  cell that no value explains fails, so a figure cannot be pasted in without its source.
+- ("test", files): the row quotes what a test asserts; the command cell must name each test file, which must exist.
+- ("commit", sha): measured by older code and kept with no results file; the row must say "at commit <sha>".
+A row that is not declared fails: a new result comes with its source.
+"""
+import json
+import math
+import os
+import re
+import statistics
+
+import pytest
+
+from test_layout import ROOT
+
+NUMBER = re.compile(r"(?<![\w.])[-−+]?\d+(?:\.\d+)?(?:e[-−+]?\d+)?(?![\w.])")
+
+
+def _load(path):
+    with open(os.path.join(ROOT, path)) as f:
+        return json.load(f)
+
+
+def _e2e(budget="2"):
+    runs = _load("bench/results/e2e_default.json")["budgets"][budget]
+    cis = [x[f"accept_gain_vs_{arm}_ci"] for arm in ("frozen", "offline") for x in runs]
+    means = [statistics.mean(x[f"accept_len_{arm}"] for x in runs) for arm in ("cotrained", "frozen", "offline")]
+    return [v for ci in cis for v in ci] + means
+
+
+def _e2e_speedup():
+    runs = _load("bench/results/e2e_default.json")["budgets"]["2"]
+    sp = [x["e2e_step_speedup_measured"] for x in runs]
+    return [statistics.mean(sp), statistics.stdev(sp)]
+
+
+def _budgets():
+    b = _load("bench/results/e2e_budget.json")["budgets"]
+    return [statistics.mean(x["accept_len_cotrained"] for x in b[k]) for k in ("1", "2", "4", "8")]
+
+
+def _attention():
+    rows = _load("bench/results/attention.json")["rows"]
+    return [r["peak_bytes_per_rank"] / 2 ** 20 for cp in (1, 2, 4, 8) for r in rows
+            if r["method"] == "ours" and r["L"] == 16384 and r["P"] == 3 and r["cp"] == cp]
+
+
+def _rollout():
+    t = _load("bench/results/rollout_auto.json")["auto_targets"]
+    tau1 = [r for r in t["rows"] if r["temperature"] == 1.0]
+    tau1.sort(key=lambda r: r["batch"])
+    runs = [_load(f"bench/results/{f}.json")["auto_targets"] for f in ("rollout_auto_run1", "rollout_auto_run2")]
+    ratio = lambda x: x["geomean_auto"] / x["geomean_best_fixed"]  # noqa: E731
+    repeats = sorted({r["repeats"] for r in _load("bench/results/rollout_auto.json")["rows"]}, reverse=True)
+    return ([r["auto"] for r in tau1] + [r["auto_sd"] for r in tau1] + repeats
+            + [ratio(t), statistics.mean([ratio(x) for x in runs + [t]])])
+
+
+def _tapchannel():
+    d = _load("bench/results/tapchannel.json")
+    return [d["paired_overhead"]["tapchannel"], *d["paired_overhead_q1_q3"]["tapchannel"],
+            d["paired_overhead"]["piggyback"]]
+
+
+SOURCES = {
+    "co-trained draft vs the frozen": ("json", "bench/results/e2e_default.json", _e2e),
+    "the same with the policy held still": ("commit", "a1a5b93"),
+    "**end-to-end RL step vs plain GRPO": ("json", "bench/results/e2e_default.json", _e2e_speedup),
+    "draft-training budget": ("json", "bench/results/e2e_budget.json", _budgets, ("0", "1")),
+    "one GRPO + co-training step": ("test", ["tests/test_dist_step.py", "tests/test_bf16.py"]),
+    "memory plan vs the tensors": ("test", ["tests/test_memory_plan.py"]),
+    "Qwen3-8B at 32K tokens": ("test", []),
+    "Qwen3-8B, 8K-token responses": ("test", []),
+    "ring + branch attention, peak MiB": ("json", "bench/results/attention.json", _attention),
+    "speculative rollouts vs autoregressive": ("json", "bench/results/rollout_auto.json", _rollout, ("3",)),
+    "TapChannel vs no taps": ("json", "bench/results/tapchannel.json", _tapchannel),
+    "largest vocabulary-sized tensor": ("test", ["tests/test_vocab_growth.py"]),
+    "host syncs per speculative decode step": ("test", ["tests/test_host_sync.py"]),
+}
+
+
+def results_rows():
+    """(first cell, number cell, command cell) of each row of the README's results table."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    section = text.split("\n## Results", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")][2:]  # header and rule dropped
+    return [[c.strip() for c in line.strip("|").split("|")][:3] for line in rows]
+
+
+def matches(token: str, value: float) -> bool:
+    """`token` is `value` at the digits printed: |token - value| <= half a unit of its last digit."""
+    t = token.replace("−", "-")
+    decimals = len(t.split(".")[1].split("e")[0]) if "." in t else 0
+    return math.isfinite(value) and abs(float(t) - value) <= 0.5 * 10 ** -decimals + 1e-12
+
+
+def source_of(first_cell: str):
+    hits = [v for k, v in SOURCES.items() if first_cell.startswith(k)]
+    assert len(hits) == 1, f"README results row {first_cell[:60]!r}: declare its source in SOURCES ({len(hits)} match)"
+    return hits[0]
+
+
+def test_the_table_is_found():
+    assert len(results_rows()) >= 8
+
+
+@pytest.mark.parametrize("row", results_rows(), ids=lambda r: r[0][:40])
+def test_row_matches_its_source(row):
+    first, number, command = row
+    src = source_of(first)
+    if src[0] == "commit":
+        assert f"at commit {src[1]}" in number + first, f"{first[:40]!r}: label it 'measured at commit {src[1]}'"
+        return
+    if src[0] == "test":
+        for f in src[1]:
+            assert os.path.isfile(os.path.join(ROOT, f)) and f in command, (first[:40], f)
+        return
+    _, path, values, *context = src
+    values, context = values(), (context[0] if context else ())
+    tokens = NUMBER.findall(number)
+    unexplained = [t for t in tokens if t not in context and not any(matches(t, v) for v in values)]
+    unprinted = [round(v, 4) for v in values if not any(matches(t, v) for t in tokens)]
+    assert not unexplained, f"{first[:40]!r}: {unexplained} in the README are not in {path} ({values})"
+    assert not unprinted, f"{first[:40]!r}: {path} holds {unprinted}, which the README does not print"
