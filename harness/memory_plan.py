@@ -28,7 +28,7 @@ from harness import memory_model as mm
 from harness.config import Config, help_text, parse_args
 from model import PRESETS as MODEL_PRESETS
 from model import check_tap_layers
-from parallel.cli import print_help, wants_help
+from parallel.cli import print_help, run_main, wants_help
 
 GiB = 2 ** 30
 USAGE = ("usage: python -m harness.memory_plan [--model PRESET|DIR|config.json] [--gpus N] [--seq T] "
@@ -194,4 +194,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, __file__)  # an error: one line naming the flag, field or file, exit 1 (COSPEC_TRACEBACK=1: more)
