@@ -43,6 +43,8 @@ import sys
 import torch
 from safetensors.torch import save_file
 
+from parallel.cli import writing
+
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # vLLM's registry name and SGLang's EntryClass
 NUM_AUX = 3  # both engines hard-code fc to 3 target hidden states
 WEIGHTS = ("fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
@@ -202,8 +204,9 @@ def atomic_dir(path: str, write):
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        write(tmp)
-    except BaseException:
+        with writing(path):  # a full disk: one error naming the directory (safetensors' SafetensorError too)
+            write(tmp)
+    except BaseException:  # Ctrl-C too: no half-written directory is left
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if os.path.exists(path):

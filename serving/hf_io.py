@@ -19,6 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from model import ARCHITECTURES, ModelConfig, Transformer
+from parallel.cli import writing
 
 _MODEL_TYPE = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 
@@ -161,7 +162,8 @@ def _atomic(folder, name, write):
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.")
     os.close(fd)
     try:
-        write(tmp)
+        with writing(os.path.join(folder, name)):  # a full disk: one error naming the file (SafetensorError too)
+            write(tmp)
         os.replace(tmp, os.path.join(folder, name))
     finally:
         if os.path.exists(tmp):
