@@ -177,7 +177,7 @@ def one_line(e: BaseException) -> str:
 
 
 def run_main(main, file: str, argv=None):
-    """Run an entry point's main (main() or main(argv)) and exit: its return code (None: 0); an exception as one line
+    """Run an entry point's main (main() or main(argv)) and exit: its return code (an int; else 0); an exception as one line
     `<prog>: <message>` on stderr, exit 1; Ctrl-C as one line (the KeyboardInterrupt's message, if main gave one),
     exit 130, printed by rank 0 only. With COSPEC_TRACEBACK=1 the exception propagates (a traceback)."""
     prog = prog_name(file)
@@ -194,7 +194,7 @@ def run_main(main, file: str, argv=None):
             raise
         print(f"{prog}: {one_line(e)}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
-    raise SystemExit(code or 0)
+    raise SystemExit(code if isinstance(code, int) else 0)  # main's int, or 0 (a main may return its results)
 
 
 @contextlib.contextmanager
