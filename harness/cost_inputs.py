@@ -215,7 +215,8 @@ class Device:
         bad += [f"{k}={getattr(self, k)!r}: expected a number >= 0" for k in ("F_train", "F_attn", "F_pad", "BW_comm")
                 if not _num(getattr(self, k), 0, True)]
         bad += [f"oversub={self.oversub!r}: expected a number >= 1"] * (not _num(self.oversub, 1, True))
-        bad += [f"overheads.{k}={v!r}: expected seconds >= 0" for k, v in self.overheads.items() if not _num(v, 0, True)]
+        bad += [f"overheads.{k}={v!r}: expected seconds >= 0" for k, v in self.overheads.items()
+                if not _num(v, 0, True)]
         if bad:
             raise ValueError("; ".join(bad))
 

@@ -177,9 +177,9 @@ def one_line(e: BaseException) -> str:
 
 
 def run_main(main, file: str, argv=None):
-    """Run an entry point's main (main() or main(argv)) and exit: its return code (an int; else 0); an exception as one line
-    `<prog>: <message>` on stderr, exit 1; Ctrl-C as one line (the KeyboardInterrupt's message, if main gave one),
-    exit 130, printed by rank 0 only. With COSPEC_TRACEBACK=1 the exception propagates (a traceback)."""
+    """Run an entry point's main (main() or main(argv)) and exit: its return code (an int; else 0); an exception as one
+    line `<prog>: <message>` on stderr, exit 1; Ctrl-C as one line (the KeyboardInterrupt's message, if main gave
+    one), exit 130, printed by rank 0 only. With COSPEC_TRACEBACK=1 the exception propagates (a traceback)."""
     prog = prog_name(file)
     try:
         code = main() if argv is None else main(argv)
