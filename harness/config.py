@@ -328,7 +328,9 @@ def help_text(usage: str = USAGE) -> str:
                for n, kv in PRESETS.items()]
     return "\n".join([usage, "", "--preset NAME: named overrides, applied first (flags given with it override them):",
                       *presets, "", "flags: --key=value or --key value; a bool also as --key alone (= true). A value "
-                      "outside what is expected", "stops the run before it starts.", "",
+                      "outside what is expected", "stops the run before it starts. Every error is one line naming the "
+                      "flag or file (exit 1;", "COSPEC_TRACEBACK=1: the traceback too); Ctrl-C names the last "
+                      "checkpoint, to continue with --resume.", "",
                       flags_help(Config, expect)])
 
 

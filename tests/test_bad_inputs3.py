@@ -92,6 +92,7 @@ def test_model_config_refuses_each_bad_field_in_one_line(kw, message):
     (["--tail", "0.5"], "--tail=0.5: expected a finite number >= 1"),
     (["--draft_share", "2"], "--draft_share=2.0: expected in [0, 1]"),
     (["--flops=-1"], "--flops=-1.0: expected a finite number >= 0"),
+    (["--draft_vocab", "100"], "--draft_vocab=100: expected <= the policy's vocabulary, 64"),
 ])
 def test_cost_model_flags_out_of_range_are_refused(capsys, argv, message):
     assert message in ends(cost_model.main, cost_model.__file__, argv, capsys)
@@ -184,6 +185,21 @@ def test_serving_export_refusals_are_one_line(servables, tmp_path, capsys, damag
     damage(d)
     line = ends(export.main, export.__file__, [str(d / target)], capsys)
     assert line.startswith("serving.export: ") and message.format(d=d) in line
+
+
+@pytest.mark.parametrize("entry, argv, message", [
+    ("train", ["--temperature", "0"], "train.py: --temperature=0: expected > 0 (GRPO needs G different samples"),
+    ("train", ["--cold_arm", "x"], "train.py: --cold_arm=x: expected true, false or auto"),  # was: names no flag
+    ("warmup", ["--sft_steps=0"], "harness.warmup: --sft_steps=0: expected >= 1"),
+    ("hf_io", ["{tmp}"], "serving.hf_io: path='{tmp}': expected an HF checkpoint directory with config.json"),
+    ("report", ["{tmp}"], "harness.report: [Errno 2] No such file or directory: '{tmp}/summary.json'"),
+])
+def test_the_other_entry_points_end_in_one_line(tmp_path, capsys, entry, argv, message):
+    from harness import report
+    from serving import hf_io
+    mod = {"train": train, "warmup": warmup, "hf_io": hf_io, "report": report}[entry]
+    line = ends(mod.main, mod.__file__, [a.format(tmp=tmp_path) for a in argv], capsys)
+    assert line.startswith(message.format(tmp=tmp_path)), line
 
 
 def test_a_traceback_only_on_request(monkeypatch, tmp_path):
@@ -285,14 +301,20 @@ def test_a_draft_copied_away_from_its_run_works_on_its_own(servables, tmp_path):
     assert draft.tap_layers == (1, 2, 3)
 
 
-def test_bad_json_in_the_models_generation_config_names_the_file(tmp_path):
+@pytest.mark.parametrize("name", ["generation_config.json", "config.json", "tokenizer_config.json"])
+def test_bad_json_in_the_models_files_names_the_file(tmp_path, name):
+    """Was: "Expecting property name enclosed in double quotes: line 1 column 19", no file named."""
     from hf_util import write_tokenizer
     from tasks.hf_task import HFTokenizer
     write_tokenizer(tmp_path)
-    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 2,}')
-    with pytest.raises(ValueError, match=re.escape(f"{tmp_path}/generation_config.json: invalid JSON (Expecting "
-                                                   "property name enclosed in double quotes at line 1")):
+    (tmp_path / name).write_text('{"eos_token_id": 2,}')
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path}/{name}: invalid JSON (Expecting property name "
+                                                   "enclosed in double quotes at line 1")):
         HFTokenizer(str(tmp_path))
+    if name == "tokenizer_config.json":  # the chat template's reader too
+        from tasks.hf_data import ChatTemplate
+        with pytest.raises(ValueError, match=re.escape(f"{tmp_path}/{name}: invalid JSON")):
+            ChatTemplate.for_checkpoint(str(tmp_path))
 
 
 # ------------------------------------------------------------------------------------ 4. --help and checks agree
