@@ -101,10 +101,16 @@ def answer_help(doc: str, file: str, argv=None) -> None:
         raise SystemExit(0)
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # one line naming the flag, exit 2 (argparse's usage block above it: --help has it)
+        self.exit(2, f"{os.path.basename(self.prog.split()[-1])}: {message}\n")  # prog: `python -m pkg.mod`
+
+
 def parser(doc: str, file: str, **kw) -> argparse.ArgumentParser:
-    """An ArgumentParser whose --help shows the docstring's summary above the flags and its commands below."""
+    """An ArgumentParser whose --help shows the docstring's summary above the flags and its commands below, and whose
+    errors are one line (`harness.cost_model: argument --dp: invalid int value: 'x'`, exit 2)."""
     cmds = commands(doc, file)
-    return argparse.ArgumentParser(prog=program(file), description=summary(doc),
+    return _OneLineParser(prog=program(file), description=summary(doc),
                                    formatter_class=argparse.RawDescriptionHelpFormatter,
                                    epilog="examples:\n" + "\n".join("  " + c for c in cmds) if cmds else None, **kw)
 

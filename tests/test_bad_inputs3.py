@@ -4,7 +4,8 @@ end cleanly, a `--draft` export is checked as `--model` is, and `--help` and the
 
 Each case calls the entry point's main in-process through parallel.cli.run_main (what `python -m ...` runs) and reads
 its exit code and stderr; the planning tools' configs are tiny JSON files and the exports a 6-layer `tiny` pair built
-here. Adds ~15 s on 2 busy cores (`timeout 600 python -m pytest -q tests/test_bad_inputs3.py --durations=5`).
+here. Adds ~2 s to the suite on 2 busy cores (the cases themselves; ~11 s alone, most of it importing torch:
+`time timeout 600 python -m pytest -q tests/test_bad_inputs3.py`).
 """
 import dataclasses
 import json
@@ -140,6 +141,12 @@ def test_cost_model_refusals_are_one_line(tmp_path, capsys, argv, message):
     (tmp_path / "dev.json").write_text(json.dumps({"F": -1, "BW": 1e9}))
     argv = [a.format(tmp=tmp_path) for a in argv]
     assert message.format(tmp=tmp_path) in ends(cost_model.main, cost_model.__file__, argv, capsys)
+
+
+def test_a_flag_of_the_wrong_type_is_one_line_naming_it(capsys):
+    """argparse's own refusals too (was: the usage block, then the error)."""
+    line = ends(cost_model.main, cost_model.__file__, ["--dp", "x"], capsys, code=2)
+    assert line == "harness.cost_model: argument --dp: invalid int value: 'x'"
 
 
 def test_cost_check_names_the_file_and_line_of_a_garbage_record(tmp_path, capsys):
