@@ -276,7 +276,8 @@ def kv_cache_bytes(a: Arch, dev: Device, w: Workload) -> float:
 def predict(a: Arch, dev: Device, w: Workload) -> dict:
     """Every component (s) of both steps, the measured step's draft training (w.drafts drafts) and the speedups."""
     if w.draft_vocab > a.vocab:
-        raise ValueError(f"--draft_vocab={w.draft_vocab}: expected <= the policy's vocabulary, {a.vocab} (0: all of it)")
+        raise ValueError(f"--draft_vocab={w.draft_vocab}: expected <= the policy's vocabulary, {a.vocab} (0: all "
+                         "of it)")
     d = Arch.draft_of(a, 3, w.draft_vocab)
     spec = rollout(a, d, dev, w, w.k) if w.k else None
     ar = rollout(a, d, dev, w, 0)
