@@ -39,7 +39,7 @@ from parallel.waits import WaitFailed
 HELP_FLAGS = ("-h", "--help")
 TRACEBACK = "COSPEC_TRACEBACK"  # =1: an entry point's error shows its traceback, not one line
 # what a user can cause and fix: the message is the whole story (anything else is a bug: its type is shown too)
-USER_ERRORS = (ValueError, OSError, FloatingPointError, ImportError, SafetensorError, WaitFailed)
+USER_ERRORS = (ValueError, OSError, FloatingPointError, ImportError, MemoryError, SafetensorError, WaitFailed)
 _COMMAND = re.compile(r"^(?:[A-Z_][A-Z0-9_]*=\S+\s+)*(?:python|torchrun)\s")
 
 
@@ -177,7 +177,7 @@ def prog_name(file: str) -> str:
 def one_line(e: BaseException) -> str:
     """The error as one line: its message (newlines folded); an unexpected type is named, with the way to see where."""
     msg = " ".join(str(e).split()) or type(e).__name__
-    if isinstance(e, USER_ERRORS):
+    if isinstance(e, USER_ERRORS) or type(e).__name__ == "OutOfMemoryError":  # torch's (a RuntimeError): too big
         return msg
     return f"{type(e).__name__}: {msg} (an internal error; {TRACEBACK}=1 shows the traceback)"
 

@@ -209,6 +209,11 @@ def test_the_other_entry_points_end_in_one_line(tmp_path, capsys, entry, argv, m
     assert line.startswith(message.format(tmp=tmp_path)), line
 
 
+def test_an_unexpected_error_is_one_line_naming_its_type(capsys):
+    line = ends(lambda: {}["x"], "train.py", None, capsys)
+    assert line == f"train.py: KeyError: 'x' (an internal error; {TRACEBACK}=1 shows the traceback)"
+
+
 def test_a_traceback_only_on_request(monkeypatch, tmp_path):
     monkeypatch.setenv(TRACEBACK, "1")
     with pytest.raises(ValueError, match="num_attention_heads=0"):
@@ -357,13 +362,15 @@ def test_every_special_value_trains_help_documents_is_accepted():
     assert "0: greedy" not in help_text() and "greedy" in expect["temperature"]
 
 
-def test_every_special_value_the_cost_models_help_documents_is_accepted():
+def test_every_special_value_the_planning_tools_help_documents_is_accepted():
     cases = [(f, v) for f, h in cost_model.HELP.items() for v in _documented(h)]
     assert ("k", "0") in cases and ("accept_len", "0") in cases
     for f, v in cases:  # taken as given (was: 0 == False, dropped as unset: --k 0 predicted k = 4)
         assert getattr(cost_model.parse([f"--{f}", v])[2], f) == float(v), f
     for flag in ("--flops", "--bw", "--cores"):  # "0: the device's"
         cost_model.parse([flag, "0"])
+    own = memory_plan.parse(["--gpus", "0", "--seq", "0"])[2]  # the memory plan's docstring: 0 is the default's rule
+    assert own["gpus"] == 0 and own["seq"] == 0
 
 
 ENTRY_POINTS = ["train.py", "harness/memory_plan.py", "harness/cost_model.py", "harness/cost_check.py",
