@@ -6,6 +6,10 @@ numbers are predictions, checked against measured runs by harness/cost_check.py 
     python -m harness.cost_model --model docs/examples/qwen3_8b/config.json --device h100 --resp_len 8192 ...
     python -m harness.cost_check RUN_DIR [--device cpu]              # measured vs predicted per component
 
+Every input is checked before anything is predicted (the policy's config by model.ModelConfig, as every reader of one
+is; the device's figures by Device.check; the workload's fields by CHECKS; 0 is a value, not "unset"): one line
+naming the flag, field or file and what was expected.
+
 Inputs (harness/cost_inputs.py: Arch, Device): the policy (L layers, H, heads, I, V) and its draft (one layer, fc over
 3 taps, head over V_d); the device (F FLOP/s, BW bytes/s, bytes per weight b_w, fixed seconds per call o_*, cores);
 the workload (Workload below). Letters: B rows per generate call (rollout_batch), p prompt and r response tokens, c the
