@@ -51,7 +51,7 @@ from serving.draft_vocab import select_draft_vocab
 from model import Transformer
 from backends.attention_padded import padded_branch_attention, padded_causal_attention
 from backends.fused_logprob import DEFAULT_CHUNK_MIB, budget_rows
-from parallel.cli import describe, run_main, writing
+from parallel.cli import writing
 from rl_loop import DraftTrainer, RolloutBatch, check_finite_weights, draft_loss, pack, packed_logp
 
 
@@ -275,9 +275,9 @@ def evaluate_policy(policy, tsk, problems, max_new_tokens: int, *, temperature: 
             "resp_len": sum(r.numel() for r in resp) / len(resp)}
 
 
-def main(argv=None):
-    from harness.config import parse_args  # the same settings (and so the same cache entries) as `python train.py ...`
-    c = parse_args(sys.argv[1:] if argv is None else argv, usage=describe(__doc__, __file__))  # -h: the flags, exit 0
+def main(c):
+    """Both warm-ups for the Config `c` (the same settings, and so the same cache entries, as `python train.py ...`),
+    then the policy's held-out greedy and sampled scores."""
     torch.set_num_threads(c.threads)
     if c.hf_mode:
         raise ValueError(f"--model={c.model}: the SFT warm-up is for --task tasks; an HF checkpoint is used as is")
@@ -298,4 +298,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run_main(main, __file__)  # an error (a bad flag, a full disk, a NaN loss): one line, exit 1
+    from harness.config import parse_args  # here, not in main: the harness is not the warm-ups' code (their cache key)
+    from parallel.cli import describe, run_main
+    # -h / --help: train.py's flags, exit 0; an error (a bad flag, a full disk, a NaN loss): one line, exit 1
+    run_main(lambda: main(parse_args(sys.argv[1:], usage=describe(__doc__, __file__))), __file__)
