@@ -4,8 +4,8 @@ end cleanly, a `--draft` export is checked as `--model` is, and `--help` and the
 
 Each case calls the entry point's main in-process through parallel.cli.run_main (what `python -m ...` runs) and reads
 its exit code and stderr; the planning tools' configs are tiny JSON files and the exports a 6-layer `tiny` pair built
-here. Adds ~2 s to the suite on 2 busy cores (the cases themselves; ~11 s alone, most of it importing torch:
-`time timeout 600 python -m pytest -q tests/test_bad_inputs3.py`).
+here; one case sends a real SIGINT to train.py in a subprocess. Adds ~8 s to the suite on 2 busy cores (~6 s of it
+that subprocess; `timeout 600 python -m pytest -q tests/test_bad_inputs3.py --durations=5`).
 """
 import dataclasses
 import json
@@ -276,6 +276,41 @@ def test_ctrl_c_says_where_the_last_checkpoint_is_and_how_to_resume(tmp_path, mo
         assert os.listdir(out / "ckpt") == ["step_000002"]
     else:
         assert line == f"train.py: interrupted; no checkpoint in {out}/ckpt (--ckpt_every=1): a rerun starts over"
+
+
+SLOW_BUILD = """
+import runpy, sys, time
+sys.path.insert(0, {root!r})
+import harness.experiment as e
+def build(cfg, mesh, log):
+    print("building", flush=True)
+    time.sleep(60)
+e.build = build
+sys.argv = ["train.py", *{argv!r}]
+runpy.run_path({root!r} + "/train.py", run_name="__main__")
+"""
+
+
+def test_a_real_sigint_ends_in_the_same_one_line(tmp_path):
+    """The signal itself, in a process of its own (~4 s: importing torch)."""
+    import signal
+    import subprocess
+    import sys
+    out = tmp_path / "run"
+    argv = ["--preset=test", f"--out={out}", f"--cache_dir={tmp_path / 'cache'}", "--ckpt_every=1"]
+    save_checkpoint(out / "ckpt", 1, states={}, rng=capture_rng(), config=dataclasses.asdict(parse_args(argv)),
+                    mesh=(1, 1, 1))
+    (tmp_path / "slow.py").write_text(SLOW_BUILD.format(root=ROOT, argv=argv + ["--resume"]))
+    p = subprocess.Popen([sys.executable, str(tmp_path / "slow.py")], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline() == "building\n"
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130 and err == (f"train.py: interrupted; the last checkpoint is {out}/ckpt/step_000001: "
+                                           "to continue, run the same command with --resume\n"), err
 
 
 # --------------------------------------------------------------------------- 3. --draft exports checked as --model
