@@ -18,6 +18,7 @@ Letters: T packed tokens, S sequences, B batch rows, L cache length, H hidden, H
 """
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
@@ -54,21 +55,47 @@ class ModelConfig:
     architecture: str = "LlamaForCausalLM"
 
     def __post_init__(self):
-        if self.architecture not in ARCHITECTURES:
-            raise ValueError(f"architecture={self.architecture!r}: expected one of {ARCHITECTURES}")
+        """Every field checked once, here, for every consumer (the model, HF configs, the memory plan, the cost model):
+        all problems in one line, each naming the field and what was expected."""
+        bad = config_problems(self)
+        if bad:
+            raise ValueError("; ".join(bad))
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
-                             f"num_key_value_heads={self.num_key_value_heads} (GQA)")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "ModelConfig":
         if name not in PRESETS:
             raise ValueError(f"preset={name!r}: expected one of {sorted(PRESETS)}")
         return replace(PRESETS[name], **overrides)
+
+
+_AT_LEAST_1 = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "max_position_embeddings")
+
+
+def config_problems(c: ModelConfig) -> list:
+    """What is wrong with a ModelConfig, one entry per field: `num_attention_heads=0: expected an integer >= 1`."""
+    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+    is_num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+    bad = [f"{k}={getattr(c, k)!r}: expected an integer >= 1" for k in _AT_LEAST_1
+           if not (is_int(getattr(c, k)) and getattr(c, k) >= 1)]
+    bad += [f"{k}={getattr(c, k)!r}: expected a number > 0" for k in ("rms_norm_eps", "rope_theta")
+            if not (is_num(getattr(c, k)) and getattr(c, k) > 0)]
+    if c.architecture not in ARCHITECTURES:
+        bad.append(f"architecture={c.architecture!r}: expected one of {ARCHITECTURES}")
+    if bad:  # the checks across fields need these to be numbers
+        return bad
+    n, kv, h = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    if n % kv:
+        bad.append(f"num_key_value_heads={kv}: expected a divisor of num_attention_heads={n} (GQA)")
+    if h is None and c.hidden_size % n:
+        bad.append(f"hidden_size={c.hidden_size}: expected a multiple of num_attention_heads={n} (head_dim = "
+                   "hidden_size / heads), or an explicit head_dim")
+    head_dim = c.hidden_size // n if h is None else h
+    if not (is_int(head_dim) and head_dim >= 2 and head_dim % 2 == 0):
+        bad.append(f"head_dim={head_dim!r}: expected an even integer >= 2 (RoPE rotates pairs)")
+    return bad
 
 
 PRESETS = {

@@ -56,6 +56,7 @@ import json
 import os
 import sys
 import time
+import warnings
 
 import torch
 
@@ -69,8 +70,8 @@ from checkpoints.resume import load_run, save_run
 from checkpoints.resume_policy import prepare_run, start_run
 from harness.rollout import rollout, rollout_draft
 from harness.update import check_finite, update
-from parallel.cli import describe
-from parallel.waits import WaitFailed
+from checkpoints.checkpoint import latest_checkpoint, remove_temporaries
+from parallel.cli import describe, run_main
 
 
 def train(cfg: Config) -> dict:
@@ -141,14 +142,30 @@ def serve(s, mesh, out_dir: str, rep: Report, step: int):
         rep.print(f"servable: {w['policy']}" + (f", {w['draft']}" if w["draft"] else f" (no draft: {w['skipped']})"))
 
 
-if __name__ == "__main__":
-    try:
-        config = parse_args(sys.argv[1:], usage=describe(__doc__, __file__))  # -h / --help: the flags, then exit 0
-    except ValueError as e:
-        sys.exit(f"train.py: {e}")
+def interrupted(cfg: Config) -> str:
+    """What Ctrl-C leaves and how to go on: the last complete checkpoint and --resume, or that there is none. (Every
+    artefact lands atomically -- checkpoints, policy/, draft/, cache entries -- so none is half-written.)"""
+    ckpt = os.path.join(cfg.out or os.path.join("runs", cfg.name), "ckpt")
+    if os.environ.get("RANK", "0") == "0":  # a save cut short leaves only its temporary directory: gone
+        remove_temporaries(ckpt)
+    with warnings.catch_warnings():  # a damaged checkpoint is skipped (said at --resume); the message stays one line
+        warnings.simplefilter("ignore")
+        last = latest_checkpoint(ckpt)
+    if last is None:
+        return f"interrupted; no checkpoint in {ckpt} (--ckpt_every={cfg.ckpt_every}): a rerun starts over"
+    return f"interrupted; the last checkpoint is {last}: to continue, run the same command with --resume"
+
+
+def main(argv=None):
+    """The command line: the config (-h / --help: the flags, then exit 0), then the run; Ctrl-C says where to resume."""
+    config = parse_args(sys.argv[1:] if argv is None else argv, usage=describe(__doc__, __file__))
     try:
         train(config)
-    except (OSError, ValueError, FloatingPointError, ImportError) as e:  # a refused --out / --resume, bad input, a
-        sys.exit(f"train.py: {e}")  # full or read-only disk, a NaN loss: one line, exit 1 (what is left is consistent)
-    except WaitFailed as e:  # a stopped or dead peer: "rank r: <the wait> timed out after N s (--dist_timeout)"
-        sys.exit(f"train.py: {e}")
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(interrupted(config)) from None
+
+
+if __name__ == "__main__":
+    # one line for every failure, exit 1 (a refused --out / --resume, bad input, a full or read-only disk, a NaN loss,
+    # a stopped or dead peer: "rank r: <the wait> timed out after N s"); Ctrl-C: exit 130; COSPEC_TRACEBACK=1: more
+    run_main(main, __file__)

@@ -517,4 +517,5 @@ def markdown_costs(cost) -> str:
 
 
 if __name__ == "__main__":
-    main(parse_args(sys.argv[1:]))
+    from parallel.cli import run_main  # an error: one line, exit 1 (COSPEC_TRACEBACK=1: the traceback)
+    run_main(lambda: main(parse_args(sys.argv[1:])), __file__)

@@ -92,6 +92,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from parallel.cli import answer_help
+    from parallel.cli import answer_help, run_main  # an error: one line, exit 1 (COSPEC_TRACEBACK=1: traceback)
     answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
-    main(sys.argv[1:])
+    run_main(main, __file__, sys.argv[1:])

@@ -229,15 +229,22 @@ def plot(times, path):
     fig.savefig(path, dpi=120)
 
 
-if __name__ == "__main__":
+def main(argv=None):
     ap = parser(__doc__, __file__)
     ap.add_argument("--repeats", type=int, default=15, help="measured steps per transport (after one warm-up)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "tapchannel.json"),
                     help="the JSON written (the markdown table beside it)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.repeats < 1:
+        raise ValueError(f"--repeats={args.repeats}: expected >= 1")
     if "WORLD_SIZE" in os.environ:  # torchrun
         dist.init_process_group("gloo")
         worker(dist.get_rank(), dist.get_world_size(), None, args.out, args.repeats)
     else:
         with tempfile.TemporaryDirectory() as tmp:
             mp.spawn(worker, args=(PP, os.path.join(tmp, "store"), args.out, args.repeats), nprocs=PP)
+
+
+if __name__ == "__main__":
+    from parallel.cli import run_main  # an error: one line, exit 1 (COSPEC_TRACEBACK=1: the traceback)
+    run_main(main, __file__)

@@ -62,6 +62,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from parallel.cli import writing
+
 FORMAT = "cospec-checkpoint/2"  # /2: weights_only-safe files, mesh + config + code version in the manifest
 MANIFEST, META, TMP = "MANIFEST.json", "meta.pt", ".tmp-"
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -110,7 +112,7 @@ def restore_rng(state: dict, generators: dict[str, torch.Generator] | None = Non
 def _write(path: Path, dump: Callable) -> None:
     """Write `path` durably: dump into `path.part`, fsync, rename. A crash leaves a .part file, never a short `path`."""
     part = path.with_name(path.name + ".part")
-    with open(part, "wb") as f:
+    with writing(str(path)), open(part, "wb") as f:  # a full disk: an OSError naming the file
         dump(f)
         f.flush()
         os.fsync(f.fileno())
@@ -219,8 +221,7 @@ def save_checkpoint(folder, step: int, *, states: dict[str, dict], rng: dict, me
     tmp = folder / (TMP + final.name)  # the same name on every rank, so no rank needs to be told it
     if rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
-        for stale in folder.glob(TMP + "*"):  # one job per folder: a temp dir is a crashed save's or prune's leftover
-            shutil.rmtree(stale)
+        remove_temporaries(folder)
         _drop_later(folder, step)
         tmp.mkdir()
     barrier()  # sync 1: the empty temp dir exists before anyone writes into it
@@ -248,6 +249,13 @@ def save_checkpoint(folder, step: int, *, states: dict[str, dict], rng: dict, me
     if rank == 0 and keep_last is not None:
         _prune(folder, step, keep_last)
     return final
+
+
+def remove_temporaries(folder) -> None:
+    """Delete the temporary directories of saves or prunes that did not finish (one job per folder: a temp dir is an
+    interrupted save's leftover, never a checkpoint)."""
+    for stale in Path(folder).glob(TMP + "*"):
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _remove(p: Path) -> None:

@@ -89,7 +89,7 @@ class Config:
     steps: int = 30  # RL steps (each: rollouts, then `updates` optimisation steps)
     prompts_per_step: int = 32  # prompts per RL step, each sampled group_size times
     group_size: int = 8  # G: samples per prompt, the group of GRPO's advantage
-    temperature: float = 1.0  # tau of rollouts and eval (0: greedy); every log-prob of the update is at tau
+    temperature: float = 1.0  # tau of rollouts, eval and every log-prob of the update (greedy, tau = 0, is not GRPO)
     num_draft_tokens: int | str = 4  # k per verification forward; auto: chosen per step, decoding/adaptive_k.py
     max_draft_tokens: int = 6  # K, the ceiling of --num_draft_tokens=auto (opt-in: samples depend on the clock)
     tree: tuple = ()  # a tree draft (b_1,...,b_k), --tree=2,2,1 (decoding/speculative_tree.py); (): a chain
@@ -266,7 +266,8 @@ CHECKS = {
     "steps":              at_least(1),
     "prompts_per_step":   at_least(1),
     "group_size":         at_least(2),  # GRPO's advantage is relative to the group: one sample has none
-    "temperature":        above(0),
+    "temperature":        ((lambda v, c: v > 0), "> 0 (GRPO needs G different samples of a prompt: greedy decoding, "
+                           "tau = 0, would give G identical ones and log-probs at 1 / 0)"),
     "num_draft_tokens":   ((lambda v, c: v == "auto" or (type(v) is int and v >= 1)),
                            ">= 1, or auto (adaptive, at most max_draft_tokens)"),
     "max_draft_tokens":   ((lambda v, c: 1 <= v <= 16), "in [1, 16]"),
@@ -327,7 +328,9 @@ def help_text(usage: str = USAGE) -> str:
                for n, kv in PRESETS.items()]
     return "\n".join([usage, "", "--preset NAME: named overrides, applied first (flags given with it override them):",
                       *presets, "", "flags: --key=value or --key value; a bool also as --key alone (= true). A value "
-                      "outside what is expected", "stops the run before it starts.", "",
+                      "outside what is expected", "stops the run before it starts. Every error is one line naming the "
+                      "flag or file (exit 1;", "COSPEC_TRACEBACK=1: the traceback too); Ctrl-C names the last "
+                      "checkpoint, to continue with --resume.", "",
                       flags_help(Config, expect)])
 
 
@@ -353,6 +356,9 @@ def parse_args(argv: list, usage: str = USAGE) -> Config:
             if i >= len(argv) or argv[i].startswith("--"):
                 raise ValueError(f"--{key}: expected --{key}=<{typ}> or --{key} <{typ}>")
             val, eq = argv[i], "="
+            i += 1
+        elif not eq and i < len(argv) and not argv[i].startswith("--"):  # a bool's value: --zero1 auto, --resume true
+            val, eq = argv[i], "="  # (no flag takes a bare word otherwise: a value it is, checked like --key=value)
             i += 1
         if key == "preset":
             if val not in PRESETS:

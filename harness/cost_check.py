@@ -22,12 +22,13 @@ step's measured explicit share; other tasks: --tail).
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import sys
 from dataclasses import fields, replace
 
-from parallel.cli import parser
+from parallel.cli import parser, run_main
 from harness.cost_inputs import Arch, Device
 from harness.cost_model import Workload, predict
 
@@ -39,17 +40,34 @@ def load_run(path: str) -> tuple[list, dict | None]:
     f = os.path.join(path, "metrics.jsonl") if os.path.isdir(path) else path
     if not os.path.isfile(f):
         raise ValueError(f"RUN={path!r}: expected a run directory with metrics.jsonl, or a metrics.jsonl file")
-    with open(f) as fh:
-        recs = [json.loads(line) for line in fh if line.strip()]
+    recs = read_jsonl(f)
     cfg = next((r["config"] for r in recs if isinstance(r.get("config"), dict)), None)
     side = os.path.join(os.path.dirname(f), "config.json")
     if cfg is None and os.path.isfile(side):
-        with open(side) as fh:
-            cfg = json.load(fh)
+        from serving.hf_io import read_json
+        cfg = read_json(side)
     steps = [r for r in recs if r.get("kind") == "train" and isinstance(r.get("time"), dict)]
     if not steps:
         raise ValueError(f"{f}: no RL step records (kind 'train' with a 'time')")
     return steps, cfg
+
+
+def read_jsonl(path: str) -> list:
+    """One JSON object per non-empty line; an error names the file and the line."""
+    recs = []
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                recs.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: invalid JSON ({e.msg} at column {e.colno}): expected one metrics "
+                                 "record per line (train.py's metrics.jsonl)") from None
+            if not isinstance(recs[-1], dict):
+                raise ValueError(f"{path}:{n}: expected a JSON object (a metrics record), got "
+                                 f"{type(recs[-1]).__name__}")
+    return recs
 
 
 def run_config(stored: dict | None, argv: list):
@@ -181,11 +199,15 @@ def main(argv=None) -> int:
     ap.add_argument("--world", type=int, default=0, help="processes, for records without rank_rows")
     ap.add_argument("--cpu", action="store_true", help="compare CPU seconds (records with time['cpu']), not wall")
     a = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
-    try:
-        res = check(a.run, Device.load(a.device), rest, a.tail, a.prompt_len, a.world, a.cpu)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    bad = [f"--{k}={getattr(a, k)!r}: expected a finite number >= 0 (0: {why})" for k, why in
+           (("tol", "exact"), ("tail", "the task's"), ("prompt_len", "the task's")) if not getattr(a, k) >= 0]
+    bad += [f"--tail={a.tail!r}: expected 0 (the task's) or >= 1 (the longest row is never below the mean)"] * (
+        0 < a.tail < 1)
+    bad += [f"--world={a.world}: expected >= 0 (0: the records' rank_rows)"] * (a.world < 0)
+    if bad or not all(math.isfinite(x) for x in (a.tol, a.tail, a.prompt_len)):
+        raise ValueError("; ".join(bad) or f"--tol, --tail, --prompt_len: expected finite numbers, got {a.tol}, "
+                                           f"{a.tail}, {a.prompt_len}")
+    res = check(a.run, Device.load(a.device), rest, a.tail, a.prompt_len, a.world, a.cpu)
     print(table(res, a.tol))
     bad = [c for c in COMPONENTS if not abs(res[c][2]) <= a.tol]
     print(f"{'every component' if not bad else ', '.join(bad) + ': NOT'} within ±{a.tol:.0%}")
@@ -193,4 +215,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main, __file__)  # an error: one line naming the flag or file (and line), exit 1

@@ -35,7 +35,7 @@ this CPU's; the GPU presets state their sources and assumptions):
 """
 from __future__ import annotations
 
-import json
+import math
 import os
 from dataclasses import dataclass, field, fields, replace
 
@@ -66,26 +66,33 @@ class Arch:
 
     @classmethod
     def load(cls, spec: str) -> "Arch":
-        """A model.ModelConfig preset name, an HF config.json, or a directory holding one."""
-        from model import PRESETS
+        """A model.ModelConfig preset name, an HF config.json, or a directory holding one; checked by model.ModelConfig
+        (heads >= 1, hidden a multiple of the heads, ...: the same checks as every other reader of a config)."""
+        from model import PRESETS, ModelConfig
+        from serving.hf_io import read_json
         if spec in PRESETS:
-            c = PRESETS[spec]
-            return cls(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                       c.intermediate_size, c.vocab_size, tied=c.tie_word_embeddings)
+            return cls.of(PRESETS[spec])
         path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
         if not os.path.isfile(path):
             raise ValueError(f"--model={spec!r}: expected a model preset ({', '.join(sorted(PRESETS))}), an HF "
                              "config.json or a directory holding one")
-        with open(path) as f:
-            c = json.load(f)
-        try:
-            H, n = int(c["hidden_size"]), int(c["num_attention_heads"])
-            return cls(int(c["num_hidden_layers"]), H, n, int(c.get("num_key_value_heads", n)),
-                       int(c.get("head_dim") or H // n), int(c["intermediate_size"]), int(c["vocab_size"]),
-                       tied=bool(c.get("tie_word_embeddings", False)))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{path}: expected an HF config with hidden_size, num_attention_heads, "
-                             f"num_hidden_layers, intermediate_size, vocab_size ({e!r})") from None
+        c = read_json(path)
+        need = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
+        missing = [k for k in need if k not in c]
+        if missing:
+            raise ValueError(f"{path}: missing key(s) {missing} (an HF decoder config needs {', '.join(need)})")
+        try:  # the sizes only: the cost model does not care about RoPE variants or the architecture's name
+            return cls.of(ModelConfig(**{k: c[k] for k in need}, head_dim=c.get("head_dim"),
+                                      num_key_value_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+                                      tie_word_embeddings=bool(c.get("tie_word_embeddings", False))))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: {e}") from None
+
+    @classmethod
+    def of(cls, c) -> "Arch":
+        """The sizes of a (checked) model.ModelConfig."""
+        return cls(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                   c.intermediate_size, c.vocab_size, tied=c.tie_word_embeddings)
 
     @classmethod
     def draft_of(cls, policy: "Arch", taps: int = 3, vocab: int = 0) -> "Arch":
@@ -187,14 +194,34 @@ class Device:
         if not os.path.isfile(path):
             raise ValueError(f"--device={spec!r}: expected a preset ({', '.join(DEVICE_FILES)}) or a device JSON "
                              "file (bench/probe_cost.py writes one)")
-        with open(path) as f:
-            d = json.load(f)
+        from serving.hf_io import read_json
+        d = read_json(path)
         names = {f.name for f in fields(cls)}
         bad = sorted(set(d) - names) + sorted(set(d.get("overheads", {})) - set(OVERHEADS))
         if bad:
             raise ValueError(f"{path}: unknown device field(s) {bad}: expected {sorted(names)}, overheads "
                              f"{list(OVERHEADS)}")
-        dev = cls(**d)
-        if dev.F <= 0 or dev.BW <= 0 or dev.cores <= 0:
-            raise ValueError(f"{path}: F, BW and cores must be > 0 (got {dev.F}, {dev.BW}, {dev.cores})")
+        try:
+            dev = cls(**d)
+            dev.check()
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: {e}") from None
         return dev
+
+    def check(self):
+        """Every figure a finite number in its range: F, BW, cores > 0; the bytes, rates and overheads >= 0."""
+        pos = ("F", "BW", "wbytes", "kvbytes", "cores")
+        bad = [f"{k}={getattr(self, k)!r}: expected a number > 0" for k in pos if not _num(getattr(self, k), 0, False)]
+        bad += [f"{k}={getattr(self, k)!r}: expected a number >= 0" for k in ("F_train", "F_attn", "F_pad", "BW_comm")
+                if not _num(getattr(self, k), 0, True)]
+        bad += [f"oversub={self.oversub!r}: expected a number >= 1"] * (not _num(self.oversub, 1, True))
+        bad += [f"overheads.{k}={v!r}: expected seconds >= 0" for k, v in self.overheads.items()
+                if not _num(v, 0, True)]
+        if bad:
+            raise ValueError("; ".join(bad))
+
+
+def _num(v, lo: float, closed: bool) -> bool:
+    """v is a finite number (not a bool) above lo (or at it, closed)."""
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return ok and (v >= lo if closed else v > lo)

@@ -6,6 +6,10 @@ numbers are predictions, checked against measured runs by harness/cost_check.py 
     python -m harness.cost_model --model docs/examples/qwen3_8b/config.json --device h100 --resp_len 8192 ...
     python -m harness.cost_check RUN_DIR [--device cpu]              # measured vs predicted per component
 
+Every input is checked before anything is predicted (the policy's config by model.ModelConfig, as every reader of one
+is; the device's figures by Device.check; the workload's fields by CHECKS; 0 is a value, not "unset"): one line
+naming the flag, field or file and what was expected.
+
 Inputs (harness/cost_inputs.py: Arch, Device): the policy (L layers, H, heads, I, V) and its draft (one layer, fc over
 3 taps, head over V_d); the device (F FLOP/s, BW bytes/s, bytes per weight b_w, fixed seconds per call o_*, cores);
 the workload (Workload below). Letters: B rows per generate call (rollout_batch), p prompt and r response tokens, c the
@@ -84,7 +88,7 @@ import math
 import sys
 from dataclasses import dataclass, fields, replace
 
-from parallel.cli import parser
+from parallel.cli import parser, run_main
 from harness.cost_comm import comm_counts, comm_seconds
 from harness.cost_inputs import (Arch, Device, attn_flops, dense_flops, draft_pass_flops, head_flops, layer_bytes,
                                  layer_flops, pad_attn_flops)
@@ -127,6 +131,13 @@ class Workload:
     draft_vocab: int = 0  # the draft head's vocabulary (0: the policy's)
     draft_share: float = 1.0  # share of the updates that train the drafts (a draft-training budget, --draft_every)
 
+    def __post_init__(self):
+        """Every field in its range (CHECKS), all problems in one line: `--dp=-2: expected an integer >= 1`."""
+        bad = [f"--{k}={v!r}: expected {want}" for k, (ok, want) in CHECKS.items()
+               if not ok(v := getattr(self, k), self)]
+        if bad:
+            raise ValueError("; ".join(bad))
+
     @property
     def world(self) -> int:
         return self.pp * self.cp * self.dp
@@ -139,6 +150,27 @@ class Workload:
     @property
     def kept(self) -> float:
         return expected_kept(self.k, self.alpha, self.accept_len)
+
+
+def _int(lo):
+    return (lambda v, w: isinstance(v, int) and not isinstance(v, bool) and v >= lo), f"an integer >= {lo}"
+
+
+def _real(lo, hi=math.inf, what=""):
+    return ((lambda v, w: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+             and lo <= v <= hi), what or f"a finite number >= {lo}")
+
+
+CHECKS = {  # Workload's fields: (test(value, workload), what is expected); 0 is a value wherever it is allowed
+    "rows": _int(1), "prompt_len": _real(1), "resp_len": _real(1), "tail": _real(1), "rollout_batch": _int(1),
+    "k": _int(0), "accept_len": ((lambda v, w: v == 0 or (isinstance(v, (int, float)) and 1 <= v <= w.k + 1)),
+                                 "0 (from --alpha) or in [1, k + 1]"),
+    "alpha": ((lambda v, w: isinstance(v, tuple) and len(v) >= 1 and all(
+        isinstance(a, (int, float)) and 0 <= a <= 1 for a in v)), "per-position acceptances in [0, 1], e.g. 0.8,0.7"),
+    "updates": _int(1), "micro_batches": _int(1), "ttt_passes": _int(1), "drafts": _int(0),
+    "pp": _int(1), "cp": _int(1), "dp": _int(1), "checkpointing": ((lambda v, w: isinstance(v, bool)), "true or false"),
+    "draft_vocab": _int(0), "draft_share": _real(0, 1, "in [0, 1]"),
+}
 
 
 def _layer(a: Arch, dev: Device, tokens: float, rows: float, ctx: float) -> float:
@@ -247,6 +279,9 @@ def kv_cache_bytes(a: Arch, dev: Device, w: Workload) -> float:
 
 def predict(a: Arch, dev: Device, w: Workload) -> dict:
     """Every component (s) of both steps, the measured step's draft training (w.drafts drafts) and the speedups."""
+    if w.draft_vocab > a.vocab:
+        raise ValueError(f"--draft_vocab={w.draft_vocab}: expected <= the policy's vocabulary, {a.vocab} (0: all "
+                         "of it)")
     d = Arch.draft_of(a, 3, w.draft_vocab)
     spec = rollout(a, d, dev, w, w.k) if w.k else None
     ar = rollout(a, d, dev, w, 0)
@@ -284,31 +319,33 @@ def parse(argv: list) -> tuple[Arch, Device, Workload]:
     ap = parser(__doc__, __file__)
     ap.add_argument("--model", default="mini", help="a model.ModelConfig preset, an HF config.json or its directory")
     ap.add_argument("--device", default="cpu", help="a device preset (cpu: this machine's probe; h100) or a JSON file")
-    ap.add_argument("--flops", type=float, default=0, help="override the device's F (FLOP/s)")
-    ap.add_argument("--bw", type=float, default=0, help="override the device's BW (bytes/s)")
-    ap.add_argument("--cores", type=float, default=0, help="override the device's cores (processes at full speed)")
-    ap.add_argument("--overhead_scale", type=float, default=1.0, help="multiply every o_* (sensitivity)")
+    ap.add_argument("--flops", type=float, default=0, help="override the device's F (FLOP/s; 0: the device's)")
+    ap.add_argument("--bw", type=float, default=0, help="override the device's BW (bytes/s; 0: the device's)")
+    ap.add_argument("--cores", type=float, default=0, help="override the device's cores (processes at full speed; "
+                                                           "0: the device's)")
+    ap.add_argument("--overhead_scale", type=float, default=1.0, help="multiply every o_* (sensitivity; >= 0)")
     for f in fields(Workload):
         kind = {"bool": None, "tuple": str}.get(str(f.type), {"int": int, "float": float}.get(str(f.type), float))
-        if kind is None:
-            ap.add_argument(f"--{f.name}", action="store_true", help=HELP[f.name])
+        if kind is None:  # default None, not False: only a flag given on the command line replaces the default
+            ap.add_argument(f"--{f.name}", action="store_true", default=None, help=HELP[f.name])
         else:
             ap.add_argument(f"--{f.name}", type=kind, default=None, help=f"{HELP[f.name]} (default {f.default})")
     a = ap.parse_args(argv)
+    for k in ("flops", "bw", "cores", "overhead_scale"):
+        if not (math.isfinite(getattr(a, k)) and getattr(a, k) >= 0):
+            raise ValueError(f"--{k}={getattr(a, k)!r}: expected a finite number >= 0 (0: the device's own)"
+                             if k != "overhead_scale" else f"--{k}={a.overhead_scale!r}: expected a finite number >= 0")
     dev = Device.load(a.device)
     dev = replace(dev, F=a.flops or dev.F, BW=a.bw or dev.BW, cores=a.cores or dev.cores,
                   overheads={k: v * a.overhead_scale for k, v in dev.overheads.items()})
-    kw = {f.name: getattr(a, f.name) for f in fields(Workload) if getattr(a, f.name) not in (None, False)}
+    kw = {f.name: getattr(a, f.name) for f in fields(Workload) if getattr(a, f.name) is not None}  # 0 is a value
     if "alpha" in kw:
         try:
             kw["alpha"] = tuple(float(x) for x in kw["alpha"].split(","))
         except ValueError:
-            raise SystemExit(f"--alpha={kw['alpha']!r}: expected comma-separated numbers in [0, 1]") from None
-    try:
-        w = Workload(**kw)
-        w.kept  # noqa: B018  (checks k, alpha, accept_len)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
+            raise ValueError(f"--alpha={kw['alpha']!r}: expected comma-separated numbers in [0, 1]") from None
+    w = Workload(**kw)
+    w.kept  # noqa: B018  (checks k, alpha, accept_len)
     return Arch.load(a.model), dev, w
 
 
@@ -342,4 +379,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main, __file__)  # an error: one line naming the flag, field or file, exit 1

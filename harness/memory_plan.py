@@ -28,7 +28,7 @@ from harness import memory_model as mm
 from harness.config import Config, help_text, parse_args
 from model import PRESETS as MODEL_PRESETS
 from model import check_tap_layers
-from parallel.cli import print_help, wants_help
+from parallel.cli import print_help, run_main, wants_help
 
 GiB = 2 ** 30
 USAGE = ("usage: python -m harness.memory_plan [--model PRESET|DIR|config.json] [--gpus N] [--seq T] "
@@ -60,10 +60,15 @@ def parse(argv: list) -> tuple:
                 if i + 1 >= len(argv):
                     raise ValueError(f"--{key}: expected a value")
                 val, i = argv[i + 1], i + 1
+            elif not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):  # --recommend true
+                val, i = argv[i + 1], i + 1
             try:
+                if OWN.get(key) is bool and val.lower() not in ("", "1", "true", "0", "false"):
+                    raise ValueError
                 v = (val.lower() in ("", "1", "true")) if OWN.get(key) is bool else OWN.get(key, str)(val)
             except ValueError:
-                raise ValueError(f"--{key}={val!r}: expected a {OWN[key].__name__}") from None
+                what = "true or false" if OWN.get(key) is bool else f"a value of type {OWN[key].__name__}"
+                raise ValueError(f"--{key}={val!r}: expected {what}") from None
             if key in ("model", "tap_layers"):  # checked against --model below, not Config's default preset
                 own[key] = v
             else:
@@ -71,9 +76,11 @@ def parse(argv: list) -> tuple:
         else:
             rest.append(argv[i])
         i += 1
-    if own["gpus"] < 0 or own["device_gib"] <= 0 or own["seq"] < 0:
-        raise ValueError(f"--gpus={own['gpus']}, --device_gib={own['device_gib']}, --seq={own['seq']}: expected "
-                         "gpus >= 0 (0: pp x cp x dp), device_gib > 0, seq >= 0")
+    bad = [f"--{k}={own[k]:g}: expected {want}" for k, ok, want in (
+        ("gpus", own["gpus"] >= 0, ">= 0 (0: pp x cp x dp)"), ("seq", own["seq"] >= 0, ">= 0 (0: --max_prompt_tokens "
+         "+ --max_new_tokens)"), ("device_gib", 0 < own["device_gib"] < float("inf"), "a finite number > 0")) if not ok]
+    if bad:
+        raise ValueError("; ".join(bad))
     spec = own.pop("model", "mini")
     cfg = parse_args(rest + ([f"--model={spec}"] if spec in MODEL_PRESETS else []))
     if spec not in MODEL_PRESETS:  # a checkpoint: the arms' auto is HF mode's (off), as Config.arm reads it there
@@ -194,4 +201,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, __file__)  # an error: one line naming the flag, field or file, exit 1 (COSPEC_TRACEBACK=1: more)

@@ -248,10 +248,8 @@ def main(argv: list):
 
 
 if __name__ == "__main__":
-    from parallel.cli import answer_help
-    answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
     import sys
-    try:
-        main(sys.argv[1:])
-    except (OSError, ValueError) as e:
-        sys.exit(f"harness.report: {e}")
+
+    from parallel.cli import answer_help, run_main
+    answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
+    run_main(main, __file__, sys.argv[1:])  # an error: one line naming the file, exit 1

@@ -36,6 +36,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import time
 
 import torch
@@ -50,6 +51,7 @@ from serving.draft_vocab import select_draft_vocab
 from model import Transformer
 from backends.attention_padded import padded_branch_attention, padded_causal_attention
 from backends.fused_logprob import DEFAULT_CHUNK_MIB, budget_rows
+from parallel.cli import writing
 from rl_loop import DraftTrainer, RolloutBatch, check_finite_weights, draft_loss, pack, packed_logp
 
 
@@ -148,7 +150,8 @@ def publish(path: str, save):
     first), a complete one (a concurrent run's) kept. The temporary is deleted whatever happens."""
     tmp, old = f"{path}.tmp{os.getpid()}", f"{path}.old{os.getpid()}"
     try:
-        save(tmp)
+        with writing(path):  # a full disk: one error naming the entry (safetensors' SafetensorError too)
+            save(tmp)
         if os.path.isdir(path) and not complete(path):
             os.replace(path, old)
             shutil.rmtree(old)
@@ -272,15 +275,12 @@ def evaluate_policy(policy, tsk, problems, max_new_tokens: int, *, temperature: 
             "resp_len": sum(r.numel() for r in resp) / len(resp)}
 
 
-if __name__ == "__main__":
-    import sys
-
-    from harness.config import parse_args  # the same settings (and so the same cache entries) as `python train.py ...`
-    from parallel.cli import describe
-    c = parse_args(sys.argv[1:], usage=describe(__doc__, __file__))  # -h / --help: train.py's flags, exit 0
+def main(c):
+    """Both warm-ups for the Config `c` (the same settings, and so the same cache entries, as `python train.py ...`),
+    then the policy's held-out greedy and sampled scores."""
     torch.set_num_threads(c.threads)
     if c.hf_mode:
-        sys.exit("warmup.py: the SFT warm-up is for --task tasks; an HF checkpoint (--model=DIR) is used as is")
+        raise ValueError(f"--model={c.model}: the SFT warm-up is for --task tasks; an HF checkpoint is used as is")
     tsk = make_task(c.task, c)  # as experiment.build_task: the same key
     tsk.max_new_tokens = c.max_new_tokens or tsk.max_new_tokens
     t0 = time.time()
@@ -295,3 +295,10 @@ if __name__ == "__main__":
     for T in (0.0, 1.0):
         print(f"held-out, temperature {T}:", evaluate_policy(policy, tsk, tsk.eval_set(256), tsk.max_new_tokens,
                                                             temperature=T, rows=c.rollout_batch))
+
+
+if __name__ == "__main__":
+    from harness.config import parse_args  # here, not in main: the harness is not the warm-ups' code (their cache key)
+    from parallel.cli import describe, run_main
+    # -h / --help: train.py's flags, exit 0; an error (a bad flag, a full disk, a NaN loss): one line, exit 1
+    run_main(lambda: main(parse_args(sys.argv[1:], usage=describe(__doc__, __file__))), __file__)

@@ -6,16 +6,24 @@ its commands) and a config dataclass's field comments (what each flag means), so
     flags_help(Config, expect)             one entry per dataclass field: default, what is expected, its comment
     show_value(v)                          a value as it is typed on the command line: true, '', 2,2,1
     print_help(text)                       print on rank 0 only (under torchrun every rank parses the same argv)
+    run_main(main, __file__, argv)         an entry point's end: an error is one line naming what was wrong, exit 1
+    writing(path)                          a storage error inside (a full disk, SafetensorError too) names `path`
 
 The docstring's commands are its indented lines that start with `python`, `torchrun` or `VAR=value python` and name
 the file itself; its summary is its first paragraph. A field's meaning is the `# ...` comment on its line; a block of
 whole-line comments between fields opens a section.
+
+Errors. Every entry point ends through run_main: bad input, a full disk, a NaN loss or a dead peer prints one line
+`<prog>: <what was wrong>` to stderr and exits 1; Ctrl-C prints one line (main may say where to resume: the message of
+the KeyboardInterrupt it raises) and exits 130. COSPEC_TRACEBACK=1 in the environment shows the traceback instead.
 """
 from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
+import errno
 import inspect
 import io
 import os
@@ -24,7 +32,14 @@ import sys
 import textwrap
 import tokenize
 
+from safetensors import SafetensorError
+
+from parallel.waits import WaitFailed
+
 HELP_FLAGS = ("-h", "--help")
+TRACEBACK = "COSPEC_TRACEBACK"  # =1: an entry point's error shows its traceback, not one line
+# what a user can cause and fix: the message is the whole story (anything else is a bug: its type is shown too)
+USER_ERRORS = (ValueError, OSError, FloatingPointError, ImportError, MemoryError, SafetensorError, WaitFailed)
 _COMMAND = re.compile(r"^(?:[A-Z_][A-Z0-9_]*=\S+\s+)*(?:python|torchrun)\s")
 
 
@@ -86,10 +101,16 @@ def answer_help(doc: str, file: str, argv=None) -> None:
         raise SystemExit(0)
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # one line naming the flag, exit 2 (argparse's usage block above it: --help has it)
+        self.exit(2, f"{os.path.basename(self.prog.split()[-1])}: {message}\n")  # prog: `python -m pkg.mod`
+
+
 def parser(doc: str, file: str, **kw) -> argparse.ArgumentParser:
-    """An ArgumentParser whose --help shows the docstring's summary above the flags and its commands below."""
+    """An ArgumentParser whose --help shows the docstring's summary above the flags and its commands below, and whose
+    errors are one line (`harness.cost_model: argument --dp: invalid int value: 'x'`, exit 2)."""
     cmds = commands(doc, file)
-    return argparse.ArgumentParser(prog=program(file), description=summary(doc),
+    return _OneLineParser(prog=program(file), description=summary(doc),
                                    formatter_class=argparse.RawDescriptionHelpFormatter,
                                    epilog="examples:\n" + "\n".join("  " + c for c in cmds) if cmds else None, **kw)
 
@@ -145,3 +166,56 @@ def flags_help(cls, expect: dict | None = None, default_title: str = "general") 
             out += [f"{head:<30} {facts}"] if len(head) < 30 else [head, f"{'':<30} {facts}"]
             out += [f"{'':<6}{comment}"] if comment else []
     return "\n".join(out[1:])
+
+
+def prog_name(file: str) -> str:
+    """How errors are prefixed: `train.py` for a root script, `harness.memory_plan` for a module of a package."""
+    run = program(file)
+    return run.split()[-1] if run.startswith("python -m ") else os.path.basename(file)
+
+
+def one_line(e: BaseException) -> str:
+    """The error as one line: its message (newlines folded); an unexpected type is named, with the way to see where."""
+    msg = " ".join(str(e).split()) or type(e).__name__
+    if isinstance(e, USER_ERRORS) or type(e).__name__ == "OutOfMemoryError":  # torch's (a RuntimeError): too big
+        return msg
+    return f"{type(e).__name__}: {msg} (an internal error; {TRACEBACK}=1 shows the traceback)"
+
+
+def run_main(main, file: str, argv=None):
+    """Run an entry point's main (main() or main(argv)) and exit: its return code (an int; else 0); an exception as one
+    line `<prog>: <message>` on stderr, exit 1; Ctrl-C as one line (the KeyboardInterrupt's message, if main gave
+    one), exit 130, printed by rank 0 only. With COSPEC_TRACEBACK=1 the exception propagates (a traceback)."""
+    prog = prog_name(file)
+    try:
+        code = main() if argv is None else main(argv)
+    except KeyboardInterrupt as e:
+        if os.environ.get(TRACEBACK) == "1":
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{prog}: {' '.join(str(e).split()) or 'interrupted'}", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+    except Exception as e:  # noqa: BLE001 -- the entry point's last word: one line
+        if os.environ.get(TRACEBACK) == "1":
+            raise
+        print(f"{prog}: {one_line(e)}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    raise SystemExit(code if isinstance(code, int) else 0)  # main's int, or 0 (a main may return its results)
+
+
+@contextlib.contextmanager
+def writing(path: str):
+    """A failed write inside (OSError, or safetensors' SafetensorError, which is not one: "No space left on device",
+    no path) becomes an OSError naming `path`, with the errno when one can be read from the message."""
+    try:
+        yield
+    except (OSError, SafetensorError) as e:
+        if isinstance(e, OSError) and e.filename:
+            raise
+        text = str(e)
+        code = getattr(e, "errno", None) or next((n for n, s in ((errno.ENOSPC, "No space left"),
+                                                                (errno.EDQUOT, "quota exceeded"),
+                                                                (errno.EROFS, "Read-only file system"))
+                                                 if s in text), errno.EIO)
+        raise OSError(code, f"{getattr(e, 'strerror', None) or os.strerror(code)} (while writing; {text})"
+                      if code == errno.EIO else (getattr(e, "strerror", None) or os.strerror(code)), path) from None

@@ -43,6 +43,8 @@ import sys
 import torch
 from safetensors.torch import save_file
 
+from parallel.cli import writing
+
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # vLLM's registry name and SGLang's EntryClass
 NUM_AUX = 3  # both engines hard-code fc to 3 target hidden states
 WEIGHTS = ("fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
@@ -202,8 +204,9 @@ def atomic_dir(path: str, write):
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        write(tmp)
-    except BaseException:
+        with writing(path):  # a full disk: one error naming the directory (safetensors' SafetensorError too)
+            write(tmp)
+    except BaseException:  # Ctrl-C too: no half-written directory is left
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if os.path.exists(path):
@@ -247,13 +250,13 @@ def check_pair(path: str) -> list[str]:
     """Problems of the draft export at `path` as one half of a servable pair with the policy/ beside it."""
     policy = os.path.join(os.path.dirname(os.path.abspath(path)), "policy")
     mine, theirs = os.path.join(path, PAIR_FILE), os.path.join(policy, PAIR_FILE)
-    if not os.path.isfile(mine) and not os.path.isdir(policy):
-        return []  # a draft exported alone (Eagle3Draft.export): no pair to check
+    if not os.path.isdir(policy):
+        return []  # a draft on its own (exported alone, or copied away from its run): no pair to check
     if not os.path.isfile(mine) or not os.path.isfile(theirs):
         missing = mine if not os.path.isfile(mine) else theirs
         return [f"{missing} is missing: {path} and {policy} do not come from one export (write_servables)"]
-    with open(mine) as f, open(theirs) as g:
-        d, p = json.load(f), json.load(g)
+    from serving.hf_io import read_json
+    d, p = read_json(mine), read_json(theirs)
     if d.get("policy_sha256") != weights_sha256(policy):
         return [f"the draft (step {d.get('step')}) was exported beside another policy than {policy} (step "
                 f"{p.get('step')}): the pair does not match (an interrupted export, or another run's draft)"]
@@ -265,19 +268,12 @@ def check_export(path: str) -> dict:
     WEIGHTS names with their shapes, bf16/fp floats, int64 d2t mapping into the target vocabulary, t2d its image, 3 aux
     ids in both conventions; and beside a policy/ (write_servables), that the two are one pair (check_pair). Returns
     the config."""
-    from safetensors.torch import load_file
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    if cfg.get("architectures") != [ARCHITECTURE]:
-        raise ValueError(f"{path}: architectures={cfg.get('architectures')}, expected [{ARCHITECTURE!r}]")
-    sd = load_file(os.path.join(path, "model.safetensors"))
-    H, Vd, V, D = cfg["hidden_size"], cfg["draft_vocab_size"], cfg["vocab_size"], cfg["head_dim"]
-    shapes = {"fc.weight": (H, NUM_AUX * cfg["target_hidden_size"]), "lm_head.weight": (Vd, H), "norm.weight": (H,),
-              "midlayer.self_attn.q_proj.weight": (cfg["num_attention_heads"] * D, 2 * H),
-              "midlayer.self_attn.k_proj.weight": (cfg["num_key_value_heads"] * D, 2 * H), "d2t": (Vd,), "t2d": (V,)}
+    from serving.export_checks import read_export_config, read_export_weights, shape_problems
+    cfg = read_export_config(path, ARCHITECTURE)  # JSON, architecture, every key named when missing, the sizes
+    sd = read_export_weights(path)  # readable and finite
+    V, Vd = cfg["vocab_size"], cfg["draft_vocab_size"]
     problems = [f"weights {sorted(set(sd) ^ set(WEIGHTS))} differ from {ARCHITECTURE}'s"] * (set(sd) != set(WEIGHTS))
-    problems += [f"{k} has shape {tuple(sd[k].shape)}, expected {s}" for k, s in shapes.items()
-                 if k in sd and tuple(sd[k].shape) != s]
+    problems += shape_problems(path, sd, cfg)
     if "d2t" in sd and "t2d" in sd and not problems:
         ids = torch.arange(Vd) + sd["d2t"]
         if sd["d2t"].dtype != torch.int64 or int(ids.min()) < 0 or int(ids.max()) >= V or ids.unique().numel() != Vd:
@@ -294,12 +290,19 @@ def check_export(path: str) -> dict:
     return cfg
 
 
-if __name__ == "__main__":
-    from parallel.cli import answer_help
-    answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m serving.export DRAFT_DIR     # checks an exported draft (e.g. runs/<name>/draft)")
-    c = check_export(sys.argv[1])
-    print(f"{sys.argv[1]}: {ARCHITECTURE}, H={c['hidden_size']}, draft vocab {c['draft_vocab_size']} of "
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        raise ValueError("usage: python -m serving.export DRAFT_DIR     # checks an exported draft (e.g. "
+                         "runs/<name>/draft)")
+    c = check_export(argv[0])
+    print(f"{argv[0]}: {ARCHITECTURE}, H={c['hidden_size']}, draft vocab {c['draft_vocab_size']} of "
           f"{c['vocab_size']}, aux ids vLLM {c['eagle_aux_hidden_state_layer_ids']} / SGLang "
           f"{c['eagle_config']['eagle_aux_hidden_state_layer_ids']}, {c['torch_dtype']}: ok")
+    return 0
+
+
+if __name__ == "__main__":
+    from parallel.cli import answer_help, run_main
+    answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
+    run_main(main, __file__)  # an error: one line naming the file, key or tensor, exit 1

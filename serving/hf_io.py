@@ -19,6 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from model import ARCHITECTURES, ModelConfig, Transformer
+from parallel.cli import writing
 
 _MODEL_TYPE = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 
@@ -161,17 +162,23 @@ def _atomic(folder, name, write):
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.")
     os.close(fd)
     try:
-        write(tmp)
+        with writing(os.path.join(folder, name)):  # a full disk: one error naming the file (SafetensorError too)
+            write(tmp)
         os.replace(tmp, os.path.join(folder, name))
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
 
 
-if __name__ == "__main__":
-    from parallel.cli import answer_help
-    answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m serving.hf_io PATH")
-    m = from_pretrained(sys.argv[1])
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        raise ValueError("usage: python -m serving.hf_io PATH")
+    m = from_pretrained(argv[0])
     print(m.cfg, f"\n{sum(p.numel() for p in m.parameters()):,} parameters")
+
+
+if __name__ == "__main__":
+    from parallel.cli import answer_help, run_main
+    answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
+    run_main(main, __file__)  # an error: one line naming the file and key, exit 1

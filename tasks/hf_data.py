@@ -220,8 +220,11 @@ class ChatTemplate:
 def _json(path: str) -> dict:
     if not os.path.isfile(path):
         return {}
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:  # the parser's message names no file
+        raise ValueError(f"{path}: invalid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
 
 
 if __name__ == "__main__":

@@ -135,8 +135,16 @@ def _read(model_dir: str, name: str) -> dict:
     p = os.path.join(model_dir, name)
     if not os.path.isfile(p):
         return {}
-    with open(p) as f:
-        return json.load(f)
+    try:
+        with open(p, encoding="utf-8") as f:
+            obj = json.load(f)
+    except json.JSONDecodeError as e:  # the parser's message names no file
+        raise ValueError(f"{p}: invalid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{p}: cannot be read ({type(e).__name__}: {e})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{p}: expected a JSON object, got {type(obj).__name__}")
+    return obj
 
 
 class HFTokenizer:

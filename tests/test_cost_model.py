@@ -138,7 +138,7 @@ def test_bad_inputs_name_what_was_expected(tmp_path, capsys):
     bad.write_text(json.dumps({"F": 1.0, "BW": 1.0, "flops": 3}))
     with pytest.raises(ValueError, match="unknown device field"):
         Device.load(str(bad))
-    with pytest.raises(SystemExit, match="--alpha='x'"):
+    with pytest.raises(ValueError, match="--alpha='x'"):
         main(["--alpha", "x"])
     with pytest.raises(ValueError, match="RUN="):
         cost_check.load_run(str(tmp_path))
