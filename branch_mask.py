@@ -175,7 +175,8 @@ def shard_anchors(anchor_rows, cu_seqlens: torch.Tensor, cp: int, rank: int):
     rows = torch.as_tensor(anchor_rows).reshape(-1)
     cu = host_cu(cu_seqlens)
     host = rows.tolist()  # sync point (device rows): an input-preparation step, once per batch
-    if rows.is_floating_point() or any(not 0 <= a < cu[-1] for a in host) or any(b < a for a, b in zip(host, host[1:])):
+    bad = rows.is_floating_point() or any(not 0 <= a < cu[-1] for a in host)
+    if bad or any(b < a for a, b in zip(host, host[1:])):
         raise ValueError(f"anchor_rows: expected integer packed rows in [0, {cu[-1]}), non-decreasing, got "
                          f"{host[:16]}{' ...' if len(host) > 16 else ''}")
     cu_t = torch.tensor(cu, dtype=torch.long, device=rows.device)
