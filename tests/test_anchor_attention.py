@@ -8,6 +8,7 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 
 from attention_cp import anchor_branch_attention, register_backend, ring_branch_attention
+from attention_blocks import KeyEnds, Segment
 from attention_cp import TorchBlocks
 from branch_mask import cu_seqlens_from_lengths, pad_for_cp, shard_anchors, zigzag_index
 from harness.memory_track import StorageTracker
@@ -82,6 +83,15 @@ def test_ttt_is_the_special_case(cp, P, backend):
     for general, ttt in run_ranks(cp, rank, timeout=60):
         for a, b in zip(general, ttt):
             assert (a is None and b is None) or torch.equal(a, b)  # bit for bit: the same tiles, masks and merges
+
+
+def test_tiles_stop_at_the_rows_key_ends():
+    """Per-row key ends (non-decreasing): a query tile stops at its last row's end and is masked past its first's."""
+    ends = KeyEnds((1, 2, 30, 31, 40), torch.tensor([1, 2, 30, 31, 40]))
+    tiles = list(TorchBlocks(tile=4)._tiles(Segment(0, 5, 0, 40, True), ends))
+    first = [(k.start, masked) for q, k, masked in tiles if q.start == 0]
+    assert first == [(k, True) for k in range(0, 32, 4)]  # rows 0-3 end at 31 at most: 8 of 10 key tiles
+    assert [masked for q, k, masked in tiles if q.start == 4] == [False] * 10  # row 4 sees all 40 keys
 
 
 def test_shard_anchors_round_trip():
