@@ -68,13 +68,13 @@ def _safe(lse):  # exp(s - lse) with lse = -inf (a row with no key in this tile)
 
 
 class TorchBlocks:
-    """Tiled pure-PyTorch kernel: tiles of `tile` query rows x `tile` key rows, any device, fp64/fp32/bf16 inputs
-    (tiles are upcast to the accumulator dtype, fp32 or fp64)."""
+    """Tiled pure-PyTorch kernel: tiles of `tile` query rows (fewer past 8 query heads per kv head: _rows) x `tile`
+    key rows, any device, fp64/fp32/bf16 inputs (tiles are upcast to the accumulator dtype, fp32 or fp64)."""
+
+    key_ends = True  # forward / backward take ends=KeyEnds (anchor_branch_attention needs it)
 
     def __init__(self, tile: int = 256):
         self.tile = tile
-
-    key_ends = True  # forward / backward take ends=KeyEnds (anchor_branch_attention needs it)
 
     @staticmethod
     def _rows(rows: int, G: int) -> int:
