@@ -12,7 +12,9 @@ Letters: T packed tokens, B batch rows, S new tokens per row, H hidden, Hq / Hkv
 """
 from __future__ import annotations
 
+import functools
 import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -23,6 +25,30 @@ from modeling.kv_cache import KVCache
 def at_least_f32(x: torch.Tensor) -> torch.Tensor:
     """x in fp32 at least, for softmax and log-sum-exp statistics of bf16 / fp16 logits (fp64 stays fp64)."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+@functools.lru_cache(maxsize=None)
+def _mm_out_dtype_ok() -> bool:
+    """Does this torch's CUDA mm take out_dtype (bf16 / fp16 in, fp32 out; torch >= 2.8)? Probed once."""
+    try:
+        a = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def linear_f32(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    """(..., H) @ (V, H)^T -> (..., V) logits in fp32 at least: the LM head of every log-prob that GRPO compares
+    (the rollout's, fused_logprob's). A bf16 matmul accumulates in fp32 but rounds its output to bf16: ~2^-9 relative,
+    0.02-0.04 on a logit of 10, straight into log p. The product of two bf16 numbers is exact in fp32, so the fp32
+    matmul of the same bf16 weights loses nothing. CUDA without autograd (decode): torch.mm(..., out_dtype=fp32), bf16
+    tensor cores and no fp32 copy of W; otherwise both operands cast to fp32 (a (V, H) fp32 temporary)."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return at_least_f32(F.linear(x, W))
+    grad = torch.is_grad_enabled() and (x.requires_grad or W.requires_grad)
+    if x.is_cuda and W.dtype == x.dtype and not grad and _mm_out_dtype_ok():
+        return torch.mm(x.reshape(-1, x.shape[-1]), W.t(), out_dtype=torch.float32).reshape(*x.shape[:-1], W.shape[0])
+    return F.linear(x.float(), W.float())
 
 
 class RMSNorm(nn.Module):
