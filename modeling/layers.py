@@ -113,6 +113,42 @@ def packed_causal_attention(q, k, v, cu_seqlens, softmax_scale):
     return out
 
 
+CACHED_SCORES_MIB = 256.0  # cached_attention's block of query rows: its (B, Hq, rows, Lk) fp32 scores at most this
+
+
+def cached_attention(q, K, V, visible, softmax_scale: float, scores_mib: float = None):
+    """Attention of S new entries per row against a KV cache, without a (B, S, Lk) mask or a GQA copy of K/V.
+
+    q (B, S, Hq, D); K, V (B, Hkv, Lk, D) (the cache's views); visible(lo, hi) -> (B, hi - lo, Lk) bool (KVCache.
+    visible) -> (B, S, Hq, D). GQA: query head h reads KV head h // G (G = Hq / Hkv), so the G query heads of a KV head
+    are folded into its rows, q -> (B, Hkv, G * n, D) against K (B, Hkv, Lk, D): K and V are read as they lie (SDPA's
+    enable_gqa with a mask has no fused kernel and falls back to expanding them). Prefill: the S rows go in blocks of
+    n rows, n from a byte budget on the block's (B, Hq, n, Lk) fp32 scores (what SDPA's math kernel holds), so a
+    prompt of P tokens never holds an O(P^2) tensor; decode (S = k + 1) is one block. Each query row's softmax is its
+    own, so the blocks change no result. scores_mib None: CACHED_SCORES_MIB."""
+    B, S, Hq, D = q.shape
+    Lk = K.shape[2]
+    scores_mib = CACHED_SCORES_MIB if scores_mib is None else scores_mib
+    n = max(1, int(scores_mib * 2**20) // (4 * B * Hq * max(Lk, 1)))
+    if n >= S:  # one block (decode): no copy of the output
+        return _cached_block(q, K, V, visible(0, S), softmax_scale)
+    out = q.new_empty(B, S, Hq, D)
+    for lo in range(0, S, n):
+        hi = min(S, lo + n)
+        out[:, lo:hi] = _cached_block(q[:, lo:hi], K, V, visible(lo, hi), softmax_scale)
+    return out
+
+
+def _cached_block(q, K, V, mask, softmax_scale):  # q (B, n, Hq, D), mask (B, n, Lk) -> (B, n, Hq, D)
+    B, n, Hq, D = q.shape
+    Hkv, Lk = K.shape[1], K.shape[2]
+    G = Hq // Hkv
+    qg = q.reshape(B, n, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * n, D)  # row g * n + i
+    m = mask[:, None, None].expand(B, 1, G, n, Lk).reshape(B, 1, G * n, Lk)  # (B, 1, G n, Lk): O(n Lk) per block
+    o = F.scaled_dot_product_attention(qg, K, V, attn_mask=m, scale=softmax_scale)  # (B, Hkv, G n, D)
+    return o.reshape(B, Hkv, G, n, D).permute(0, 3, 1, 2, 4).reshape(B, n, Hq, D)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -142,10 +178,9 @@ class Attention(nn.Module):
 
     def forward_cached(self, x, cos, sin, cache: KVCache, layer: int):  # x (B, S, H)
         q, k, v = self.qkv(x, cos, sin)  # (B, S, Hq|Hkv, D)
-        K, V, mask = cache.write(layer, k, v)  # (B, Hkv, Lk, D) x2, mask (B, S, Lk)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), K, V, attn_mask=mask[:, None], enable_gqa=True,
-                                           scale=1.0 / math.sqrt(self.cfg.head_dim))  # GQA without copying K/V
-        return self.o_proj(o.transpose(1, 2).flatten(-2))
+        K, V = cache.write(layer, k, v)  # (B, Hkv, Lk, D) x2
+        o = cached_attention(q, K, V, cache.visible, 1.0 / math.sqrt(self.cfg.head_dim))  # (B, S, Hq, D)
+        return self.o_proj(o.flatten(-2))
 
 
 class MLP(nn.Module):  # SwiGLU
