@@ -17,8 +17,9 @@ Per rank of pipeline stage s (the stage's DP x CP ranks are alike; global rank 0
   transient (a phase's peak; the run's peak is the larger phase)
     rollout      kv_cache (policy: layers x B x Hkv x L x D x 2, L grown in blocks to the longest row, at worst the
                  budget: kv_slots; the draft's one layer) + verify_logits (the
-                 verification's vocabulary-sized working set) + prefill (the policy's taps over the prompts, held while
-                 the draft's trunk runs over them); or the reference forward's working set over rollout_batch
+                 verification's vocabulary-sized working set) + prefill (prefill_bytes: the policy's taps over the
+                 prompts, held while the draft's trunk runs over them, a layer's working set, and one block of the
+                 cached attention's mask); or the reference forward's working set over rollout_batch
                  sequences, whichever is larger (the caches are freed first)
     update       activations (saved for backward: in-flight micro-batches x layers x T x per-token bytes; with
                  --activation_checkpointing only the layer inputs, plus one layer recomputed), draft_activations (every
@@ -47,6 +48,7 @@ import torch
 
 from backends.fused_logprob import budget_rows
 from modeling.kv_cache import BLOCK
+from modeling.layers import CACHED_SCORES_MIB
 from draft import DraftConfig, Eagle3Draft
 from model import ModelConfig, Transformer, default_tap_layers
 from parallel.pp_schedule import schedule_actions, split_layers
@@ -223,9 +225,25 @@ def rollout_transient(cfg, run: Run, max_new_tokens: int, longest_new: int = Non
     work = (2 * H + Q + 2 * KV + 3 * I) * b  # per token, a no-grad layer's live tensors at once
     T = B * (run.rollout_seq or run.seq)  # the reference forward's tokens: rollout_batch sequences at once
     ref = (T * work + LOGIT_BLOCKS * min(T, _rows(cfg, m)) * m.vocab_size * 4) if cfg.needs_ref else 0  # held?
-    # the prefill's peak: the policy's taps over the prompts, held while the draft's trunk runs over them
-    prefill = B * run.prompt * (work if cfg.no_spec else (len(taps_of(cfg, run)) * H + 4 * H + Q + 2 * KV + 3 * I) * b)
+    prefill = prefill_bytes(m, B, run.prompt, 0 if cfg.no_spec else len(taps_of(cfg, run)), b)
     return {"kv_cache": kv, "verify_logits": verify, "prefill": prefill, "reference_forward": ref}
+
+
+def prefill_bytes(m: ModelConfig, B: int, P: int, taps: int, b: int) -> int:
+    """The peak a generate call's prefill adds over its KV caches: B prompts of P tokens (tests/test_memory_plan.py
+    checks it against speculative.prefill's allocations).
+      per token   the taps (held while the draft's trunk runs over them; 0 without a draft) + a no-grad layer's live
+                  tensors (2 H + Q + 2 KV + 3 I; with taps the residual stream's 4 H)
+      attention   one block of query rows of modeling.layers.cached_attention (rows n from its scores budget): its
+                  (B, G n, Lk) mask as bool and as the float bias the SDPA kernels take, (1 + b) B G n P bytes. With
+                  the old dense-mask path this term was (B, Hq, P, P) fp32 scores: O(P^2).
+    """
+    Q, KV, I, H = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim, m.intermediate_size, \
+        m.hidden_size
+    per_token = (taps * H + 4 * H + Q + 2 * KV + 3 * I) if taps else (2 * H + Q + 2 * KV + 3 * I)
+    G = m.num_attention_heads // m.num_key_value_heads
+    n = min(P, max(1, int(CACHED_SCORES_MIB * 2**20) // (4 * B * m.num_attention_heads * max(P, 1))))
+    return B * P * per_token * b + (1 + b) * B * G * n * P
 
 
 def _rows(cfg, m: ModelConfig) -> int:
