@@ -31,7 +31,7 @@ from tasks.protocol import Demonstrations, make_task
 from harness import warmup
 from harness.warmup import draft_spec  # what the draft warm-up reads (also the cache keys' tests)
 from harness.cache_keys import PolicySpec, hf_policy_key
-from backends.attention_padded import padded_branch_attention, padded_causal_attention
+from backends.attention_padded import auto_branch_attention, auto_causal_attention
 from backends.fused_logprob import budget_rows
 from dist_step import DistCotrainer
 from draft import Eagle3Draft
@@ -114,7 +114,7 @@ def build(cfg: Config, mesh: Mesh, log=print) -> Setup:
     s.cotrainer = DistCotrainer(
         s.policy, list(s.drafts.values()), mesh.grid,
         lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99)),
-        grad_clip=cfg.grad_clip, schedule=cfg.schedule, attn_fn=padded_causal_attention,
+        grad_clip=cfg.grad_clip, schedule=cfg.schedule, attn_fn=auto_causal_attention,
         attn_backend=cfg.attn_backend_on(mesh.device),
         logprob_chunk=budget_rows(s.policy.cfg.vocab_size, cfg.chunk_mib),
         activation_checkpointing=cfg.activation_checkpointing,
@@ -197,7 +197,7 @@ def draft_arms(cfg: Config, policy, warm: Eagle3Draft) -> dict:
     def trainer(d):
         opt = master_optimizer(d.parameters(), lambda ps: torch.optim.AdamW(ps, lr=cfg.draft_lr, weight_decay=0.0))
         return DraftTrainer(d, opt, lam=cfg.draft_lam, grad_clip=cfg.draft_grad_clip, num_passes=cfg.ttt_passes,
-                            pass_weight=cfg.ttt_decay, attn_fn=padded_branch_attention)
+                            pass_weight=cfg.ttt_decay, attn_fn=auto_branch_attention)
 
     torch.manual_seed(cfg.run_seed + 7)
     reduced = cfg.draft_vocab or warm.cfg.draft_vocab_size < warm.cfg.vocab_size  # (--draft: the export's own)

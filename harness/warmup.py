@@ -48,7 +48,7 @@ from serving.export import pid_alive
 from serving.hf_io import from_pretrained, read_json, save_pretrained
 from serving.draft_vocab import select_draft_vocab
 from model import Transformer
-from backends.attention_padded import padded_branch_attention, padded_causal_attention
+from backends.attention_padded import auto_branch_attention, auto_causal_attention
 from backends.fused_logprob import DEFAULT_CHUNK_MIB, budget_rows
 from rl_loop import DraftTrainer, RolloutBatch, check_finite_weights, draft_loss, pack, packed_logp
 
@@ -92,7 +92,7 @@ def sft_policy(policy: Transformer, tsk: Demonstrations, *, steps: int, batch: i
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup=max(steps // 20, 1))
         tokens, cu, mask = (t.to(dev) for t in sft_batch(tsk, batch, rng))
-        out = policy(tokens, cu, attn_fn=padded_causal_attention, logits=chunk == 0)  # hidden (T, H)
+        out = policy(tokens, cu, attn_fn=auto_causal_attention, logits=chunk == 0)  # hidden (T, H)
         loss = -(packed_logp(out, policy.head_weight, tokens, cu, chunk=chunk) * mask).sum() / mask.sum()
         if not math.isfinite(loss.item()):
             raise FloatingPointError(f"SFT warm-up step {step}: loss = {loss.item()} (not finite); {HINT}")
@@ -183,8 +183,8 @@ def load_draft(path: str, policy) -> Eagle3Draft:
 def draft_spec(cfg, tsk, policy_key: str) -> DraftSpec:
     """What a run's draft warm-up reads (train.py and this module's command alike): the config's draft_warmup_*
     settings, the task, the policy's key, the padded attention kernels."""
-    return DraftSpec.from_config(cfg, tsk, policy_key, attn_fn=padded_causal_attention,
-                                 draft_attn_fn=padded_branch_attention)
+    return DraftSpec.from_config(cfg, tsk, policy_key, attn_fn=auto_causal_attention,
+                                 draft_attn_fn=auto_branch_attention)
 
 
 def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache", log_every: int = 0,
