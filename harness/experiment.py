@@ -109,7 +109,7 @@ def build(cfg: Config, mesh: Mesh, log=print) -> Setup:
     """build_models on every rank -- rank 0 first, so that it alone trains and caches the warm-ups and the others load
     them -- then the samplers and this rank's share of the update."""
     s = build_models(cfg, mesh.device, log) if mesh.main else None
-    mesh.barrier()
+    mesh.barrier("build: the other ranks wait while rank 0 builds the models and trains the uncached warm-ups")
     s = s or build_models(cfg, mesh.device, log=lambda *a, **k: None)
     s.cotrainer = DistCotrainer(
         s.policy, list(s.drafts.values()), mesh.grid,
