@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tasks.protocol import Demonstrations, make_task
+from tasks.protocol import Demonstrations, task_from_config
 from harness import warmup
 from harness.warmup import draft_spec  # what the draft warm-up reads (also the cache keys' tests)
 from harness.cache_keys import PolicySpec, hf_policy_key
@@ -68,16 +68,8 @@ class Setup:
 
 
 def build_task(cfg: Config):
-    """The task --task names (tasks/protocol.py; default the built-in count-up task), or in HF mode the prompts file
-    with the checkpoint's tokenizer (hf_task.py)."""
-    if cfg.hf_mode:
-        from tasks.hf_task import HFTask
-        return HFTask(cfg.model, cfg.data, eval_fraction=cfg.eval_fraction, seed=cfg.seed,
-                      max_prompt_tokens=cfg.max_prompt_tokens, max_new_tokens=cfg.max_new_tokens or 256,
-                      prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, chat_template=cfg.chat_template)
-    tsk = make_task(cfg.task, cfg)
-    tsk.max_new_tokens = cfg.max_new_tokens or tsk.max_new_tokens
-    return tsk
+    """The task --task names, or in HF mode the prompts file with the checkpoint's tokenizer (tasks.protocol)."""
+    return task_from_config(cfg)
 
 
 def build_policy(cfg: Config, tsk, log=print, device=None) -> tuple[Transformer, str, bool]:
@@ -107,10 +99,18 @@ def policy_key(cfg: Config, tsk) -> str:
 
 def build(cfg: Config, mesh: Mesh, log=print) -> Setup:
     """build_models on every rank -- rank 0 first, so that it alone trains and caches the warm-ups and the others load
-    them -- then the samplers and this rank's share of the update."""
+    them (on GPUs one process per node at a time) -- then the samplers and this rank's share of the update. A rank
+    that waits past --dist_timeout ends in one line naming the phase (mesh.PhaseTimeout)."""
     s = build_models(cfg, mesh.device, log) if mesh.main else None
     mesh.barrier("build: the other ranks wait while rank 0 builds the models and trains the uncached warm-ups")
-    s = s or build_models(cfg, mesh.device, log=lambda *a, **k: None)
+    # then the others load what rank 0 cached. On GPUs one process per node at a time: each builds on the host
+    # (an fp32 checkpoint) before moving to its device, so a node holds ~1 host copy, not one per rank
+    turns = mesh.local_world if mesh.device.type == "cuda" else 1
+    for turn in range(turns):
+        if s is None and mesh.local_rank % turns == turn:
+            s = build_models(cfg, mesh.device, log=lambda *a, **k: None)
+        if turns > 1:
+            mesh.barrier(f"build: the ranks of local rank {turn} load their copies, one process per node at a time")
     s.cotrainer = DistCotrainer(
         s.policy, list(s.drafts.values()), mesh.grid,
         lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99)),

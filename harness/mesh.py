@@ -41,6 +41,8 @@ class Mesh:
     device: torch.device
     rank: int = 0
     world: int = 1
+    local_rank: int = 0  # this process's index on its node (torchrun's LOCAL_RANK)
+    local_world: int = 1  # processes on its node (LOCAL_WORLD_SIZE)
 
     @property
     def main(self) -> bool:  # evaluates, prints, writes files
@@ -153,4 +155,5 @@ def make_mesh(cfg: Config) -> Mesh:
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.dist_timeout))
     set_timeout(cfg.dist_timeout)  # every sub-group and point-to-point wait too (parallel/waits.py)
-    return Mesh(Grid.build(pp=cfg.pp, cp=cfg.cp, dp=dp, device=dev), dev, dist.get_rank(), world)
+    return Mesh(Grid.build(pp=cfg.pp, cp=cfg.cp, dp=dp, device=dev), dev, dist.get_rank(), world,
+                int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

@@ -24,6 +24,8 @@ weights, is a one-line error naming the file.
                                                # --no_spec or --draft); report the policy's held-out greedy /
                                                # sampled reward
     python -m harness.warmup --preset smoke    # any train.py preset / --key=value: the same cache entries as train.py
+    python -m harness.warmup --model DIR --data prompts.jsonl ...   # HF mode: the checkpoint as is, its draft
+                                               # warm-up pre-built on this machine's GPU before a torchrun start
 
 Letters: T packed tokens, S sequences, V vocab.
 """
@@ -41,8 +43,8 @@ import time
 import torch
 
 import speculative
-from tasks.protocol import Demonstrations, make_task
-from harness.cache_keys import DraftSpec, PolicySpec
+from tasks.protocol import Demonstrations, task_from_config
+from harness.cache_keys import DraftSpec, PolicySpec, hf_policy_key
 from draft import DraftConfig, Eagle3Draft
 from serving.export import pid_alive
 from serving.hf_io import from_pretrained, read_json, save_pretrained
@@ -211,7 +213,7 @@ def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache"
         return Eagle3Draft.from_target(policy, tap_layers=taps), False
     path = os.path.join(cache_dir, f"draft-{spec.key()}")
     clean_stale(path)
-    if steps and complete(path):
+    if complete(path):  # also at steps 0 with a reduced vocabulary: its sampled responses are the cost
         return load_draft(path, policy), True
     dev = next(policy.parameters()).device
     rng, g = random.Random(seed + 1), torch.Generator(device=dev).manual_seed(seed + 1)
@@ -224,7 +226,8 @@ def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache"
     torch.manual_seed(seed)
     ids = select_draft_vocab(responses, policy.cfg.vocab_size, draft_vocab) if draft_vocab else None
     draft = Eagle3Draft.from_target(policy, tap_layers=taps, draft_vocab=ids)
-    if steps == 0:
+    if steps == 0:  # untrained, but its reduced vocabulary came from `pool` samples: cached like a trained one
+        publish(path, draft.save)
         return draft, False
     tr = DraftTrainer(draft, torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0), num_passes=num_passes,
                       pass_weight=spec.pass_weight, attn_fn=draft_attn_fn)
@@ -276,16 +279,17 @@ if __name__ == "__main__":
     import sys
 
     from harness.config import parse_args  # the same settings (and so the same cache entries) as `python train.py ...`
+    from harness.mesh import pick_device
     from parallel.cli import describe
     c = parse_args(sys.argv[1:], usage=describe(__doc__, __file__))  # -h / --help: train.py's flags, exit 0
     torch.set_num_threads(c.threads)
-    if c.hf_mode:
-        sys.exit("warmup.py: the SFT warm-up is for --task tasks; an HF checkpoint (--model=DIR) is used as is")
-    tsk = make_task(c.task, c)  # as experiment.build_task: the same key
-    tsk.max_new_tokens = c.max_new_tokens or tsk.max_new_tokens
+    tsk, dev = task_from_config(c), pick_device(c)  # as experiment.build_task: the same key
     t0 = time.time()
-    policy, key, loaded = warm_policy(PolicySpec.from_config(c, tsk), cache_dir=c.cache_dir,
-                                      log_every=max(c.sft_steps // 12, 1), chunk_mib=c.chunk_mib)
+    if c.hf_mode:  # the checkpoint as is (no SFT), as experiment.build_policy loads it
+        policy, key, loaded = from_pretrained(c.model).to(dev), hf_policy_key(c.model), True
+    else:
+        policy, key, loaded = warm_policy(PolicySpec.from_config(c, tsk), cache_dir=c.cache_dir, device=dev,
+                                          log_every=max(c.sft_steps // 12, 1), chunk_mib=c.chunk_mib)
     print(f"policy {key} ({'loaded' if loaded else 'trained'}) in {time.time() - t0:.0f}s")
     if not (c.no_spec or c.draft):  # then the draft's warm-up, as train.py would: a later run finds both cached
         t0 = time.time()
