@@ -49,6 +49,7 @@ import torch
 from backends.fused_logprob import budget_rows
 from modeling.kv_cache import BLOCK
 from modeling.layers import CACHED_SCORES_MIB
+from pipeline import REDUCE_BUCKET_MIB
 from draft import DraftConfig, Eagle3Draft
 from model import ModelConfig, Transformer, default_tap_layers
 from parallel.pp_schedule import schedule_actions, split_layers
@@ -70,6 +71,19 @@ class Run:
     dtype: str = "bf16"  # resolved: bf16 | fp32
     rollout_seq: float = 0  # mean tokens per sequence of a rollout block's reference forward (0: seq)
     tap_layers: tuple = ()  # the draft's taps; (): --tap_layers, or model.default_tap_layers
+    gpu: bool = False  # a CUDA device: its context and NCCL's buffers count too (stated constants, below)
+
+
+CUDA_CONTEXT_GIB = 1.0  # per process: the CUDA context (~0.5 GiB on Hopper with torch), cuBLAS / cuDNN workspaces and
+# the caching allocator's slack. Stated, not measured here (no GPU): nvidia-smi's per-process figure checks it
+NCCL_GIB_PER_GROUP = 0.25  # per NCCL communicator this rank belongs to (NCCL_BUFFSIZE 4 MiB x channels x peers and
+# protocols, rounded up). Stated, not measured here
+
+
+def nccl_groups(cfg, run: Run) -> int:
+    """The NCCL communicators a rank joins: the world, and every group of more than one rank (grid.py): pipeline and
+    tied embedding (pp > 1), CP, DP, and ZeRO-1's stage group."""
+    return 1 + 2 * (run.pp > 1) + (run.cp > 1) + (run.dp > 1) + (cfg.zero1 is True and run.cp * run.dp > 1)
 
 
 def taps_of(cfg, run: Run) -> tuple:
@@ -275,8 +289,11 @@ def update_transient(cfg, run: Run, stage: int) -> dict:
             + (4 * T * KV * b if run.cp > 1 else 0)  # ring: K and V, in flight and arriving
             + (math.ceil(stage_numel(m, (a, z)) / n) * b if n > 1 else 0))  # ZeRO-1: the slice, cast to gather
     refit = max([stage_numel(m, r) for r in split] + [draft_numel(m, cfg, taps_of(cfg, run))[0]]) * b
+    grads = stage_numel(m, (a, z)) * 4  # fp32 (.main_grad under bf16)
+    reduce = min(grads, int(REDUCE_BUCKET_MIB * 2**20)) if run.cp * run.dp > 1 else 0  # pipeline.grad_buckets
     return {"activations": int(acts), "draft_activations": int(dacts), "logits_chunks": int(logits),
-            "head_buffers": int(heads), "comm_buffers": int(comm), "refit_bucket": int(refit)}
+            "head_buffers": int(heads), "comm_buffers": int(comm), "refit_bucket": int(refit),
+            "reduce_bucket": int(reduce)}
 
 
 def rank_plan(cfg, run: Run, stage: int, rank0: bool = False, max_new_tokens: int = None,
@@ -289,7 +306,12 @@ def rank_plan(cfg, run: Run, stage: int, rank0: bool = False, max_new_tokens: in
     out.update(roll)
     out.update(upd)
     out["rollout_peak"] = max(roll["kv_cache"] + roll["verify_logits"] + roll["prefill"], roll["reference_forward"])
-    out["update_peak"] = max(sum(v for k, v in upd.items() if k != "refit_bucket"), upd["refit_bucket"])
+    apart = ("refit_bucket", "reduce_bucket")  # after the backward, one at a time: the other transients are gone
+    out["update_peak"] = max([sum(v for k, v in upd.items() if k not in apart)] + [upd[k] for k in apart])
+    if run.gpu:
+        out["cuda_context"] = int(CUDA_CONTEXT_GIB * 2**30)
+        out["nccl_buffers"] = int(NCCL_GIB_PER_GROUP * 2**30) * nccl_groups(cfg, run) if run.pp * run.cp * run.dp > 1 \
+            else 0
     keep = [k for k in out if k not in roll and k not in upd and not k.endswith("_peak")]
     out["persistent"] = sum(out[k] for k in keep)
     out["total"] = out["persistent"] + max(out["rollout_peak"], out["update_peak"])

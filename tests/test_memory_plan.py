@@ -205,7 +205,7 @@ def test_zero1_auto_is_on_only_on_cuda_where_the_plan_needs_it():  # 0.1 s
 def test_plan_command_prints_every_stage_and_refuses_bad_meshes(capsys, tmp_path):  # 0.3 s
     from harness import memory_plan
     memory_plan.main(["--model", "tiny", "--gpus", "4", "--pp", "2", "--cp", "2", "--seq", "64",
-                      "--max_new_tokens", "16", "--device_gib", "1", "--recommend"])
+                      "--max_new_tokens", "16", "--device_gib", "4", "--recommend"])  # 4: the CUDA context and NCCL fit
     out = capsys.readouterr().out
     assert "stage 1" in out and "largest rank" in out and ": fits" in out and "recommend (4 GPUs" in out
     with pytest.raises(ValueError, match="--gpus=8"):
