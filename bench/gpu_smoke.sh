@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What a first real run does, on a lent GPU node, within 10 minutes (the stage limits below add up to 585 s):
+# What a first real run does, on a lent GPU node, within 10 minutes (the stage limits below add up to 590 s):
 #   1. the numerical tests first: tests/test_attention_gpu.py, the triton and flash kernels inside ring_branch_attention
 #      against dense fp64 attention at Qwen3-8B's head shape (D = 128, G = 4), lengths past one tile and with
 #      causal-skipped tiles, forward and backward, within twice the error of dense bf16 attention;
@@ -30,7 +30,7 @@ DEVICE=${SMOKE_DEVICE:-cuda}
 VOCAB=${SMOKE_VOCAB:-151936}  # Qwen3's
 BACKENDS=${SMOKE_BACKENDS:-triton flash}
 # stage limits (s): versions, numerical tests, checkpoint, then per backend a training run and its summary
-L_VERSIONS=30 L_NUMERICS=165 L_CKPT=60 L_TRAIN=150 L_SUMMARY=15
+L_VERSIONS=25 L_NUMERICS=145 L_CKPT=60 L_TRAIN=170 L_SUMMARY=10
 TOTAL_S=$(( L_VERSIONS + L_NUMERICS + L_CKPT + $(wc -w <<<"$BACKENDS") * (L_TRAIN + L_SUMMARY) ))
 mkdir -p "$(dirname "$OUT")" "$WORK"
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
