@@ -153,7 +153,8 @@ def build_models(cfg: Config, dev: torch.device, log=print) -> Setup:
         t2 = time.perf_counter()
     finally:
         torch.set_num_threads(threads)
-    done = ("none: plain GRPO (--no_spec)" if cfg.no_spec else f"none: the EAGLE-3 draft {cfg.draft}" if cfg.draft
+    done = ("none: plain GRPO (--no_spec)" if cfg.no_spec
+            else f"skipped: --draft {cfg.draft} is used as is" if cfg.draft
             else "none (an untrained draft)" if cfg.draft_warmup_steps == 0 else "loaded from cache" if dloaded
             else "trained")
     log(f"draft warm-up: {done} ({t2 - t1:.0f}s)")
