@@ -1,7 +1,7 @@
 """backends.attention_padded's auto kernels, what the warm-ups and the control arms run: the padded kernel while its
 (S, Hq, L, L + P) scores fit PADDED_MAX_SCORES_MIB, the blockwise path (packed_causal_attention; ring_branch_attention
 as a ring of one) past it -- the same values and gradients either way (fp64, 1e-10), and the dispatch by size.
-Adds < 1 s.
+Adds ~1 s.
 """
 import pytest
 import torch
