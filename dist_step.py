@@ -158,9 +158,8 @@ class DistCotrainer:
                                       attn_fn=attn_fn if grid.cp == 1 or attn_backend else None,
                                       draft_params=dparams, logits=not self.logprob_chunk)
 
-    def step(self, batch: RolloutBatch, cfg: GRPOConfig, micro_batches: int = 1, train_drafts: bool = True) -> dict:
-        """One update. train_drafts False (a budget skips the drafts here; every rank alike): the policy's update alone,
-        no taps or draft hook, empty draft / watched-arm metrics."""
+    def step(self, batch: RolloutBatch, cfg: GRPOConfig, micro_batches=1, train_drafts=True, on_policy=False) -> dict:
+        """One update (train_drafts False: the policy's alone; on_policy: pi_old = this forward's, as cotrain_step)."""
         g, K = self.grid, len(self.drafts)
         mbs = microbatches(batch, grpo_weights(batch, cfg, micro_batches), micro_batches, g,
                            pad_even=self.attn_backend is not None)
@@ -176,10 +175,11 @@ class DistCotrainer:
         def loss_fn(z, mb):  # logits (T, V), or the final hidden (T, H) when fused -> dp * this rank's share of L
             e = mb.extra
             logp = self._token_logp(z, e["tgt"], cfg.temperature)  # (T,) per prediction: log p_tau(x_{p+1} | x_<=p)
-            l, clipped, kl = token_losses(logp, e["old"], e["adv"], e["ref"], cfg)
+            old = logp.detach() if on_policy else e["old"]  # ratio exactly 1, not a bf16 rollout's ~1e-3 off
+            l, clipped, kl = token_losses(logp, old, e["adv"], e["ref"], cfg)
             with torch.no_grad():
                 m = e["resp"].double()
-                acc[:4] += torch.stack([(clipped.double() * m).sum(), (torch.exp(logp - e["old"]).double() * m).sum(),
+                acc[:4] += torch.stack([(clipped.double() * m).sum(), (torch.exp(logp - old).double() * m).sum(),
                                         (kl.double() * m).sum(), m.sum()])
             return (l * e["w"]).sum() * g.dp
 

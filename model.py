@@ -25,12 +25,11 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import branch_mask
 from modeling.kv_cache import KVCache
-from modeling.layers import DecoderLayer, RMSNorm, packed_causal_attention, rope_cos_sin
+from modeling.layers import DecoderLayer, RMSNorm, linear_f32, packed_causal_attention, rope_cos_sin
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 EMBED_TAP = -1  # tap id of the input embeddings (the "hidden state after layer -1")
@@ -197,8 +196,8 @@ class Transformer(nn.Module):
     def head_weight(self) -> torch.Tensor:  # (V, H) the LM head (the embedding when tied)
         return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
 
-    def head(self, h):  # final-normed hidden (..., H) -> logits (..., V)
-        return F.linear(h, self.head_weight)
+    def head(self, h):  # final-normed hidden (..., H) -> logits (..., V), fp32 at least (the matmul too: linear_f32)
+        return linear_f32(h, self.head_weight)
 
     # -- input checks: loud and naming the argument ---------------------------------------------------------------
     def _check_input(self, x, batch_dims: int, host: bool = True):

@@ -119,6 +119,23 @@ class _Batch:
         return self.buf
 
 
+REDUCE_BUCKET_MIB = 64.0  # gradients reduced over CP / DP this many MiB at a time (the copy the reduction holds)
+
+
+def grad_buckets(grads: list, mib: float) -> list:
+    """Consecutive gradients grouped into buckets of at most `mib` MiB (a larger gradient alone: reduced in place,
+    no copy); same dtype and device within a bucket. The reduction is elementwise, so the buckets change no value."""
+    out, cur, size = [], [], 0
+    for t in grads:
+        nb = t.numel() * t.element_size()
+        if cur and (size + nb > mib * 2**20 or t.dtype != cur[0].dtype or t.device != cur[0].device):
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(t)
+        size += nb
+    return out + ([cur] if cur else [])
+
+
 class PipelineSchedule:
     """Runs one training step of the pipeline on this rank.
 
@@ -292,17 +309,19 @@ class PipelineSchedule:
         grad = lambda prm: getattr(prm, "main_grad", prm.grad)  # noqa: E731
         if g.pp > 1 and self.stage.cfg.tie_word_embeddings and (self.first or self.last):
             dist.all_reduce(grad(self.stage.embed.weight), group=g.embed_group)  # E is used on stage 0 and as W_out
-        if g.cp > 1 or g.dp > 1:
-            flat = torch.cat([grad(prm).reshape(-1) for prm in params])  # one bucket: one collective per group
-            if g.cp > 1:
-                dist.all_reduce(flat, group=g.cp_group)  # sum: each CP rank holds d(its shard's loss)
-            if g.dp > 1:
-                dist.all_reduce(flat, group=g.dp_group)
-                flat /= g.dp  # mean over replicas
-            i = 0
-            for prm in params:
-                grad(prm).copy_(flat[i:i + prm.numel()].view_as(prm))
-                i += prm.numel()
+        if g.cp > 1 or g.dp > 1:  # in buckets of REDUCE_BUCKET_MIB: a few collectives, never a copy of every grad
+            for bucket in grad_buckets([grad(prm) for prm in params], REDUCE_BUCKET_MIB):
+                flat = torch.cat([t.reshape(-1) for t in bucket]) if len(bucket) > 1 else bucket[0].view(-1)
+                if g.cp > 1:
+                    dist.all_reduce(flat, group=g.cp_group)  # sum: each CP rank holds d(its shard's loss)
+                if g.dp > 1:
+                    dist.all_reduce(flat, group=g.dp_group)
+                    flat /= g.dp  # mean over replicas
+                if len(bucket) > 1:  # a lone gradient was reduced in place
+                    i = 0
+                    for t in bucket:
+                        t.copy_(flat[i:i + t.numel()].view_as(t))
+                        i += t.numel()
 
     def _reduce_scalars(self):
         g = self.grid

@@ -44,7 +44,7 @@ Letters: T packed tokens, t a row of the packed batch, S sequences, G group size
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -318,8 +318,11 @@ def micro_chunks(num_seqs: int, micro_batches: int) -> list:
 
 
 def cotrain_step(policy, policy_opt, batch: RolloutBatch, cfg: GRPOConfig, drafts: list, *, micro_batches: int = 1,
-                 policy_grad_clip: float = 1.0, attn_fn=None, timer: Optional[dict] = None) -> dict:
+                 policy_grad_clip: float = 1.0, attn_fn=None, timer: Optional[dict] = None,
+                 on_policy: bool = False) -> dict:
     """One optimisation step of the policy (GRPO) and of every draft (TTT) from ONE policy forward per micro-batch.
+    on_policy: the policy has not moved since it sampled the batch (an RL step's first update), so pi_old is this
+    forward's own log-probs, detached (ratio exactly 1; TRL's GRPO does the same), not batch.old_logp.
 
     drafts: list of DraftTrainer (the rollout draft, and optionally shadow drafts trained on the same taps).
     total = L_policy + sum_k lambda_k L_draft_k. backward is run per term only so `timer` can split policy and draft
@@ -341,6 +344,8 @@ def cotrain_step(policy, policy_opt, batch: RolloutBatch, cfg: GRPOConfig, draft
         t0 = time.perf_counter()
         out = policy(mb.tokens, mb.cu_seqlens, attn_fn=attn_fn, tap_layers=taps_wanted)  # logits (T, V), taps
         logp = next_token_logp(out.logits, mb.tokens, mb.cu_seqlens, cfg.temperature)
+        if on_policy:
+            mb = replace(mb, old_logp=logp.detach())
         L_p, st = policy_loss(logp, mb, cfg, n_seqs=n_seqs, n_tokens=n_tokens, n_micro=micro_batches)
         if n_tokens > 0:
             L_p.backward()

@@ -8,6 +8,10 @@ tests; the long-context path is attention_cp.ring_branch_attention (a ring of on
     padded_causal_attention   the policy's causal attention      == modeling.layers.packed_causal_attention
     padded_branch_attention   the draft's TTT attention (trunk + branch, one softmax)
                                                                  == attention_cp.reference_branch_attention
+    auto_causal_attention     padded while its scores fit PADDED_MAX_SCORES_MIB, else packed_causal_attention
+    auto_branch_attention     padded while its scores fit, else ring_branch_attention as a ring of one (blockwise:
+                              O(L) memory); what the warm-ups and the control arms run, so that a long rollout never
+                              forms (S, Hq, L, L + P) scores, and tiny batches keep the fast batched kernel
 
     python -m pytest -q tests/test_rl_loop.py -k padded          # both against their dense references
 
@@ -20,8 +24,41 @@ import math
 import torch
 import torch.nn.functional as F
 
-from branch_mask import seq_ids
+from attention_cp import ring_branch_attention
+from branch_mask import host_cu, seq_ids
+from modeling.layers import packed_causal_attention
 from parallel.ring import as_ring
+
+PADDED_MAX_SCORES_MIB = 64.0  # the padded kernels' (S, Hq, L, L + P) fp32 scores at most this; beyond, blockwise
+
+
+def padded_fits(cu_seqlens, heads: int, P: int = 0, max_mib: float = None) -> bool:
+    """Would the padded kernels' scores, S sequences x heads x L_max x (L_max + P) fp32, stay within max_mib MiB
+    (None: PADDED_MAX_SCORES_MIB)? Read from the host copy of cu_seqlens (branch_mask.host_cu): no device sync."""
+    max_mib = PADDED_MAX_SCORES_MIB if max_mib is None else max_mib
+    cu = host_cu(cu_seqlens)
+    L = max(b - a for a, b in zip(cu, cu[1:]))
+    return 4 * (len(cu) - 1) * heads * L * (L + P) <= max_mib * 2**20
+
+
+def auto_causal_attention(q, k, v, cu_seqlens, softmax_scale):
+    """padded_causal_attention for small batches (one batched SDPA), modeling.layers.packed_causal_attention (SDPA
+    per sequence with is_causal: the fused kernels, no L x L tensor) once the padded scores would pass the budget."""
+    if padded_fits(cu_seqlens, q.shape[1]):
+        return padded_causal_attention(q, k, v, cu_seqlens, softmax_scale)
+    return packed_causal_attention(q, k, v, cu_seqlens, softmax_scale)
+
+
+def auto_branch_attention(q, k, v, cu_seqlens, branch_k=None, branch_v=None, *, group=None, softmax_scale=None,
+                          backend="torch"):
+    """padded_branch_attention for small batches, attention_cp.ring_branch_attention (a ring of one: the blockwise
+    kernel of `backend`) once the padded scores would pass the budget. The same arguments as both."""
+    P = 0 if branch_k is None else branch_k.shape[1]
+    if padded_fits(cu_seqlens, q.shape[1], P):
+        return padded_branch_attention(q, k, v, cu_seqlens, branch_k, branch_v, group=group,
+                                       softmax_scale=softmax_scale, backend=backend)
+    return ring_branch_attention(q, k, v, cu_seqlens, branch_k, branch_v, group=group, softmax_scale=softmax_scale,
+                                 backend=backend)
 
 
 def padded_causal_attention(q, k, v, cu_seqlens, softmax_scale):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from modeling.layers import at_least_f32
+from modeling.layers import at_least_f32, linear_f32
 
 DEFAULT_CHUNK_MIB = 256.0  # one (rows, V) fp32 logits block per chunk: 441 rows at V = 151936, 2048 at V = 32768
 
@@ -45,7 +45,7 @@ class FusedTokenLogp(torch.autograd.Function):
         out = torch.empty(x.shape[0], dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
         lse = torch.empty_like(out)
         for a in range(0, x.shape[0], chunk):
-            z = at_least_f32(F.linear(x[a:a + chunk], W)) / tau  # (c, V)
+            z = linear_f32(x[a:a + chunk], W) / tau  # (c, V) fp32: the head matmul too (modeling/layers.py)
             lse[a:a + chunk] = torch.logsumexp(z, -1)
             out[a:a + chunk] = z.gather(-1, y[a:a + chunk, None])[:, 0] - lse[a:a + chunk]
         ctx.save_for_backward(x, W, y, lse)
@@ -60,7 +60,7 @@ class FusedTokenLogp(torch.autograd.Function):
             if ctx.needs_input_grad[1] else None
         for a in range(0, x.shape[0], ctx.chunk):
             xc = x[a:a + ctx.chunk]
-            p = (at_least_f32(F.linear(xc, W)) / ctx.tau).sub_(lse[a:a + ctx.chunk, None]).exp_()  # (c, V) softmax
+            p = (linear_f32(xc, W) / ctx.tau).sub_(lse[a:a + ctx.chunk, None]).exp_()  # (c, V) softmax
             dz = p.mul_(-g[a:a + ctx.chunk, None].to(p.dtype))  # (c, V) g (1_y - softmax), in place
             dz[torch.arange(dz.shape[0], device=dz.device), y[a:a + ctx.chunk]] += g[a:a + ctx.chunk].to(p.dtype)
             dz /= ctx.tau
@@ -89,7 +89,7 @@ def token_logp(hidden, weight, targets, *, chunk: int, temperature: float = 1.0)
 
 def token_logp_dense(hidden, weight, targets, *, temperature: float = 1.0):
     """The reference: the whole (T, V) logits at once."""
-    z = at_least_f32(F.linear(hidden, weight)) / temperature  # (T, V)
+    z = linear_f32(hidden, weight) / temperature  # (T, V)
     return z.gather(-1, targets.long()[:, None])[:, 0] - torch.logsumexp(z, -1)
 
 

@@ -22,7 +22,8 @@ rank, kv = n_kv d, H hidden, b bytes per activation value, 4 for the fp32 gradie
 Per update, after the pipeline (every rank at once):
 
     gradients (pipeline._reduce_grads): the tied embedding summed between the first and last stage (pp > 1, tied;
-        V H 4 bytes), one bucket all-reduced over CP (cp > 1) and over DP (dp > 1), the stage's P_s weights x 4 bytes,
+        V H 4 bytes), buckets of 64 MiB (pipeline.grad_buckets) all-reduced over CP (cp > 1) and over DP (dp > 1), the
+        stage's P_s weights x 4 bytes,
         x 2 (a ring all-reduce sends each byte about twice)
     scalars (pipeline._reduce_scalars, dist_step._clip_policy_grads, parallel/consistency.check_same_cu_seqlens):
         the loss over CP, DP and a broadcast over PP; the gradient norm's squares over PP; the micro-batches'
@@ -41,7 +42,10 @@ full, which on a CPU -- gloo's transport threads share the cores with the comput
 """
 from __future__ import annotations
 
+import math
+
 from harness.cost_inputs import Arch, Device
+from pipeline import REDUCE_BUCKET_MIB
 
 
 def remote_taps(layers: int, pp: int) -> int:
@@ -75,7 +79,8 @@ def comm_counts(a: Arch, w, T: float, act_bytes: float = 4.0) -> dict:
         post_ops, post_bytes = post_ops + 1, post_bytes + 2 * a.vocab * a.hidden * 4
     for n in (cp, dp):
         if n > 1:
-            post_ops, post_bytes = post_ops + 1, post_bytes + 2 * stage_params * 4
+            buckets = math.ceil(stage_params * 4 / (REDUCE_BUCKET_MIB * 2**20))
+            post_ops, post_bytes = post_ops + buckets, post_bytes + 2 * stage_params * 4
     post_ops += 2 * (cp > 1) + (dp > 1) + 3 * (pp > 1)  # the loss over CP, DP, PP; the gradient norm over PP;
     # the micro-batches' boundaries checked alike over CP; the pipeline's last batch
     if w.world > 1:

@@ -13,7 +13,8 @@ the k3 penalty (--beta > 0), the offline arm (it samples pi_0) and the KL log (-
 Every rank keeps a FULL policy and drafts for its rollouts (the stand-in for an inference engine); the update trains
 this rank's pipeline stage, whose parameters ARE the policy's for its layers (dist_step.stage_of), and `refit` copies
 the other stages' layers in. Under torchrun rank 0 builds first, so it alone trains
-and caches the warm-ups, and the others load them.
+and caches the warm-ups, and the others load them (on GPUs one process per node at a time: ~1 host copy per node).
+Pre-build the warm-ups with `python -m harness.warmup <the run's flags>` so that nobody waits past --dist_timeout.
 
 Letters: G group size, T packed tokens.
 """
@@ -27,11 +28,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tasks.protocol import Demonstrations, make_task
+from tasks.protocol import Demonstrations, task_from_config
 from harness import warmup
 from harness.warmup import draft_spec  # what the draft warm-up reads (also the cache keys' tests)
 from harness.cache_keys import PolicySpec, hf_policy_key
-from backends.attention_padded import padded_branch_attention, padded_causal_attention
+from backends.attention_padded import auto_branch_attention, auto_causal_attention
 from backends.fused_logprob import budget_rows
 from dist_step import DistCotrainer
 from draft import Eagle3Draft
@@ -68,16 +69,8 @@ class Setup:
 
 
 def build_task(cfg: Config):
-    """The task --task names (tasks/protocol.py; default the built-in count-up task), or in HF mode the prompts file
-    with the checkpoint's tokenizer (hf_task.py)."""
-    if cfg.hf_mode:
-        from tasks.hf_task import HFTask
-        return HFTask(cfg.model, cfg.data, eval_fraction=cfg.eval_fraction, seed=cfg.seed,
-                      max_prompt_tokens=cfg.max_prompt_tokens, max_new_tokens=cfg.max_new_tokens or 256,
-                      prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, chat_template=cfg.chat_template)
-    tsk = make_task(cfg.task, cfg)
-    tsk.max_new_tokens = cfg.max_new_tokens or tsk.max_new_tokens
-    return tsk
+    """The task --task names, or in HF mode the prompts file with the checkpoint's tokenizer (tasks.protocol)."""
+    return task_from_config(cfg)
 
 
 def build_policy(cfg: Config, tsk, log=print, device=None) -> tuple[Transformer, str, bool]:
@@ -107,14 +100,22 @@ def policy_key(cfg: Config, tsk) -> str:
 
 def build(cfg: Config, mesh: Mesh, log=print) -> Setup:
     """build_models on every rank -- rank 0 first, so that it alone trains and caches the warm-ups and the others load
-    them -- then the samplers and this rank's share of the update."""
+    them (on GPUs one process per node at a time) -- then the samplers and this rank's share of the update. A rank
+    that waits past --dist_timeout ends in one line naming the phase (mesh.PhaseTimeout)."""
     s = build_models(cfg, mesh.device, log) if mesh.main else None
-    mesh.barrier()
-    s = s or build_models(cfg, mesh.device, log=lambda *a, **k: None)
+    mesh.barrier("build: the other ranks wait while rank 0 builds the models and trains the uncached warm-ups")
+    # then the others load what rank 0 cached. On GPUs one process per node at a time: each builds on the host
+    # (an fp32 checkpoint) before moving to its device, so a node holds ~1 host copy, not one per rank
+    turns = mesh.local_world if mesh.device.type == "cuda" else 1
+    for turn in range(turns):
+        if s is None and mesh.local_rank % turns == turn:
+            s = build_models(cfg, mesh.device, log=lambda *a, **k: None)
+        if turns > 1:
+            mesh.barrier(f"build: the ranks of local rank {turn} load their copies, one process per node at a time")
     s.cotrainer = DistCotrainer(
         s.policy, list(s.drafts.values()), mesh.grid,
         lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99)),
-        grad_clip=cfg.grad_clip, schedule=cfg.schedule, attn_fn=padded_causal_attention,
+        grad_clip=cfg.grad_clip, schedule=cfg.schedule, attn_fn=auto_causal_attention,
         attn_backend=cfg.attn_backend_on(mesh.device),
         logprob_chunk=budget_rows(s.policy.cfg.vocab_size, cfg.chunk_mib),
         activation_checkpointing=cfg.activation_checkpointing,
@@ -152,7 +153,8 @@ def build_models(cfg: Config, dev: torch.device, log=print) -> Setup:
         t2 = time.perf_counter()
     finally:
         torch.set_num_threads(threads)
-    done = ("none: plain GRPO (--no_spec)" if cfg.no_spec else f"none: the EAGLE-3 draft {cfg.draft}" if cfg.draft
+    done = ("none: plain GRPO (--no_spec)" if cfg.no_spec
+            else f"skipped: --draft {cfg.draft} is used as is" if cfg.draft
             else "none (an untrained draft)" if cfg.draft_warmup_steps == 0 else "loaded from cache" if dloaded
             else "trained")
     log(f"draft warm-up: {done} ({t2 - t1:.0f}s)")
@@ -197,7 +199,7 @@ def draft_arms(cfg: Config, policy, warm: Eagle3Draft) -> dict:
     def trainer(d):
         opt = master_optimizer(d.parameters(), lambda ps: torch.optim.AdamW(ps, lr=cfg.draft_lr, weight_decay=0.0))
         return DraftTrainer(d, opt, lam=cfg.draft_lam, grad_clip=cfg.draft_grad_clip, num_passes=cfg.ttt_passes,
-                            pass_weight=cfg.ttt_decay, attn_fn=padded_branch_attention)
+                            pass_weight=cfg.ttt_decay, attn_fn=auto_branch_attention)
 
     torch.manual_seed(cfg.run_seed + 7)
     reduced = cfg.draft_vocab or warm.cfg.draft_vocab_size < warm.cfg.vocab_size  # (--draft: the export's own)

@@ -17,8 +17,9 @@ Per rank of pipeline stage s (the stage's DP x CP ranks are alike; global rank 0
   transient (a phase's peak; the run's peak is the larger phase)
     rollout      kv_cache (policy: layers x B x Hkv x L x D x 2, L grown in blocks to the longest row, at worst the
                  budget: kv_slots; the draft's one layer) + verify_logits (the
-                 verification's vocabulary-sized working set) + prefill (the policy's taps over the prompts, held while
-                 the draft's trunk runs over them); or the reference forward's working set over rollout_batch
+                 verification's vocabulary-sized working set) + prefill (prefill_bytes: the policy's taps over the
+                 prompts, held while the draft's trunk runs over them, a layer's working set, and one block of the
+                 cached attention's mask); or the reference forward's working set over rollout_batch
                  sequences, whichever is larger (the caches are freed first)
     update       activations (saved for backward: in-flight micro-batches x layers x T x per-token bytes; with
                  --activation_checkpointing only the layer inputs, plus one layer recomputed), draft_activations (every
@@ -47,6 +48,8 @@ import torch
 
 from backends.fused_logprob import budget_rows
 from modeling.kv_cache import BLOCK
+from modeling.layers import CACHED_SCORES_MIB
+from pipeline import REDUCE_BUCKET_MIB
 from draft import DraftConfig, Eagle3Draft
 from model import ModelConfig, Transformer, default_tap_layers
 from parallel.pp_schedule import schedule_actions, split_layers
@@ -68,6 +71,19 @@ class Run:
     dtype: str = "bf16"  # resolved: bf16 | fp32
     rollout_seq: float = 0  # mean tokens per sequence of a rollout block's reference forward (0: seq)
     tap_layers: tuple = ()  # the draft's taps; (): --tap_layers, or model.default_tap_layers
+    gpu: bool = False  # a CUDA device: its context and NCCL's buffers count too (stated constants, below)
+
+
+CUDA_CONTEXT_GIB = 1.0  # per process: the CUDA context (~0.5 GiB on Hopper with torch), cuBLAS / cuDNN workspaces and
+# the caching allocator's slack. Stated, not measured here (no GPU): nvidia-smi's per-process figure checks it
+NCCL_GIB_PER_GROUP = 0.25  # per NCCL communicator this rank belongs to (NCCL_BUFFSIZE 4 MiB x channels x peers and
+# protocols, rounded up). Stated, not measured here
+
+
+def nccl_groups(cfg, run: Run) -> int:
+    """The NCCL communicators a rank joins: the world, and every group of more than one rank (grid.py): pipeline and
+    tied embedding (pp > 1), CP, DP, and ZeRO-1's stage group."""
+    return 1 + 2 * (run.pp > 1) + (run.cp > 1) + (run.dp > 1) + (cfg.zero1 is True and run.cp * run.dp > 1)
 
 
 def taps_of(cfg, run: Run) -> tuple:
@@ -223,9 +239,25 @@ def rollout_transient(cfg, run: Run, max_new_tokens: int, longest_new: int = Non
     work = (2 * H + Q + 2 * KV + 3 * I) * b  # per token, a no-grad layer's live tensors at once
     T = B * (run.rollout_seq or run.seq)  # the reference forward's tokens: rollout_batch sequences at once
     ref = (T * work + LOGIT_BLOCKS * min(T, _rows(cfg, m)) * m.vocab_size * 4) if cfg.needs_ref else 0  # held?
-    # the prefill's peak: the policy's taps over the prompts, held while the draft's trunk runs over them
-    prefill = B * run.prompt * (work if cfg.no_spec else (len(taps_of(cfg, run)) * H + 4 * H + Q + 2 * KV + 3 * I) * b)
+    prefill = prefill_bytes(m, B, run.prompt, 0 if cfg.no_spec else len(taps_of(cfg, run)), b)
     return {"kv_cache": kv, "verify_logits": verify, "prefill": prefill, "reference_forward": ref}
+
+
+def prefill_bytes(m: ModelConfig, B: int, P: int, taps: int, b: int) -> int:
+    """The peak a generate call's prefill adds over its KV caches: B prompts of P tokens (tests/test_memory_plan.py
+    checks it against speculative.prefill's allocations).
+      per token   the taps (held while the draft's trunk runs over them; 0 without a draft) + a no-grad layer's live
+                  tensors (2 H + Q + 2 KV + 3 I; with taps the residual stream's 4 H)
+      attention   one block of query rows of modeling.layers.cached_attention (rows n from its scores budget): its
+                  (B, G n, Lk) mask as bool and as the float bias the SDPA kernels take, (1 + b) B G n P bytes. With
+                  the old dense-mask path this term was (B, Hq, P, P) fp32 scores: O(P^2).
+    """
+    Q, KV, I, H = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim, m.intermediate_size, \
+        m.hidden_size
+    per_token = (taps * H + 4 * H + Q + 2 * KV + 3 * I) if taps else (2 * H + Q + 2 * KV + 3 * I)
+    G = m.num_attention_heads // m.num_key_value_heads
+    n = min(P, max(1, int(CACHED_SCORES_MIB * 2**20) // (4 * B * m.num_attention_heads * max(P, 1))))
+    return B * P * per_token * b + (1 + b) * B * G * n * P
 
 
 def _rows(cfg, m: ModelConfig) -> int:
@@ -257,8 +289,11 @@ def update_transient(cfg, run: Run, stage: int) -> dict:
             + (4 * T * KV * b if run.cp > 1 else 0)  # ring: K and V, in flight and arriving
             + (math.ceil(stage_numel(m, (a, z)) / n) * b if n > 1 else 0))  # ZeRO-1: the slice, cast to gather
     refit = max([stage_numel(m, r) for r in split] + [draft_numel(m, cfg, taps_of(cfg, run))[0]]) * b
+    grads = stage_numel(m, (a, z)) * 4  # fp32 (.main_grad under bf16)
+    reduce = min(grads, int(REDUCE_BUCKET_MIB * 2**20)) if run.cp * run.dp > 1 else 0  # pipeline.grad_buckets
     return {"activations": int(acts), "draft_activations": int(dacts), "logits_chunks": int(logits),
-            "head_buffers": int(heads), "comm_buffers": int(comm), "refit_bucket": int(refit)}
+            "head_buffers": int(heads), "comm_buffers": int(comm), "refit_bucket": int(refit),
+            "reduce_bucket": int(reduce)}
 
 
 def rank_plan(cfg, run: Run, stage: int, rank0: bool = False, max_new_tokens: int = None,
@@ -271,7 +306,12 @@ def rank_plan(cfg, run: Run, stage: int, rank0: bool = False, max_new_tokens: in
     out.update(roll)
     out.update(upd)
     out["rollout_peak"] = max(roll["kv_cache"] + roll["verify_logits"] + roll["prefill"], roll["reference_forward"])
-    out["update_peak"] = max(sum(v for k, v in upd.items() if k != "refit_bucket"), upd["refit_bucket"])
+    apart = ("refit_bucket", "reduce_bucket")  # after the backward, one at a time: the other transients are gone
+    out["update_peak"] = max([sum(v for k, v in upd.items() if k not in apart)] + [upd[k] for k in apart])
+    if run.gpu:
+        out["cuda_context"] = int(CUDA_CONTEXT_GIB * 2**30)
+        out["nccl_buffers"] = int(NCCL_GIB_PER_GROUP * 2**30) * nccl_groups(cfg, run) if run.pp * run.cp * run.dp > 1 \
+            else 0
     keep = [k for k in out if k not in roll and k not in upd and not k.endswith("_peak")]
     out["persistent"] = sum(out[k] for k in keep)
     out["total"] = out["persistent"] + max(out["rollout_peak"], out["update_peak"])

@@ -1,13 +1,14 @@
 """The memory plan: before launching, what each rank of a run would hold, per component, and whether it fits.
 
     python -m harness.memory_plan --model docs/examples/qwen3_8b/config.json --gpus 8 --pp 2 --cp 2 --seq 32768 \\
-        --rollout_batch 64 --max_new_tokens 8192 --dtype bf16 [--zero1] [--activation_checkpointing] [--device_gib 80]
+        --rollout_batch 64 --max_new_tokens 8192 --dtype bf16 [--zero1] [--activation_checkpointing] [--device_gib 79.1]
 
 --model: a preset (mini, small, tiny: the built-in task's vocabulary), an HF checkpoint directory or its config.json.
 Every other train.py flag is read as the run reads it (harness/config.py: --prompts_per_step, --group_size, --updates,
 --micro_batches, --num_draft_tokens, --cold_arm, --offline_arm, --chunk_mib, ...). The plan's own flags: --gpus
 (the world size, default pp x cp x dp; dp = gpus / (pp cp) unless --dp), --seq (tokens per sequence, prompt +
-response; default --max_prompt_tokens + --max_new_tokens), --device_gib (memory per device, default 80) and
+response; default --max_prompt_tokens + --max_new_tokens), --device_gib (GiB per device as torch reports it, default
+79.1: an "80 GB" H100's torch.cuda.get_device_properties().total_memory; an H200 "141 GB" has ~139.8) and
 --recommend (also list the meshes -- pp, cp, dp, --zero1, --activation_checkpointing -- that fit, each at the largest
 --rollout_batch that does). --dtype auto is bf16 here (the plan is for GPUs); --zero1=auto is resolved as a run on
 CUDA resolves it (memory_model.resolve_zero1), against --device_gib.
@@ -15,8 +16,8 @@ CUDA resolves it (memory_model.resolve_zero1), against --device_gib.
 It prints one column per pipeline stage (the stage's ranks are alike; rank 0, on stage 0, also trains the offline
 arm): the components of harness/memory_model.py (its docstring says what each one counts), each phase's peak and the
 total, persistent + the larger phase. A model of memory, not a measurement: tests/test_memory_plan.py checks it
-against the tensors a real step allocates (harness/memory_track.py) on small configs; allocator fragmentation, the
-CUDA context (~0.5-1 GiB) and NCCL's buffers are not in it.
+against the tensors a real step allocates (harness/memory_track.py) on small configs. The CUDA context and NCCL's
+buffers are stated constants (memory_model.CUDA_CONTEXT_GIB, NCCL_GIB_PER_GROUP), not measurements.
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def model_config(spec: str, cfg: Config):
 
 def parse(argv: list) -> tuple:
     """-> (Config, model spec, own flags). The plan's own flags and --model are taken out; the rest is train.py's."""
-    own, rest, i = {"gpus": 0, "seq": 0, "device_gib": 80.0, "recommend": False}, [], 0
+    own, rest, i = {"gpus": 0, "seq": 0, "device_gib": 79.1, "recommend": False}, [], 0
     while i < len(argv):
         key, eq, val = argv[i][2:].partition("=") if argv[i].startswith("--") else ("", "", "")
         if key in OWN or key in ("model", "tap_layers"):
@@ -106,7 +107,7 @@ def make_run(cfg: Config, m, own: dict) -> mm.Run:
         raise ValueError(f"--seq={seq}: expected more tokens than --max_new_tokens={new or 256} (a prompt and a "
                          "response)")
     return mm.Run(m, pp=cfg.pp, cp=cfg.cp, dp=dp, seq=seq, prompt=seq - (new or 256),
-                  dtype="fp32" if cfg.dtype == "fp32" else "bf16", tap_layers=own.get("tap_layers", ()))
+                  dtype="fp32" if cfg.dtype == "fp32" else "bf16", tap_layers=own.get("tap_layers", ()), gpu=True)
 
 
 def plan(cfg: Config, run: mm.Run) -> list:

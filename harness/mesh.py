@@ -25,10 +25,14 @@ import torch
 import torch.distributed as dist
 
 from parallel.grid import Grid
-from parallel.waits import set_timeout
+from parallel.waits import WaitTimeout, set_timeout, timeout
 
 if TYPE_CHECKING:
     from harness.config import Config
+
+
+class PhaseTimeout(WaitTimeout):
+    """A barrier of a named phase that ended without every rank (train.py prints it as one line)."""
 
 
 @dataclass
@@ -37,6 +41,8 @@ class Mesh:
     device: torch.device
     rank: int = 0
     world: int = 1
+    local_rank: int = 0  # this process's index on its node (torchrun's LOCAL_RANK)
+    local_world: int = 1  # processes on its node (LOCAL_WORLD_SIZE)
 
     @property
     def main(self) -> bool:  # evaluates, prints, writes files
@@ -46,9 +52,23 @@ class Mesh:
         """This rank's blocks of n_rows rows (row_blocks)."""
         return row_blocks(n_rows, size, self.rank, self.world)
 
-    def barrier(self):
-        if self.world > 1:
+    def barrier(self, phase: str = ""):
+        """Wait for every rank. phase: what the others wait for (work one rank does alone, e.g. "rank 0 building the
+        warm-ups"): a barrier that outlives --dist_timeout, or whose peers left, then ends in PhaseTimeout, one line
+        that names this rank, the phase and the ranks it waited for, not in a traceback."""
+        if self.world <= 1:
+            return
+        try:
             dist.barrier()
+        except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError, NCCL DistBackendError
+            if not phase:
+                raise
+            others = ", ".join(str(r) for r in range(self.world) if r != self.rank)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise PhaseTimeout(f"rank {self.rank}: {phase}: the barrier with rank(s) {others} ended after at most "
+                               f"{timeout().total_seconds():g} s (--dist_timeout) without them ({first[:120]}); "
+                               "pre-build what one rank does alone (python -m harness.warmup) or raise "
+                               "--dist_timeout") from e
 
     def close(self):
         """The normal end of a run: the ranks leave together, so none tears down its connections while another still
@@ -135,4 +155,5 @@ def make_mesh(cfg: Config) -> Mesh:
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.dist_timeout))
     set_timeout(cfg.dist_timeout)  # every sub-group and point-to-point wait too (parallel/waits.py)
-    return Mesh(Grid.build(pp=cfg.pp, cp=cfg.cp, dp=dp, device=dev), dev, dist.get_rank(), world)
+    return Mesh(Grid.build(pp=cfg.pp, cp=cfg.cp, dp=dp, device=dev), dev, dist.get_rank(), world,
+                int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import speculative
-from backends.attention_padded import padded_branch_attention, padded_causal_attention
+from backends.attention_padded import auto_branch_attention, auto_causal_attention
 from backends.fused_logprob import budget_rows
 from modeling.mixed_precision import clip_grads_, master_optimizer
 from decoding.row_streams import RowStreams, row_keys
@@ -46,7 +46,7 @@ class OfflineArm:
         self.cfg, self.task, self.ref = cfg, tsk, ref
         opt = master_optimizer(draft.parameters(), lambda ps: torch.optim.AdamW(ps, lr=cfg.draft_lr, weight_decay=0.0))
         self.tr = DraftTrainer(draft, opt, lam=cfg.draft_lam, grad_clip=cfg.draft_grad_clip, num_passes=cfg.ttt_passes,
-                               pass_weight=cfg.ttt_decay, attn_fn=padded_branch_attention)
+                               pass_weight=cfg.ttt_decay, attn_fn=auto_branch_attention)
         dev = next(ref.parameters()).device
         self.rng = random.Random(seed + 555)  # its own prompt stream: fresh prompts, not the rollouts'
         self.seed, self.dev = seed + 556, dev  # the sample streams: row_keys(seed + 556, steps_done, prompt, sample)
@@ -92,7 +92,7 @@ class OfflineArm:
         for idx in torch.randperm(batch.num_seqs, generator=self.perm).chunk(self.cfg.updates)[:n_steps]:
             mb = batch.select(idx.sort().values).to(dev)
             with torch.no_grad():  # pi_0's taps and teacher: the distribution the warm-up draft was fitted to
-                out = self.ref(mb.tokens, mb.cu_seqlens, attn_fn=padded_causal_attention,
+                out = self.ref(mb.tokens, mb.cu_seqlens, attn_fn=auto_causal_attention,
                                tap_layers=self.draft.tap_layers, logits=chunk == 0)  # hidden (T, H): no (T, V)
             loss, _ = draft_loss(self.tr, out.taps, out.logits, mb, self.cfg.temperature, hidden=out.hidden,
                                  head=self.ref.head_weight, chunk=chunk)  # the update's streamed loss

@@ -32,7 +32,7 @@ import torch
 
 import speculative
 from decoding.adaptive_k import AdaptiveK
-from backends.attention_padded import padded_causal_attention
+from backends.attention_padded import auto_causal_attention
 from backends.fused_logprob import budget_rows
 from decoding.row_streams import RowStreams, row_keys
 from harness.mesh import gather_all
@@ -90,7 +90,7 @@ def rollout_block(s: Setup, problems: list, rows: range, keys: torch.Tensor) -> 
     R, parts = s.task.score(probs, toks)
     batch = RolloutBatch.from_rollouts(prompts, toks, lps, torch.zeros(len(rows)), torch.ones(len(rows), dtype=bool))
     if s.ref is not None:  # held only when used (Config.needs_ref)
-        batch.ref_logp = reference_logp(s.ref, batch, attn_fn=padded_causal_attention, temperature=c.temperature,
+        batch.ref_logp = reference_logp(s.ref, batch, attn_fn=auto_causal_attention, temperature=c.temperature,
                                         logprob_chunk=budget_rows(s.ref.cfg.vocab_size, c.chunk_mib),
                                         seqs=c.rollout_batch)  # rollout_batch sequences per forward, head in chunks
     return batch, R, parts, st

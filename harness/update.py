@@ -12,6 +12,8 @@ GRPO's update. The offline-extended control is given the same number of TTT step
   2. shuffle     the batch's sequences in a random order, cut into `updates` minibatches (one stream on every rank);
   3. step        dist_step.DistCotrainer.step: ONE policy forward per micro-batch through the pipeline stages (CP inside
                  each stage), GRPO on its log-probs, every draft's TTT loss on its taps (TapChannel) on the last stage;
+                 the first update's pi_old is that forward's own log-probs (detached: the ratio starts at exactly 1,
+                 where the rollout's bf16 log-probs from the decode kernels differ by ~1e-3), later ones' the rollout's;
                  rl_loop.cotrain_step is the naive single-process reference it equals (tests/test_dist_step.py);
   4. refit       the full policy and drafts re-assembled from the stages (DistCotrainer.refit).
   5. control     the offline-extended arm's steps on fresh pi_0 samples (offline_arm.py; sampled on every rank,
@@ -53,8 +55,9 @@ def update(s: Setup, batch: RolloutBatch, timer: dict, step: int = 1) -> dict:
     perm = torch.randperm(batch.num_seqs, generator=s.perm_gen)
     trains = [c.trains_drafts((step - 1) * c.updates + j) for j in range(c.updates)]
     stats = []
-    for idx, train in zip(perm.chunk(c.updates), trains):
-        stats.append(s.cotrainer.step(batch.select(idx.sort().values), s.grpo, c.micro_batches, train_drafts=train))
+    for j, (idx, train) in enumerate(zip(perm.chunk(c.updates), trains)):
+        stats.append(s.cotrainer.step(batch.select(idx.sort().values), s.grpo, c.micro_batches, train_drafts=train,
+                                      on_policy=j == 0))  # the first: pi_old is the forward's own log-probs
         s.cotrainer.refit(s.policy)
     timer["draft_train"] = timer.get("draft_train", 0.0) + sum(st["draft_seconds"] for st in stats)
     timer["watch"] = timer.get("watch", 0.0) + sum(st["watch_seconds"] for st in stats)  # the controls' metrics

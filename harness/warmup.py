@@ -24,6 +24,8 @@ weights, is a one-line error naming the file.
                                                # --no_spec or --draft); report the policy's held-out greedy /
                                                # sampled reward
     python -m harness.warmup --preset smoke    # any train.py preset / --key=value: the same cache entries as train.py
+    python -m harness.warmup --model DIR --data prompts.jsonl ...   # HF mode: the checkpoint as is, its draft
+                                               # warm-up pre-built on this machine's GPU before a torchrun start
 
 Letters: T packed tokens, S sequences, V vocab.
 """
@@ -42,14 +44,14 @@ import time
 import torch
 
 import speculative
-from tasks.protocol import Demonstrations, make_task
-from harness.cache_keys import DraftSpec, PolicySpec
+from tasks.protocol import Demonstrations, task_from_config
+from harness.cache_keys import DraftSpec, PolicySpec, hf_policy_key
 from draft import DraftConfig, Eagle3Draft
 from serving.export import pid_alive
 from serving.hf_io import from_pretrained, read_json, save_pretrained
 from serving.draft_vocab import select_draft_vocab
 from model import Transformer
-from backends.attention_padded import padded_branch_attention, padded_causal_attention
+from backends.attention_padded import auto_branch_attention, auto_causal_attention
 from backends.fused_logprob import DEFAULT_CHUNK_MIB, budget_rows
 from parallel.cli import writing
 from rl_loop import DraftTrainer, RolloutBatch, check_finite_weights, draft_loss, pack, packed_logp
@@ -94,7 +96,7 @@ def sft_policy(policy: Transformer, tsk: Demonstrations, *, steps: int, batch: i
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup=max(steps // 20, 1))
         tokens, cu, mask = (t.to(dev) for t in sft_batch(tsk, batch, rng))
-        out = policy(tokens, cu, attn_fn=padded_causal_attention, logits=chunk == 0)  # hidden (T, H)
+        out = policy(tokens, cu, attn_fn=auto_causal_attention, logits=chunk == 0)  # hidden (T, H)
         loss = -(packed_logp(out, policy.head_weight, tokens, cu, chunk=chunk) * mask).sum() / mask.sum()
         if not math.isfinite(loss.item()):
             raise FloatingPointError(f"SFT warm-up step {step}: loss = {loss.item()} (not finite); {HINT}")
@@ -186,8 +188,8 @@ def load_draft(path: str, policy) -> Eagle3Draft:
 def draft_spec(cfg, tsk, policy_key: str) -> DraftSpec:
     """What a run's draft warm-up reads (train.py and this module's command alike): the config's draft_warmup_*
     settings, the task, the policy's key, the padded attention kernels."""
-    return DraftSpec.from_config(cfg, tsk, policy_key, attn_fn=padded_causal_attention,
-                                 draft_attn_fn=padded_branch_attention)
+    return DraftSpec.from_config(cfg, tsk, policy_key, attn_fn=auto_causal_attention,
+                                 draft_attn_fn=auto_branch_attention)
 
 
 def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache", log_every: int = 0,
@@ -214,7 +216,7 @@ def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache"
         return Eagle3Draft.from_target(policy, tap_layers=taps), False
     path = os.path.join(cache_dir, f"draft-{spec.key()}")
     clean_stale(path)
-    if steps and complete(path):
+    if complete(path):  # also at steps 0 with a reduced vocabulary: its sampled responses are the cost
         return load_draft(path, policy), True
     dev = next(policy.parameters()).device
     rng, g = random.Random(seed + 1), torch.Generator(device=dev).manual_seed(seed + 1)
@@ -227,7 +229,8 @@ def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache"
     torch.manual_seed(seed)
     ids = select_draft_vocab(responses, policy.cfg.vocab_size, draft_vocab) if draft_vocab else None
     draft = Eagle3Draft.from_target(policy, tap_layers=taps, draft_vocab=ids)
-    if steps == 0:
+    if steps == 0:  # untrained, but its reduced vocabulary came from `pool` samples: cached like a trained one
+        publish(path, draft.save)
         return draft, False
     tr = DraftTrainer(draft, torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0), num_passes=num_passes,
                       pass_weight=spec.pass_weight, attn_fn=draft_attn_fn)
@@ -275,17 +278,18 @@ def evaluate_policy(policy, tsk, problems, max_new_tokens: int, *, temperature: 
             "resp_len": sum(r.numel() for r in resp) / len(resp)}
 
 
-def main(c):
-    """Both warm-ups for the Config `c` (the same settings, and so the same cache entries, as `python train.py ...`),
-    then the policy's held-out greedy and sampled scores."""
+def main(c, dev):
+    """Both warm-ups for the Config `c` (the same settings, and so the same cache entries, as `python train.py ...`)
+    on device `dev`, then the policy's held-out greedy and sampled scores. HF mode: the checkpoint as is, then the
+    draft's warm-up."""
     torch.set_num_threads(c.threads)
-    if c.hf_mode:
-        raise ValueError(f"--model={c.model}: the SFT warm-up is for --task tasks; an HF checkpoint is used as is")
-    tsk = make_task(c.task, c)  # as experiment.build_task: the same key
-    tsk.max_new_tokens = c.max_new_tokens or tsk.max_new_tokens
+    tsk = task_from_config(c)  # as experiment.build_task: the same key
     t0 = time.time()
-    policy, key, loaded = warm_policy(PolicySpec.from_config(c, tsk), cache_dir=c.cache_dir,
-                                      log_every=max(c.sft_steps // 12, 1), chunk_mib=c.chunk_mib)
+    if c.hf_mode:  # the checkpoint as is (no SFT), as experiment.build_policy loads it
+        policy, key, loaded = from_pretrained(c.model).to(dev), hf_policy_key(c.model), True
+    else:
+        policy, key, loaded = warm_policy(PolicySpec.from_config(c, tsk), cache_dir=c.cache_dir, device=dev,
+                                          log_every=max(c.sft_steps // 12, 1), chunk_mib=c.chunk_mib)
     print(f"policy {key} ({'loaded' if loaded else 'trained'}) in {time.time() - t0:.0f}s")
     if not (c.no_spec or c.draft):  # then the draft's warm-up, as train.py would: a later run finds both cached
         t0 = time.time()
@@ -301,4 +305,9 @@ if __name__ == "__main__":
     from harness.config import parse_args  # here, not in main: the harness is not the warm-ups' code (their cache key)
     from parallel.cli import describe, run_main
     # -h / --help: train.py's flags, exit 0; an error (a bad flag, a full disk, a NaN loss): one line, exit 1
-    run_main(lambda: main(parse_args(sys.argv[1:], usage=describe(__doc__, __file__))), __file__)
+    from harness.mesh import pick_device
+
+    def _main():
+        c = parse_args(sys.argv[1:], usage=describe(__doc__, __file__))
+        return main(c, pick_device(c))
+    run_main(_main, __file__)

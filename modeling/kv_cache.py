@@ -103,7 +103,8 @@ class KVCache:
 
     def begin(self, S: int, tree=None) -> torch.Tensor:
         """Start a forward that appends S entries to every row -> their positions (B, S). What every layer's write
-        shares (positions, row ids, the causal mask up to the longest row) is built here once, not per layer.
+        shares (positions, row ids) is built here once, not per layer; the causal mask is not: `visible` builds it a
+        block of query rows at a time (a prefill's whole (B, S, Lk) mask would be O(L^2)).
         tree: the S entries are tree nodes instead, a TreeNodes (begin_nodes) or (depth, visible, base) (begin_tree)."""
         if tree is not None:
             return self.begin_nodes(tree) if isinstance(tree, TreeNodes) else self.begin_tree(*tree)
@@ -112,8 +113,7 @@ class KVCache:
         self._reserve(Lk)
         pos = self.positions(S)  # (B, S)
         rows = torch.arange(self.batch, device=pos.device)[:, None].expand(-1, S)  # (B, S)
-        mask = torch.arange(Lk, device=pos.device)[None, None, :] <= pos[:, :, None]  # (B, S, Lk) causal per row
-        self._pending = (S, pos, rows, mask)
+        self._pending = (S, pos, rows, None, Lk)  # None: the chain's causal mask, built per block by `visible`
         return pos
 
     def begin_tree(self, depth, visible, base) -> torch.Tensor:
@@ -147,7 +147,7 @@ class KVCache:
         self._check_room(S)
         self._reserve(Lk)
         slots = t.base[:, None] + t.slot[lo:hi]  # (B, S) where the nodes are written
-        self._pending = (S, slots, t.rows[:, :S], t.mask[:, lo:hi, :Lk])
+        self._pending = (S, slots, t.rows[:, :S], t.mask[:, lo:hi, :Lk], Lk)
         return t.pos[:, lo:hi]
 
     def keep_path(self, base, path):
@@ -165,21 +165,30 @@ class KVCache:
         self.lengths = base + m
 
     def write(self, layer: int, k, v):
-        """k, v (B, S, Hkv, D) -> this layer's K, V (B, Hkv, Lk, D) up to the longest row, and mask (B, S, Lk)."""
+        """k, v (B, S, Hkv, D) -> this layer's K, V (B, Hkv, Lk, D) up to the longest row (views, not copies; the
+        new entries' visibility: `visible`)."""
         if self._pending is None:
             raise RuntimeError("KVCache.write outside a forward: call begin(S) first")
-        _, pos, rows, mask = self._pending
+        _, pos, rows, _, Lk = self._pending
         i = self._slot[layer]
         K, V = self.k[i], self.v[i]  # (B, Hkv, L, D)
         K[rows, :, pos] = k.to(K.dtype)  # advanced indices first: (B, S, Hkv, D)
         V[rows, :, pos] = v.to(V.dtype)
-        Lk = mask.shape[-1]
-        return K[:, :, :Lk], V[:, :, :Lk], mask
+        return K[:, :, :Lk], V[:, :, :Lk]
+
+    def visible(self, lo: int, hi: int) -> torch.Tensor:
+        """(B, hi - lo, Lk) bool: which slots new entries lo..hi-1 of the forward in progress attend to -- a chain's
+        own slot and every slot before it (causal per row), a tree node's the row's prefix and its ancestors. Built
+        per block of rows, so a prefill never holds its (B, S, Lk) mask at once."""
+        _, pos, _, mask, Lk = self._pending
+        if mask is not None:
+            return mask[:, lo:hi]
+        return torch.arange(Lk, device=pos.device)[None, None, :] <= pos[:, lo:hi, None]  # (B, hi - lo, Lk)
 
     @property
     def key_len(self) -> int:
         """Lk of the forward in progress: its keys are slots 0..Lk-1 and its positions lie below Lk (a host int)."""
-        return self._pending[3].shape[-1]
+        return self._pending[4]
 
     def _check_room(self, S: int):  # device-side: no host sync
         torch._assert_async(self.lengths.max() + S <= self.max_len,

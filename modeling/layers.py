@@ -12,7 +12,9 @@ Letters: T packed tokens, B batch rows, S new tokens per row, H hidden, Hq / Hkv
 """
 from __future__ import annotations
 
+import functools
 import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -23,6 +25,30 @@ from modeling.kv_cache import KVCache
 def at_least_f32(x: torch.Tensor) -> torch.Tensor:
     """x in fp32 at least, for softmax and log-sum-exp statistics of bf16 / fp16 logits (fp64 stays fp64)."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+@functools.lru_cache(maxsize=None)
+def _mm_out_dtype_ok() -> bool:
+    """Does this torch's CUDA mm take out_dtype (bf16 / fp16 in, fp32 out; torch >= 2.8)? Probed once."""
+    try:
+        a = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def linear_f32(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    """(..., H) @ (V, H)^T -> (..., V) logits in fp32 at least: the LM head of every log-prob that GRPO compares
+    (the rollout's, fused_logprob's). A bf16 matmul accumulates in fp32 but rounds its output to bf16: ~2^-9 relative,
+    0.02-0.04 on a logit of 10, straight into log p. The product of two bf16 numbers is exact in fp32, so the fp32
+    matmul of the same bf16 weights loses nothing. CUDA without autograd (decode): torch.mm(..., out_dtype=fp32), bf16
+    tensor cores and no fp32 copy of W; otherwise both operands cast to fp32 (a (V, H) fp32 temporary)."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return at_least_f32(F.linear(x, W))
+    grad = torch.is_grad_enabled() and (x.requires_grad or W.requires_grad)
+    if x.is_cuda and W.dtype == x.dtype and not grad and _mm_out_dtype_ok():
+        return torch.mm(x.reshape(-1, x.shape[-1]), W.t(), out_dtype=torch.float32).reshape(*x.shape[:-1], W.shape[0])
+    return F.linear(x.float(), W.float())
 
 
 class RMSNorm(nn.Module):
@@ -87,6 +113,42 @@ def packed_causal_attention(q, k, v, cu_seqlens, softmax_scale):
     return out
 
 
+CACHED_SCORES_MIB = 256.0  # cached_attention's block of query rows: its (B, Hq, rows, Lk) fp32 scores at most this
+
+
+def cached_attention(q, K, V, visible, softmax_scale: float, scores_mib: float = None):
+    """Attention of S new entries per row against a KV cache, without a (B, S, Lk) mask or a GQA copy of K/V.
+
+    q (B, S, Hq, D); K, V (B, Hkv, Lk, D) (the cache's views); visible(lo, hi) -> (B, hi - lo, Lk) bool (KVCache.
+    visible) -> (B, S, Hq, D). GQA: query head h reads KV head h // G (G = Hq / Hkv), so the G query heads of a KV head
+    are folded into its rows, q -> (B, Hkv, G * n, D) against K (B, Hkv, Lk, D): K and V are read as they lie (SDPA's
+    enable_gqa with a mask has no fused kernel and falls back to expanding them). Prefill: the S rows go in blocks of
+    n rows, n from a byte budget on the block's (B, Hq, n, Lk) fp32 scores (what SDPA's math kernel holds), so a
+    prompt of P tokens never holds an O(P^2) tensor; decode (S = k + 1) is one block. Each query row's softmax is its
+    own, so the blocks change no result. scores_mib None: CACHED_SCORES_MIB."""
+    B, S, Hq, D = q.shape
+    Lk = K.shape[2]
+    scores_mib = CACHED_SCORES_MIB if scores_mib is None else scores_mib
+    n = max(1, int(scores_mib * 2**20) // (4 * B * Hq * max(Lk, 1)))
+    if n >= S:  # one block (decode): no copy of the output
+        return _cached_block(q, K, V, visible(0, S), softmax_scale)
+    out = q.new_empty(B, S, Hq, D)
+    for lo in range(0, S, n):
+        hi = min(S, lo + n)
+        out[:, lo:hi] = _cached_block(q[:, lo:hi], K, V, visible(lo, hi), softmax_scale)
+    return out
+
+
+def _cached_block(q, K, V, mask, softmax_scale):  # q (B, n, Hq, D), mask (B, n, Lk) -> (B, n, Hq, D)
+    B, n, Hq, D = q.shape
+    Hkv, Lk = K.shape[1], K.shape[2]
+    G = Hq // Hkv
+    qg = q.reshape(B, n, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * n, D)  # row g * n + i
+    m = mask[:, None, None].expand(B, 1, G, n, Lk).reshape(B, 1, G * n, Lk)  # (B, 1, G n, Lk): O(n Lk) per block
+    o = F.scaled_dot_product_attention(qg, K, V, attn_mask=m, scale=softmax_scale)  # (B, Hkv, G n, D)
+    return o.reshape(B, Hkv, G, n, D).permute(0, 3, 1, 2, 4).reshape(B, n, Hq, D)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -116,10 +178,9 @@ class Attention(nn.Module):
 
     def forward_cached(self, x, cos, sin, cache: KVCache, layer: int):  # x (B, S, H)
         q, k, v = self.qkv(x, cos, sin)  # (B, S, Hq|Hkv, D)
-        K, V, mask = cache.write(layer, k, v)  # (B, Hkv, Lk, D) x2, mask (B, S, Lk)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), K, V, attn_mask=mask[:, None], enable_gqa=True,
-                                           scale=1.0 / math.sqrt(self.cfg.head_dim))  # GQA without copying K/V
-        return self.o_proj(o.transpose(1, 2).flatten(-2))
+        K, V = cache.write(layer, k, v)  # (B, Hkv, Lk, D) x2
+        o = cached_attention(q, K, V, cache.visible, 1.0 / math.sqrt(self.cfg.head_dim))  # (B, S, Hq, D)
+        return self.o_proj(o.flatten(-2))
 
 
 class MLP(nn.Module):  # SwiGLU

@@ -99,3 +99,17 @@ def make_task(name: str, cfg) -> Task:
     if missing:
         raise ValueError(f"--task={name}: the task lacks {', '.join(missing)} (tasks/protocol.py lists the members)")
     return tsk
+
+
+def task_from_config(cfg):
+    """The run's task (cfg: harness.config.Config, read only): the one --task names (default the built-in count-up
+    task), or in HF mode the prompts file with the checkpoint's tokenizer (hf_task.py). train.py's build and
+    `python -m harness.warmup` both call this: the same task, so the same cache keys."""
+    if cfg.hf_mode:
+        from tasks.hf_task import HFTask
+        return HFTask(cfg.model, cfg.data, eval_fraction=cfg.eval_fraction, seed=cfg.seed,
+                      max_prompt_tokens=cfg.max_prompt_tokens, max_new_tokens=cfg.max_new_tokens or 256,
+                      prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, chat_template=cfg.chat_template)
+    tsk = make_task(cfg.task, cfg)
+    tsk.max_new_tokens = cfg.max_new_tokens or tsk.max_new_tokens
+    return tsk

@@ -8,7 +8,9 @@
    exact one of the bf16 policy, the total-variation bound of tests/test_speculative.py.
 3. `train.py --preset test --dtype bf16`: a run resumed from its step-1 checkpoint ends with the metrics of the
    uninterrupted run.
-~35 s in all in a full-suite run on 2 cores (bf16 matmuls are slow on a CPU; the models are tiny).
+4. GRPO at an RL step's first update: the ratio pi / pi_old is 1 within 1e-6 (pi_old the update's own forward), where
+   the rollout's bf16 log-probs (the decode kernels) give ~1.001.
+~35 s in all in a full-suite run on 2 cores (bf16 matmuls are slow on a CPU; the models are tiny); 4. adds ~1 s.
 """
 import copy
 import math
@@ -29,7 +31,7 @@ from draft import Eagle3Draft
 from model import ModelConfig, Transformer
 from modeling.mixed_precision import master_optimizer
 from parallel.grid import Grid
-from rl_loop import DraftTrainer
+from rl_loop import DraftTrainer, RolloutBatch
 from speculative import generate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -149,3 +151,28 @@ def test_bf16_checkpoint_resumes_to_identical_metrics(tmp_path):
     shutil.rmtree(b / "ckpt" / "step_000002")
     subprocess.run(base + [f"--out={b}", "--resume=true"], cwd=ROOT, check=True, timeout=300, capture_output=True)
     assert _records(b / "metrics.jsonl") == _records(a / "metrics.jsonl")
+
+
+def _first_update_ratio(on_policy: bool) -> float:
+    """GRPO's mean ratio pi / pi_old at an RL step's first update, in bf16: rollouts sampled by the bf16 policy (their
+    log-probs from the decode path: KV cache, fp32 head), then one DistCotrainer step on the ring kernel with fused
+    log-probs, the training path of a GPU run."""
+    torch.manual_seed(0)
+    policy = Transformer(ModelConfig.preset("tiny", num_hidden_layers=4, tie_word_embeddings=True)).to(BF16)
+    prompts = [torch.randint(3, policy.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+               for n in (5, 9, 3, 12)]
+    r = generate(policy, None, prompts, max_new_tokens=24, generator=torch.Generator().manual_seed(0))
+    batch = RolloutBatch.from_rollouts(prompts, r.tokens, r.logprobs, torch.tensor([1.0, -1.0, 0.5, -0.5]),
+                                       torch.ones(4, dtype=torch.bool))
+    ct = DistCotrainer(policy, [], Grid(), sgd, grad_clip=1e9, attn_backend="torch", logprob_chunk=16)
+    st = ct.step(batch, grpo("global-token"), 2, on_policy=on_policy)
+    return st["ratio"], st["clip_frac"]
+
+
+def test_first_update_ratio_is_one_in_bf16():
+    """At the first update pi_old is the update's own forward: ratio 1 within 1e-6 and nothing clipped. The control:
+    the rollout's bf16 log-probs (another attention path; ~1e-3 apart per token) do not give 1 within 1e-6."""
+    ratio, clip = _first_update_ratio(on_policy=True)
+    assert abs(ratio - 1) <= 1e-6 and clip == 0, (ratio, clip)
+    ratio_rollout, _ = _first_update_ratio(on_policy=False)
+    assert abs(ratio_rollout - 1) > 1e-6, ratio_rollout

@@ -51,6 +51,18 @@ def test_warm_draft_builds_a_reduced_vocabulary_from_the_policys_responses(tmp_p
     assert loaded and torch.equal(again.d2t, draft.d2t)  # cached under a key that includes draft_vocab
     full, loaded = warmup.warm_draft(policy, dataclasses.replace(spec, draft_vocab=0), cache_dir=str(tmp_path))
     assert not loaded and full.cfg.draft_vocab_size == policy.cfg.vocab_size
+    # --draft_warmup_steps 0: an untrained draft, but its vocabulary costs the pool's sampling: cached too
+    zero = dataclasses.replace(spec, steps=0)
+    first, loaded = warmup.warm_draft(policy, zero, cache_dir=str(tmp_path))
+    assert not loaded and torch.equal(first.draft_to_target, draft.draft_to_target)
+    calls = []
+    generate = speculative.generate
+    speculative.generate = lambda *a, **k: calls.append(1) or generate(*a, **k)
+    try:
+        again, loaded = warmup.warm_draft(policy, zero, cache_dir=str(tmp_path))
+    finally:
+        speculative.generate = generate
+    assert loaded and not calls and torch.equal(again.d2t, first.d2t)  # loaded, nothing sampled
 
 
 def test_config_draft_vocab_is_checked():

@@ -13,7 +13,8 @@ RSS growth over the step is printed beside it, never asserted.
     python -m pytest -q -s tests/test_memory_plan.py      # -s prints the plan-vs-measured tables (docs/memory.md)
 
 Seconds added (pytest --durations, 2 shared cores, two runs): fp32 4-5 s, bf16 3 s, V = 151936 7-15 s, pp 2 x cp 2
-22-32 s; the plan command and --zero1=auto < 1 s; 40-50 s in all.
+22-32 s; the plan command and --zero1=auto < 1 s; the prefill term against speculative.prefill 15-20 s; 60-70 s in
+all.
 """
 from __future__ import annotations
 
@@ -204,7 +205,7 @@ def test_zero1_auto_is_on_only_on_cuda_where_the_plan_needs_it():  # 0.1 s
 def test_plan_command_prints_every_stage_and_refuses_bad_meshes(capsys, tmp_path):  # 0.3 s
     from harness import memory_plan
     memory_plan.main(["--model", "tiny", "--gpus", "4", "--pp", "2", "--cp", "2", "--seq", "64",
-                      "--max_new_tokens", "16", "--device_gib", "1", "--recommend"])
+                      "--max_new_tokens", "16", "--device_gib", "4", "--recommend"])  # 4: the CUDA context and NCCL fit
     out = capsys.readouterr().out
     assert "stage 1" in out and "largest rank" in out and ": fits" in out and "recommend (4 GPUs" in out
     with pytest.raises(ValueError, match="--gpus=8"):
@@ -215,3 +216,30 @@ def test_plan_command_prints_every_stage_and_refuses_bad_meshes(capsys, tmp_path
         memory_plan.main(["--model", "tiny", "--seq", "16", "--max_new_tokens", "16"])
     with pytest.raises(ValueError, match="--tap_layers=0,1: expected 3"):
         memory_plan.main(["--model", "tiny", "--tap_layers=0,1"])
+
+
+@pytest.mark.parametrize("preset,P,scores_mib", [("tiny", 64, 256.0), ("tiny", 512, 256.0), ("tiny", 512, 0.25),
+                                                 ("small", 256, 256.0)])
+def test_prefill_term_matches_a_real_prefill(preset, P, scores_mib, monkeypatch):  # 3-6 s each
+    """memory_model.prefill_bytes against the transient peak of speculative.prefill (the policy's forward over B = 2
+    prompts with the draft's taps, then the draft's trunk), the KV caches aside (they survive the call): within 20%
+    (it sums a layer's tensors that are not all alive at once), at one attention block over the whole prompt and at
+    blocks of a few rows."""
+    import modeling.layers as layers
+    from draft import Eagle3Draft
+    from model import ModelConfig, Transformer
+    from speculative import prefill
+    monkeypatch.setattr(layers, "CACHED_SCORES_MIB", scores_mib)
+    monkeypatch.setattr(mm, "CACHED_SCORES_MIB", scores_mib)
+    torch.manual_seed(0)
+    policy = Transformer(ModelConfig.preset(preset, num_hidden_layers=4)).eval()
+    draft = Eagle3Draft.from_target(policy)
+    prompts = [torch.randint(policy.cfg.vocab_size, (P,)) for _ in range(2)]
+    m = policy.cfg  # the RoPE table is built once per process, not per prefill (as in measure)
+    rope_cos_sin(torch.zeros(1, dtype=torch.long), m.head_dim, m.rope_theta, torch.float32, bound=4096)
+    with torch.no_grad(), mt.StorageTracker() as tr:
+        state = prefill(policy, draft, prompts, 3, 1.0, None, 8, torch.Generator().manual_seed(0))  # caches alive
+    want, got = mm.prefill_bytes(m, 2, P, len(draft.tap_layers), 4), tr.peak()
+    del state
+    print(f"prefill {preset} P={P} scores_mib={scores_mib}: plan {want} measured {got} ({want / got:.3f})")
+    assert 0.9 * got <= want <= 1.25 * got, f"plan {want} vs measured {got} ({want / got:.3f})"

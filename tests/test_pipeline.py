@@ -115,3 +115,15 @@ def test_bad_config_errors():
         Grid.build(pp=2)
     with pytest.raises(ValueError, match="M=0 microbatches"):
         schedule_actions("1f1b", 2, 0, 0)
+
+
+def test_grad_buckets_cover_every_gradient_in_order_within_the_budget():
+    from pipeline import grad_buckets
+    grads = [torch.zeros(n) for n in (10, 300, 5, 5, 2000, 1, 64)] + [torch.zeros(7, dtype=torch.float64)]
+    mib = 1200 / 2**20  # 300 fp32 values per bucket
+    buckets = grad_buckets(grads, mib)
+    assert [t for b in buckets for t in b] == grads  # every gradient once, in order (the same tensors)
+    for b in buckets:
+        assert len(b) == 1 or sum(t.numel() * t.element_size() for t in b) <= 1200  # a larger one alone
+        assert len({t.dtype for t in b}) == 1
+    assert [len(b) for b in buckets] == [1, 1, 2, 1, 2, 1]

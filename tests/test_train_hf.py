@@ -18,6 +18,8 @@ from hf_util import write_jsonl, write_tiny_llama
 from harness.config import parse_args
 from train import train
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 @pytest.fixture(scope="module")
 def hf_files(tmp_path_factory):
@@ -100,3 +102,16 @@ def test_hf_mode_under_torchrun_pp2_cp2(hf_files, tmp_path):
     assert s["steps"] == 3 and all(math.isfinite(s[k]) for k in ("reward_last", "accept_len_cotrained"))
     # the defaults: no control arm, no reference, so no KL
     assert s["kl_last"] is None and not any(f"accept_len_{a}" in s for a in ("frozen", "offline", "cold"))
+
+
+def test_warmup_command_prebuilds_the_hf_draft(hf_files, tmp_path):
+    """`python -m harness.warmup` in HF mode trains and caches the draft warm-up that train.py then loads (the same
+    cache key), so a torchrun start need not build it on rank 0 while the others wait. Adds ~15 s."""
+    import subprocess
+    import sys
+    argv = hf_argv(hf_files, tmp_path)
+    r = subprocess.run([sys.executable, "-m", "harness.warmup"] + argv, cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0 and "draft (trained)" in r.stdout, r.stdout + r.stderr[-2000:]
+    s = train(parse_args(argv + ["--steps=1"]))
+    assert s["warmup_cached"] == {"policy": True, "draft": True}

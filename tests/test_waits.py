@@ -7,7 +7,7 @@ contract and the real harness.mesh.make_mesh, --dist_timeout 10. One healthy ste
 others run the next step. Each live rank must exit non-zero on its own; before the waits were bounded they waited on
 sub-groups whose timeout was torch's 30 min default (new_group ignores init_process_group's timeout) and the test ran
 into its 150 s limit. Adds ~45 s on 2 cores under a load average of ~13 (measured 42-50 s, ~20 s of it the 4
-processes importing torch at once, ~8 s the healthy step, then the 10 s timeout). The other test adds < 0.1 s.
+processes importing torch at once, ~8 s the healthy step, then the 10 s timeout). The other tests add < 0.1 s.
 """
 import datetime
 import os
@@ -51,6 +51,20 @@ def test_wait_all_names_the_rank_and_the_wait():
         waits.wait_all([dead], ["CP cp_shift: recv from rank 3", "TapChannel x"])  # one Work for two: NCCL's batch
     with pytest.raises(ValueError, match="dist_timeout=0"):
         waits.set_timeout(0)
+
+
+def test_nccl_waits_do_not_poll_gloo_waits_are_bounded():
+    """The dispatch by backend: NCCL's works get a plain wait() (the stream waits; the watchdog bounds it), gloo's and
+    those without a process group get a timeout; a failure is named the same way on both."""
+    nccl, gloo, none = _Work(), _Work(), _Work()
+    waits.wait_all([nccl], ["CP ring recv"], backend="nccl")
+    waits.wait_all([gloo], ["CP ring recv"], backend="gloo")
+    waits.wait_all([none], ["CP ring recv"])  # no process group here: bounded
+    assert nccl.timeouts == [None]
+    assert gloo.timeouts[0] > datetime.timedelta(0) and none.timeouts[0] > datetime.timedelta(0)
+    late = _Work(RuntimeError("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=RECV)"))
+    with pytest.raises(waits.WaitTimeout, match=r"^rank 0: TapChannel recv timed out after 1800 s"):
+        waits.wait_all([late], ["TapChannel recv"], backend="nccl")
 
 
 DRIVER = """
