@@ -133,11 +133,23 @@ def set_weights(model, sd: dict) -> list:
     return missing
 
 
+def untie_lm_head(worker):
+    """vLLM shares the target's LM head with a draft whose head loaded equal to it (llm_base_proposer's
+    _maybe_share_lm_head): a cold draft, whose head starts as the policy's. A refit of the draft's head would then
+    write into the policy's (and its tied embedding), and the engine would sample from another policy. So the draft
+    gets its own copy first."""
+    import copy
+    m, target = _drafter(worker), worker.model_runner.model
+    if any(m.lm_head is x for x in (getattr(target, "lm_head", None), getattr(target.model, "embed_tokens", None))):
+        m.lm_head = copy.deepcopy(m.lm_head)
+
+
 def _refit_rpc(worker, what, path):
     from safetensors.torch import load_file
     from serving.weight_sum import engine_layout
     sd = load_file(path)
     if what == "draft":
+        untie_lm_head(worker)
         return set_weights(_drafter(worker), engine_layout(sd.items()))
     return set_weights(worker.model_runner.model, engine_layout(sd.items(), prefix=""))
 
