@@ -46,10 +46,13 @@ class EngineOutput:
 
 
 class VllmEngine:
-    """Two vLLM engines over one policy, `spec` (EAGLE-3 draft, k tokens) and `plain`, in one worker process."""
+    """Two vLLM engines over one policy, `spec` (EAGLE-3 draft, k tokens) and `plain`, in one worker process.
+    draft_sample: "probabilistic" (drafts sampled from q, accepted with min(1, p / q): cospec's rule, so the two
+    engines' acceptance compare at T > 0) or vLLM's default "greedy" (argmax q, accepted with p(x))."""
 
     def __init__(self, policy_dir: str, draft_dir: str, *, k: int = 3, dtype: str = "float32",
-                 max_model_len: int = 512, python: str | None = None, log: str | None = None):
+                 max_model_len: int = 512, draft_sample: str = "probabilistic", python: str | None = None,
+                 log: str | None = None):
         python = python or vllm_python()
         if python is None:
             raise RuntimeError(f"vLLM: no environment found; install it with {INSTALL}")
@@ -61,7 +64,7 @@ class VllmEngine:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True)
         self.k = k
         self.started = self.call("start", policy=os.path.abspath(policy_dir), draft=os.path.abspath(draft_dir), k=k,
-                                 dtype=dtype, max_model_len=max_model_len)
+                                 dtype=dtype, max_model_len=max_model_len, draft_sample=draft_sample)
 
     def call(self, op: str, **kw) -> dict:
         self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")

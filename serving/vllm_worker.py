@@ -5,7 +5,8 @@ vLLM's dependencies pin other versions than the project's test extra (transforme
 own virtual environment (`.ci/vllm_env.sh`) and this file is the only one that imports it; it runs there and
 imports nothing of the project but serving/weight_sum.py (plain torch). Requests, one JSON object per line:
 
-    {"op": "start", "policy": DIR, "draft": DIR, "k": 3, "dtype": "float32", "max_model_len": 512}
+    {"op": "start", "policy": DIR, "draft": DIR, "k": 3, "dtype": "float32", "max_model_len": 512,
+     "draft_sample": "probabilistic"|"greedy"}
     {"op": "generate", "engine": "spec"|"plain", "prompts": [[ids]], "temperature": T, "max_tokens": N,
      "stop": [eos], "n": 1, "seed": s}        -> {"tokens": [[ids] per prompt x n], "drafts", "accepted"}
     {"op": "expand_workaround", "on": bool}    the CPU build's expand, in torch (below)
@@ -53,15 +54,18 @@ def expand_workaround(on: bool):
     return {"on": on}
 
 
-def start(policy, draft, k=3, dtype="float32", max_model_len=512, max_num_seqs=64):
+def start(policy, draft, k=3, dtype="float32", max_model_len=512, max_num_seqs=64, draft_sample="probabilistic"):
     from vllm import LLM
     common = dict(model=policy, skip_tokenizer_init=True, dtype=dtype, max_model_len=max_model_len,
                   enforce_eager=True, max_num_seqs=max_num_seqs, disable_log_stats=False, seed=0)
     t0 = time.time()
     ENGINES["plain"] = LLM(**common)  # first: the prometheus registry the counters are read from is the last engine's
     t1 = time.time()
+    # draft_sample "probabilistic": drafts sampled from q and accepted with min(1, p / q), cospec's rule; vLLM's
+    # default "greedy" proposes argmax q and accepts with p(x) (also exact, a lower acceptance at T > 0)
     ENGINES["spec"] = LLM(**common, speculative_config={"method": "eagle3", "model": draft,
-                                                        "num_speculative_tokens": int(k)})
+                                                        "num_speculative_tokens": int(k),
+                                                        "draft_sample_method": draft_sample})
     t2 = time.time()
     refit("draft", os.path.join(draft, "model.safetensors"))  # kept weights: weight_sum reads what the kernels use
     return {"start_s_plain": t1 - t0, "start_s_spec": t2 - t1}

@@ -16,7 +16,7 @@ from serving.weight_sum import engine_layout, weight_sum
 
 class FakeEngine:
     """Speculative samples from `spec_p` (or `fixed_p` once the workaround is on), autoregressive from `ar_p`:
-    distributions over the first token, the rest of each sample a constant."""
+    every token drawn independently from its distribution."""
 
     def __init__(self, ar_p, spec_p, fixed_p):
         self.ar_p, self.spec_p, self.fixed_p, self.on, self.sum = ar_p, spec_p, fixed_p, False, "x"
@@ -27,7 +27,7 @@ class FakeEngine:
     def generate(self, prompts, *, temperature, max_tokens, stop=(), n=1, seed=0, spec=True):
         p = self.ar_p if not spec else self.fixed_p if self.on else self.spec_p
         rng = random.Random(seed)
-        toks = [[[rng.choices(range(len(p)), p)[0]] + [0] * (max_tokens - 1) for _ in range(n)] for _ in prompts]
+        toks = [[rng.choices(range(len(p)), p, k=max_tokens) for _ in range(n)] for _ in prompts]
         return type("Out", (), {"tokens": toks, "acceptance_length": 2.0})()
 
     def draft_sum(self):
@@ -36,7 +36,9 @@ class FakeEngine:
 
 def test_prefix_stats_support_and_tv():
     u, d = prefix_stats([[[1, 2], [1, 2], [3, 4], [1, 2]]], [[[1, 2], [1, 2], [1, 2], [5, 6]]], first=2)
-    assert u == pytest.approx(0.25) and d == pytest.approx(0.5 * (0 + 0.25 + 0.25))  # (1,2) same; (3,4), (5,6)
+    assert u == pytest.approx(2 / 8)  # 3 at position 0 and 4 at position 1: never sampled autoregressively there
+    assert d == pytest.approx((0.5 * (0.25 + 0.25) + 0.5 * (0.25 + 0.25)) / 2)
+    assert prefix_stats([[[1], [1, 2]]], [[[1, 2], [1, 2]]], first=2) == (0, 0)  # an ended sample has no token 2
 
 
 def test_workaround_only_when_needed_and_refusal_names_the_check():

@@ -8,7 +8,8 @@ check below, started with the untrained (cold) draft:
     the trained draft's level; a refit skipped after the trainer's draft changed is reported (StaleDraft);
   - greedy: vLLM with the draft = vLLM without it = cospec's greedy, token for token, on 16 held-out prompts;
   - acceptance: vLLM's spec-decode counters vs cospec's speculative.generate on the same prompts, within 0.2 at
-    T = 0 and within 0.3 at T = 1 (4 samples per prompt; both engines count 1 + accepted / drafting steps);
+    T = 0 and within 0.3 at T = 1 (8 samples per prompt; both engines count 1 + accepted / drafting steps; vLLM's
+    drafts sampled from q as cospec's are, draft_sample_method "probabilistic");
   - losslessness: the CPU build fails the check without the expand workaround and passes with it.
 Without vLLM's environment the test is skipped with the line that installs it; in CI (CI=true) that is a failure.
 Time: ~4-5 min on the shared 2-core CPU (training ~3 min under load, engine start ~40 s, the checks ~1 min).
@@ -40,7 +41,7 @@ def served(tmp_path_factory):
     out = tmp / "run"
     train(parse_args(["--preset=test", "--model=serve", "--sft_steps=200", "--sft_batch=32",
                       "--draft_warmup_steps=60", "--draft_warmup_batch=16", "--draft_warmup_pool=64",
-                      f"--num_draft_tokens={K}", f"--cache_dir={os.environ.get('DEVCACHE', tmp / 'cache')}", "--out", str(out)]))
+                      f"--num_draft_tokens={K}", f"--cache_dir={tmp / 'cache'}", "--out", str(out)]))
     policy = from_pretrained(str(out / "policy")).eval()
     trained = Eagle3Draft.from_export(str(out / "draft"), policy).eval()
     torch.manual_seed(0)
@@ -111,7 +112,7 @@ def test_lossless_check_needs_the_expand_workaround_and_acceptance_matches_at_t1
     eng.expand_workaround(False)
     assert not lossless_check(eng, prompts, stop=[EOS], seed=5)["ok"]
     eng.expand_workaround(True)
-    got = _vllm(served, 1.0, n=4)
-    _, want = _cospec(served, served["trained"], 1.0, n=4)
+    got = _vllm(served, 1.0, n=8)
+    _, want = _cospec(served, served["trained"], 1.0, n=8)
     print(f"T = 1 acceptance: vLLM {got.acceptance_length:.3f}, cospec {want:.3f}")
     assert abs(got.acceptance_length - want) <= 0.3
