@@ -78,9 +78,11 @@ class VllmEngine:
         return reply
 
     def generate(self, prompts, *, temperature: float, max_tokens: int, stop=(), n: int = 1, seed: int = 0,
-                 spec: bool = True) -> EngineOutput:
+                 spec: bool = True, seeds=None) -> EngineOutput:
+        """seeds: one per prompt (its samples' stream), else derived from `seed` and the prompt's index."""
         r = self.call("generate", engine="spec" if spec else "plain", prompts=[[int(t) for t in p] for p in prompts],
-                      temperature=temperature, max_tokens=max_tokens, stop=[int(s) for s in stop], n=n, seed=seed)
+                      temperature=temperature, max_tokens=max_tokens, stop=[int(s) for s in stop], n=n, seed=seed,
+                      seeds=seeds)
         return EngineOutput(r["tokens"], r["drafts"], r["accepted"], r["wall_s"])
 
     def expand_workaround(self, on: bool):

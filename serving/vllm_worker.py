@@ -79,13 +79,14 @@ def _counters(llm):
     return got["vllm:spec_decode_num_drafts"], got["vllm:spec_decode_num_accepted_tokens"]
 
 
-def generate(engine, prompts, temperature, max_tokens, stop=(), n=1, seed=0):
+def generate(engine, prompts, temperature, max_tokens, stop=(), n=1, seed=0, seeds=None):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     llm = ENGINES[engine]
     d0, a0 = _counters(llm)
     params = [SamplingParams(temperature=float(temperature), max_tokens=int(max_tokens), stop_token_ids=list(stop),
-                             n=int(n), seed=int(seed) * 100003 + i, detokenize=False, ignore_eos=False)
+                             n=int(n), seed=int(seeds[i]) if seeds else int(seed) * 100003 + i, detokenize=False,
+                             ignore_eos=False)
               for i in range(len(prompts))]
     t0 = time.time()
     outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)

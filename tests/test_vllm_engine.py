@@ -15,6 +15,8 @@ Without vLLM's environment the test is skipped with the line that installs it; i
 Time: ~4-5 min on the shared 2-core CPU (training ~3 min under load, engine start ~40 s, the checks ~1 min).
 """
 import copy
+import json
+import math
 import os
 
 import pytest
@@ -30,6 +32,8 @@ from tasks import task
 from train import train
 
 K, MAX_TOKENS, EOS = 3, 48, task.Tokenizer().eos_id
+ARGS = ["--preset=test", "--model=serve", "--sft_steps=200", "--sft_batch=32", "--draft_warmup_steps=60",
+        "--draft_warmup_batch=16", "--draft_warmup_pool=64", f"--num_draft_tokens={K}"]
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +43,7 @@ def served(tmp_path_factory):
         pytest.fail(msg) if os.environ.get("CI") == "true" else pytest.skip(msg)
     tmp = tmp_path_factory.mktemp("vllm")
     out = tmp / "run"
-    train(parse_args(["--preset=test", "--model=serve", "--sft_steps=200", "--sft_batch=32",
-                      "--draft_warmup_steps=60", "--draft_warmup_batch=16", "--draft_warmup_pool=64",
-                      f"--num_draft_tokens={K}", f"--cache_dir={tmp / 'cache'}", "--out", str(out)]))
+    train(parse_args(ARGS + [f"--cache_dir={tmp / 'cache'}", "--out", str(out)]))
     policy = from_pretrained(str(out / "policy")).eval()
     trained = Eagle3Draft.from_export(str(out / "draft"), policy).eval()
     torch.manual_seed(0)
@@ -50,7 +52,7 @@ def served(tmp_path_factory):
     src = task.CountUpTask()
     prompts = [src.encode_prompt(p) for p in src.eval_set(16)]
     with VllmEngine(str(out / "policy"), str(tmp / "cold"), k=K) as eng:
-        yield dict(eng=eng, policy=policy, trained=trained, cold=cold, prompts=prompts)
+        yield dict(eng=eng, policy=policy, trained=trained, cold=cold, prompts=prompts, tmp=tmp)
 
 
 def _cospec(s, draft, temperature, n=1):
@@ -116,3 +118,18 @@ def test_lossless_check_needs_the_expand_workaround_and_acceptance_matches_at_t1
     _, want = _cospec(served, served["trained"], 1.0, n=8)
     print(f"T = 1 acceptance: vLLM {got.acceptance_length:.3f}, cospec {want:.3f}")
     assert abs(got.acceptance_length - want) <= 0.3
+
+
+def test_one_rl_step_with_rollouts_from_vllm(served, capsys):
+    """--rollout_engine vllm: a second engine started on the run's warm pair, checked, refit before the step (the
+    draft's checksum verified inside: a mismatch raises), its samples scored and trained on."""
+    tmp = served["tmp"]
+    s = train(parse_args(ARGS + ["--rollout_engine=vllm", "--steps=1", f"--cache_dir={tmp / 'cache'}", "--out",
+                                 str(tmp / "rl")]))
+    assert s["warmup_cached"] == {"policy": True, "draft": True} and s["steps"] == 1
+    out = capsys.readouterr().out
+    assert "rollout engine: vLLM" in out and "losslessness check passed" in out
+    rows = [json.loads(line) for line in open(tmp / "rl" / "metrics.jsonl")]
+    step = [r for r in rows if r["kind"] == "train"][0]
+    assert len(step["engine_sum"]) == 16 and step["engine_accept"] > 1.2 and step["resp_len"] > 5
+    assert math.isfinite(step["kl"]) and step["engine_accept"] == step["accept_len"]
