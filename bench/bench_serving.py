@@ -42,7 +42,8 @@ def vllm_cell(eng, prompts, T, max_tokens, eos, spec):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", required=True, help="a run directory holding policy/ and draft/")
     ap.add_argument("--batches", default="1,8,64", help="comma-separated batch sizes")
     ap.add_argument("--max_tokens", type=int, default=48, help="new tokens per prompt at most")

@@ -191,4 +191,8 @@ def main():
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print("usage: python serving/vllm_worker.py    (vLLM's python; JSON lines on stdin, replies on stdout)\n")
+        print(__doc__)
+        sys.exit(0)
     main()
