@@ -275,7 +275,7 @@ class Eagle3Draft(nn.Module):
         checked as the engines load it (export.check_export), then against the policy: hidden size, vocabulary, and
         3 taps that exist in it (ascending, not the last layer). A mismatch is a ValueError naming the path."""
         from safetensors import SafetensorError
-        from serving.export import check_export, check_exportable
+        from serving.export import check_export, check_exportable, export_state_dict
         try:
             c, t = check_export(path), target.cfg
         except (OSError, SafetensorError) as e:
@@ -299,7 +299,7 @@ class Eagle3Draft(nn.Module):
                           max_position_embeddings=c["max_position_embeddings"])
         p = next(target.parameters())
         draft = cls(cfg, target).to(device=p.device, dtype=p.dtype)
-        sd = load_file(os.path.join(path, "model.safetensors"))
+        sd = export_state_dict(path)  # d2t / t2d filled in where a full-vocabulary export leaves them out
         draft.load_state_dict({k: v if v.dtype in (torch.int64, torch.bool) else v.to(p.dtype) for k, v in sd.items()})
         draft.attach(target)
         return draft

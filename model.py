@@ -106,6 +106,10 @@ PRESETS = {
                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
     "small": ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=352, num_hidden_layers=6,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    # the smallest policy vLLM's CPU attention serves (head sizes 32, 64, 80, ...; tiny's 8 and mini's 16 are not):
+    # ~0.13M parameters, head_dim 32, 4 layers (3 taps below the last); tests/test_vllm_engine.py serves it
+    "serve": ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True),
 }
 
 

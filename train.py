@@ -61,6 +61,7 @@ import warnings
 import torch
 
 from harness.config import Config, parse_args
+from harness.engine_rollout import start_engine
 from harness.eval_arms import evaluate
 from harness.experiment import build
 from serving.export import write_servables
@@ -98,6 +99,10 @@ def train(cfg: Config) -> dict:
         start, records = load_run(s, mesh, resume_from)
         rep.restore(records)
         rep.print(f"resume: from step {start} ({resume_from})")
+    if cfg.rollout_engine == "vllm":  # rollouts from vLLM, refit every step (harness/engine_rollout.py)
+        if mesh.world != 1:
+            raise ValueError(f"--rollout_engine vllm: one process only (world size 1), got {mesh.world}")
+        s.engine = start_engine(s, out_dir, rep.print)
 
     def do_eval(step: int, kl: float) -> tuple:  # every rank evaluates its blocks; rank 0 pools them
         t0 = time.perf_counter()

@@ -93,6 +93,8 @@ class Config:
     num_draft_tokens: int | str = 4  # k per verification forward; auto: chosen per step, decoding/adaptive_k.py
     max_draft_tokens: int = 6  # K, the ceiling of --num_draft_tokens=auto (opt-in: samples depend on the clock)
     tree: tuple = ()  # a tree draft (b_1,...,b_k), --tree=2,2,1 (decoding/speculative_tree.py); (): a chain
+    rollout_engine: str = "home"  # home: speculative.generate (the reference); vllm: vLLM, refit each step
+
     rollout_batch: int = 32  # rows per generate call (the rollout engine's batch), speculative and autoregressive alike
     lr: float = 5e-4  # the drift: leaves the SFT style while held-out accuracy rises (0: the no-drift control)
     grad_clip: float = 1.0  # gradient-norm clip of the policy's update
@@ -243,6 +245,9 @@ CHECKS = {
                                                    or True in (c.frozen_arm, c.cold_arm, c.offline_arm))),
                            "false with --draft, --cold_start, --num_draft_tokens=auto, --tree or a control arm set "
                            "to true (plain GRPO has no draft)"),
+    "rollout_engine":     ((lambda v, c: v == "home" or (v == "vllm" and not c.no_spec and not c.tree
+                                                         and isinstance(c.num_draft_tokens, int))),
+                           "home, or vllm with a draft, a chain and a fixed --num_draft_tokens"),
     "frozen_arm":         AUTO_FLAG,
     "cold_arm":           AUTO_FLAG,
     "offline_arm":        AUTO_FLAG,

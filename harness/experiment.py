@@ -66,6 +66,7 @@ class Setup:
     warm_info: dict = field(default_factory=dict)
     offline: OfflineArm = None  # the offline-extended control (cfg.offline_arm): trained on fresh pi_0 samples
     adapt: object = None  # --num_draft_tokens=auto: the rollouts' k controller (decoding/adaptive_k.AdaptiveK)
+    engine: object = None  # --rollout_engine vllm: the VllmEngine the rollouts come from (harness/engine_rollout.py)
 
 
 def build_task(cfg: Config):

@@ -35,6 +35,7 @@ from decoding.adaptive_k import AdaptiveK
 from backends.attention_padded import auto_causal_attention
 from backends.fused_logprob import budget_rows
 from decoding.row_streams import RowStreams, row_keys
+from harness.engine_rollout import engine_generate, refit_engine
 from harness.mesh import gather_all
 from branch_mask import cu_seqlens_from_lengths, seq_lengths
 from rl_loop import RolloutBatch, group_advantages, reference_logp
@@ -86,7 +87,10 @@ def rollout_block(s: Setup, problems: list, rows: range, keys: torch.Tensor) -> 
     c = s.cfg
     probs = [problems[r // c.group_size] for r in rows]
     prompts = [s.task.encode_prompt(p) for p in probs]
-    toks, lps, st = generate(s, rollout_draft(s), prompts, keys)
+    if s.engine is not None:  # --rollout_engine vllm: the engine samples, the trainer recomputes the log-probs
+        toks, lps, st = engine_generate(s, prompts, keys)
+    else:
+        toks, lps, st = generate(s, rollout_draft(s), prompts, keys)
     R, parts = s.task.score(probs, toks)
     batch = RolloutBatch.from_rollouts(prompts, toks, lps, torch.zeros(len(rows)), torch.ones(len(rows), dtype=bool))
     if s.ref is not None:  # held only when used (Config.needs_ref)
@@ -124,6 +128,7 @@ def rollout(s: Setup, mesh: Mesh, problems: list, timer: dict = None) -> tuple[R
     r = torch.arange(n)
     keys = row_keys(seed, r // c.group_size, r % c.group_size)  # (n,) one stream per row
     t0, cpu0 = time.perf_counter(), time.process_time()  # (the whole phase's: timer["cpu"]["rollout"], train.py)
+    engine = refit_engine(s) if s.engine is not None else {}  # the trainer's weights, the draft's checksum verified
     mine = [(j, rollout_block(s, problems, rows, keys[rows.start: rows.stop])) for j, rows in mesh.blocks(
         n, c.rollout_batch)]
     me = {"blocks": mine, "s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0,
@@ -142,6 +147,8 @@ def rollout(s: Setup, mesh: Mesh, problems: list, timer: dict = None) -> tuple[R
             "accept_len": st["kept"] / st["row_steps"] if st["row_steps"] else None,  # None: no verification forward
             "rollout_tok_s": st["new_tokens"] / max(gen_s, 1e-9),
             "rank_rows": [p["rows"] for p in ranks], "k_mean": auto_k_mean([b[3]["steps_at_k"] for b in blocks])}
+    if engine:  # the engine's own acceptance (its spec-decode counters) and its draft's checksum after the refit
+        info.update(engine, engine_accept=info["accept_len"])
     if timer is not None:
         timer["rollout_rank_s"] = [p["s"] for p in ranks]
         timer["rollout_rank_cpu_s"] = [p["cpu_s"] for p in ranks]

@@ -8,6 +8,8 @@ weights (cospec's parameter names already are them, so the export is a config tr
                                  (norm after the residual: config norm_before_residual = false), then the MLP
     norm.weight, lm_head.weight  q = softmax(lm_head(norm(h)))    (Vd, H): the draft-vocabulary rows only
     d2t (Vd,) int64, t2d (V,) bool   target id = draft id + d2t[draft id]; t2d marks the target ids the draft can name
+                                 -- written only for a reduced draft vocabulary (Vd < V): vLLM creates its
+                                 draft_id_to_target_id parameter only then and refuses a d2t at Vd = V (t2d it skips)
 
 No embedding: both engines share the target's. The aux ids are written twice because the engines count differently
 (checked in vLLM's `model_executor/models/{llama,llama_eagle3}.py` and SGLang's `srt/models/{llama,llama_eagle3}.py`,
@@ -51,7 +53,12 @@ WEIGHTS = ("fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm
            "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
            "midlayer.self_attn.o_proj.weight", "midlayer.post_attention_layernorm.weight",
            "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
-           "norm.weight", "lm_head.weight", "d2t", "t2d")  # exactly these: SGLang silently drops names it does not know
+           "norm.weight", "lm_head.weight")  # exactly these: SGLang silently drops names it does not know
+VOCAB_MAPS = ("d2t", "t2d")  # written (and required) only for a reduced draft vocabulary, Vd < V; never at Vd = V
+# config fields vLLM's llama_eagle3.py reads that would change the computation cospec trained; the export writes
+# each at the value here (or leaves it out, where absent means the same), and check_export refuses any other
+ENGINE_FIXED = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+                "attention_bias": False, "mlp_bias": False, "logit_scale": 1.0, "tie_word_embeddings": False}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt",
                    "added_tokens.json")
@@ -100,13 +107,34 @@ def eagle3_config(draft, *, dtype=torch.bfloat16, max_position_embeddings: int |
         eagle_config={"eagle_aux_hidden_state_layer_ids": list(taps), "use_aux_hidden_state": True})  # SGLang: t
 
 
+def exported_names(draft_vocab_size: int, vocab_size: int) -> tuple:
+    """The tensors an export holds: WEIGHTS, plus d2t and t2d for a reduced draft vocabulary only."""
+    return WEIGHTS + VOCAB_MAPS * (draft_vocab_size < vocab_size)
+
+
 def eagle3_state_dict(draft, *, dtype=torch.bfloat16) -> dict:
-    """{name: tensor} in WEIGHTS order: floats cast to `dtype`, d2t int64, t2d bool, all on the CPU."""
+    """{name: tensor} in exported_names order: floats cast to `dtype`, d2t int64, t2d bool, all on the CPU."""
     sd = draft.state_dict()
-    if set(sd) != set(WEIGHTS):
-        raise ValueError(f"draft: parameters {sorted(set(sd) ^ set(WEIGHTS))} differ from the EAGLE-3 names")
+    if set(sd) != set(WEIGHTS + VOCAB_MAPS):
+        raise ValueError(f"draft: parameters {sorted(set(sd) ^ set(WEIGHTS + VOCAB_MAPS))} differ from the EAGLE-3 "
+                         "names")
     cast = {"d2t": torch.int64, "t2d": torch.bool}
-    return {k: sd[k].detach().to(device="cpu", dtype=cast.get(k, dtype)).contiguous() for k in WEIGHTS}
+    return {k: sd[k].detach().to(device="cpu", dtype=cast.get(k, dtype)).contiguous()
+            for k in exported_names(draft.cfg.draft_vocab_size, draft.cfg.vocab_size)}
+
+
+def export_state_dict(path: str) -> dict:
+    """The export's tensors with d2t / t2d always present (identity maps at a full draft vocabulary, where the
+    export leaves them out): what Eagle3Draft.load_state_dict takes."""
+    from safetensors.torch import load_file
+    from serving.draft_vocab import maps
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    Vd, V = cfg["draft_vocab_size"], cfg["vocab_size"]
+    ids = torch.arange(Vd) + sd["d2t"] if "d2t" in sd else torch.arange(Vd)
+    sd["d2t"], sd["t2d"] = maps(ids, V)
+    return sd
 
 
 def export_draft(draft, path: str, *, dtype=torch.bfloat16, max_position_embeddings: int | None = None,
@@ -246,8 +274,9 @@ def recover_swaps(out_dir: str, names=("policy", "draft")) -> list[str]:
     return notes
 
 
-def check_pair(path: str) -> list[str]:
-    """Problems of the draft export at `path` as one half of a servable pair with the policy/ beside it."""
+def check_pair(path: str, cfg: dict | None = None) -> list[str]:
+    """Problems of the draft export at `path` (config `cfg`) as one half of a servable pair with the policy/ beside
+    it: the same write, and a draft that fits the policy (vocab_size, target_hidden_size, aux ids below its layers)."""
     policy = os.path.join(os.path.dirname(os.path.abspath(path)), "policy")
     mine, theirs = os.path.join(path, PAIR_FILE), os.path.join(policy, PAIR_FILE)
     if not os.path.isdir(policy):
@@ -260,19 +289,32 @@ def check_pair(path: str) -> list[str]:
     if d.get("policy_sha256") != weights_sha256(policy):
         return [f"the draft (step {d.get('step')}) was exported beside another policy than {policy} (step "
                 f"{p.get('step')}): the pair does not match (an interrupted export, or another run's draft)"]
-    return []
+    with open(os.path.join(policy, "config.json")) as f:
+        pc = json.load(f)
+    n, aux = pc.get("num_hidden_layers", 0), (cfg or {}).get("eagle_aux_hidden_state_layer_ids") or []
+    bad = [f"{k}={cfg[k]} but the policy's {pk}={pc.get(pk)}" for k, pk in (("vocab_size", "vocab_size"),
+           ("target_hidden_size", "hidden_size")) if cfg and cfg.get(k) != pc.get(pk)]
+    return bad + [f"vLLM aux ids {aux}: the policy has {n} layers"] * any(not 0 < a < n for a in aux)
 
 
 def check_export(path: str) -> dict:
-    """Read an exported draft back and check it the way the engines will load it: the architecture, exactly the
-    WEIGHTS names with their shapes, bf16/fp floats, int64 d2t mapping into the target vocabulary, t2d its image, 3 aux
-    ids in both conventions; and beside a policy/ (write_servables), that the two are one pair (check_pair). Returns
-    the config."""
+    """Read an exported draft back and check it the way the engines will load it (vLLM 0.32's llama_eagle3.py read
+    for every name and field): the architecture, every config key named when missing, the sizes; readable, finite
+    weights; exactly the exported_names tensors with their shapes against config.json (d2t / t2d only at a reduced
+    draft vocabulary: vLLM refuses a d2t at Vd = V, and without one at Vd < V it would propose draft ids as target
+    ids); int64 d2t mapping into the target vocabulary, t2d its image; 3 aux ids in both conventions; ENGINE_FIXED
+    fields at cospec's values; and beside a policy/ (write_servables), that the two are one pair fitting each other
+    (check_pair). Returns the config."""
     from serving.export_checks import read_export_config, read_export_weights, shape_problems
     cfg = read_export_config(path, ARCHITECTURE)  # JSON, architecture, every key named when missing, the sizes
     sd = read_export_weights(path)  # readable and finite
     V, Vd = cfg["vocab_size"], cfg["draft_vocab_size"]
-    problems = [f"weights {sorted(set(sd) ^ set(WEIGHTS))} differ from {ARCHITECTURE}'s"] * (set(sd) != set(WEIGHTS))
+    problems = []
+    if Vd == V and set(VOCAB_MAPS) & set(sd):
+        problems.append(f"{sorted(set(VOCAB_MAPS) & set(sd))} at the full draft vocabulary ({Vd} = vocab_size): vLLM "
+                        "has no draft_id_to_target_id parameter then and refuses the checkpoint; leave them out")
+    elif set(sd) != set(exported_names(Vd, V)):
+        problems.append(f"weights {sorted(set(sd) ^ set(exported_names(Vd, V)))} differ from {ARCHITECTURE}'s")
     problems += shape_problems(path, sd, cfg)
     if "d2t" in sd and "t2d" in sd and not problems:
         ids = torch.arange(Vd) + sd["d2t"]
@@ -280,11 +322,16 @@ def check_export(path: str) -> dict:
             problems.append("d2t: expected int64 offsets to distinct target ids")
         elif not torch.equal(sd["t2d"], torch.zeros(V, dtype=torch.bool).index_fill(0, ids, True)):
             problems.append("t2d: expected exactly the target ids d2t maps to")
-    v_ids, s_ids = cfg.get("eagle_aux_hidden_state_layer_ids"), cfg.get("eagle_config", {}).get(
-        "eagle_aux_hidden_state_layer_ids")
+    v_ids, eagle = cfg.get("eagle_aux_hidden_state_layer_ids"), cfg.get("eagle_config", {})
+    s_ids = eagle.get("eagle_aux_hidden_state_layer_ids")
     if not (isinstance(s_ids, list) and len(s_ids) == NUM_AUX and v_ids == vllm_aux_ids(s_ids)):
         problems.append(f"aux ids: vLLM {v_ids} must be SGLang's {s_ids} + 1, {NUM_AUX} of them")
-    problems += check_pair(path)
+    if eagle.get("use_aux_hidden_state", True) is not True or cfg.get("num_aux_hidden_states", NUM_AUX) != NUM_AUX:
+        problems.append(f"eagle_config.use_aux_hidden_state / num_aux_hidden_states: the draft's fc reads {NUM_AUX} "
+                        "aux states")
+    problems += [f"{k}={cfg[k]!r}: the trained draft has {v!r}" for k, v in ENGINE_FIXED.items()
+                 if cfg.get(k, v) != v or eagle.get(k, v) != v]
+    problems += check_pair(path, cfg)
     if problems:
         raise ValueError(f"{path}: not a servable EAGLE-3 draft: " + "; ".join(problems))
     return cfg

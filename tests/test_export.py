@@ -76,6 +76,9 @@ def _engine_layer(W, cfg, e, h, pos):
 
 def _engine_logits(W, cfg, h):  # (N, H) -> (N, V): the draft head, then d2t places the rows among the target ids
     z = _rms(h, W["norm.weight"], cfg["rms_norm_eps"]) @ W["lm_head.weight"].T  # (N, Vd)
+    if cfg["draft_vocab_size"] == cfg["vocab_size"]:  # vLLM: no draft_id_to_target_id, the rows are the target ids
+        assert "d2t" not in W and "t2d" not in W
+        return z
     ids = torch.arange(cfg["draft_vocab_size"]) + W["d2t"]
     assert torch.equal(W["t2d"], torch.zeros(cfg["vocab_size"], dtype=torch.bool).index_fill(0, ids, True))
     return z.new_full((z.shape[0], cfg["vocab_size"]), float("-inf")).index_copy(1, ids, z)
@@ -143,7 +146,9 @@ def test_engine_formulas_match_draft_inference(tmp_path, reduced):
                                 torch.tensor([0]))
             got.append(z[0])
         _, z2 = draft.step(cache, y[None], h)
-    assert W.read == set(export.WEIGHTS) == set(W), "every exported tensor is read and none is missing"
+    names = set(export.exported_names(cfg["draft_vocab_size"], V))
+    assert W.read == names == set(W), "every exported tensor is read and none is missing"
+    assert ("d2t" in names) == reduced
     torch.testing.assert_close(torch.stack(got), ref, **TOL)  # -inf outside the draft vocabulary on both sides
     torch.testing.assert_close(z2, ref2, **TOL)
     assert bool(torch.isinf(ref).any()) == reduced
@@ -157,7 +162,7 @@ def test_bf16_export_dtypes_and_shapes(tmp_path):
             "d2t": (cfg["draft_vocab_size"],), "t2d": (cfg["vocab_size"],),
             "midlayer.self_attn.q_proj.weight": (Hq * D, 2 * H), "midlayer.self_attn.k_proj.weight": (Hkv * D, 2 * H),
             "midlayer.mlp.gate_proj.weight": (cfg["intermediate_size"], H)}
-    assert set(W) == set(export.WEIGHTS) and not any("embed" in k for k in W)
+    assert set(W) == set(export.WEIGHTS + export.VOCAB_MAPS) and not any("embed" in k for k in W)
     for k, shape in want.items():
         assert tuple(W[k].shape) == shape, k
     assert W["d2t"].dtype == torch.int64 and W["t2d"].dtype == torch.bool
@@ -229,3 +234,49 @@ def test_write_servables_copies_the_tokenizer_in_hf_mode(tmp_path):
     export.write_servables(str(tmp_path / "out"), policy, Eagle3Draft.from_target(policy), tokenizer_dir=str(ckpt))
     files = set(os.listdir(tmp_path / "out" / "policy"))
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= files
+
+
+def test_full_vocabulary_export_has_no_maps_and_loads_back(tmp_path):
+    """vLLM 0.32 creates draft_id_to_target_id only for a reduced vocabulary and refuses a d2t at the full one."""
+    policy, draft = _pair()
+    draft.export(str(tmp_path / "d"), dtype=torch.float64)
+    sd = load_file(str(tmp_path / "d" / "model.safetensors"))
+    assert set(sd) == set(export.WEIGHTS)
+    back = Eagle3Draft.from_export(str(tmp_path / "d"), policy)
+    for (k, a), b in zip(draft.state_dict().items(), back.state_dict().values()):
+        assert torch.equal(a, b), k  # d2t zeros and t2d all-true come back as the identity maps
+    sd["d2t"] = torch.zeros(policy.cfg.vocab_size, dtype=torch.int64)  # the old format, which vLLM refuses
+    save_file(sd, str(tmp_path / "d" / "model.safetensors"))
+    with pytest.raises(ValueError, match="full draft vocabulary.*vLLM"):
+        export.check_export(str(tmp_path / "d"))
+
+
+def test_check_export_refuses_what_vllm_would_misread(tmp_path):
+    _, draft = _pair(draft_vocab=torch.arange(10, 50))
+    draft.export(str(tmp_path / "d"))
+    sd = load_file(str(tmp_path / "d" / "model.safetensors"))
+    save_file({k: v for k, v in sd.items() if k != "d2t"}, str(tmp_path / "d" / "model.safetensors"))
+    with pytest.raises(ValueError, match="d2t"):  # vLLM would keep zero offsets: draft ids read as target ids
+        export.check_export(str(tmp_path / "d"))
+    save_file(sd, str(tmp_path / "d" / "model.safetensors"))
+    export.check_export(str(tmp_path / "d"))
+    with open(tmp_path / "d" / "config.json") as f:
+        cfg = json.load(f)
+    for key, value in (("norm_before_fc", True), ("norm_before_residual", True), ("logit_scale", 2.0)):
+        with open(tmp_path / "d" / "config.json", "w") as f:
+            json.dump({**cfg, key: value}, f)
+        with pytest.raises(ValueError, match=key):
+            export.check_export(str(tmp_path / "d"))
+
+
+def test_check_pair_refuses_a_draft_that_does_not_fit_its_policy(tmp_path):
+    policy, draft = _pair(n_layers=4)
+    export.write_servables(str(tmp_path / "out"), policy.float(), draft)
+    d = tmp_path / "out" / "draft"
+    with open(d / "config.json") as f:
+        cfg = json.load(f)
+    with open(d / "config.json", "w") as f:
+        json.dump({**cfg, "eagle_aux_hidden_state_layer_ids": [1, 2, 4],
+                   "eagle_config": {**cfg["eagle_config"], "eagle_aux_hidden_state_layer_ids": [0, 1, 3]}}, f)
+    with pytest.raises(ValueError, match="4 layers"):
+        export.check_export(str(d))

@@ -27,7 +27,7 @@ LAYERS = [  # (unit, what it is); a unit imports only itself and the units above
     ("attention_blocks", "one ring step's block attention (tiles, per-row key limits) and the exact LSE merge"),
     ("attention_cp", "idea (a): zigzag ring attention fused with the local branch, exact LSE merge"),
     ("backends", "Triton / flash-attn / padded kernels, fused log-probs"),
-    ("serving", "HF checkpoints, EAGLE-3 export, reduced draft vocabulary"),
+    ("serving", "HF checkpoints, EAGLE-3 export, reduced draft vocabulary, vLLM as the engine: refit, checks"),
     ("draft_loss", "the draft's TTT loss, streamed"),
     ("draft_ttt", "the draft's multi-pass training (TTT): passes over trunk + branch, its loss and metrics"),
     ("draft", "the EAGLE-3 draft: its layer, inference steps, save / load"),

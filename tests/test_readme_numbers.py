@@ -79,6 +79,7 @@ SOURCES = {
     "Qwen3-8B, 8K-token responses": ("test", []),
     "ring + branch attention, peak MiB": ("json", "bench/results/attention.json", _attention),
     "speculative rollouts vs autoregressive": ("json", "bench/results/rollout_auto.json", _rollout, ("3",)),
+    "the exports served and refit by a real engine": ("test", ["tests/test_vllm_engine.py"]),
     "TapChannel vs no taps": ("json", "bench/results/tapchannel.json", _tapchannel),
     "largest vocabulary-sized tensor": ("test", ["tests/test_vocab_growth.py"]),
     "host syncs per speculative decode step": ("test", ["tests/test_host_sync.py"]),

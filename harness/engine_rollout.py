@@ -1,0 +1,78 @@
+"""--rollout_engine vllm: the step's rollouts come from vLLM (serving/vllm_engine.py) with the co-trained draft.
+
+What production RL systems do (NeMo-RL): the trainer refits the engine with its policy and draft before each step's
+rollouts, the engine generates, and the token log-probs GRPO needs are recomputed by the trainer's own policy forward
+(the engine's are never used: log p_tau(x_t | x_<t) from softmax(logits / tau), rl_loop.next_token_logp). Here,
+before its samples are used the engine passes serving/engine_check's losslessness check (the CPU build's expand
+workaround applied only if needed), and after every refit its draft checksum must equal the trainer's
+(engine_check.verify_refit: a stale draft stops the run in one line). Each step's record carries the engine's
+acceptance (vLLM's counters) and the checksum (`engine_accept`, `engine_sum`). cospec's own engine stays the default
+and the reference (--rollout_engine home): every eval arm runs on it.
+
+    python train.py --model serve --rollout_engine vllm     # needs vLLM's environment (bash .ci/vllm_env.sh)
+
+One process only (world size 1): the worker holds one copy of the policy and the draft. Memory: a row's (L, V)
+logits exist once per row during the recompute.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from rl_loop import next_token_logp
+from serving.engine_check import checked_engine, verify_refit
+from serving.export import write_servables
+
+if TYPE_CHECKING:
+    from harness.experiment import Setup
+
+
+def start_engine(s: Setup, out_dir: str, log=print):
+    """The engine over the run's current policy and rollout draft (exported to <out_dir>/engine_start), checked for
+    losslessness on 8 held-out prompts. -> the VllmEngine."""
+    from serving.vllm_engine import VllmEngine
+    c, draft = s.cfg, s.drafts["cotrained"].draft
+    paths = write_servables(os.path.join(out_dir, "engine_start"), s.policy, draft, step=0)
+    eng = VllmEngine(paths["policy"], paths["draft"], k=int(c.num_draft_tokens),
+                     max_model_len=s.policy.cfg.max_position_embeddings)
+    prompts = [s.task.encode_prompt(p).tolist() for p in s.eval_problems[:8]]
+    r = checked_engine(eng, prompts, stop=[s.task.tok.eos_id])
+    log(f"rollout engine: vLLM, started in {sum(eng.started.values()):.0f}s; losslessness check passed (support "
+        f"{r['support']:.3f}, TV {r['tv']:.3f}; expand workaround {'applied' if r['workaround'] else 'not needed'})")
+    return eng
+
+
+def refit_engine(s: Setup) -> dict:
+    """The trainer's policy and draft into the running engine; the draft's checksum verified. -> record fields."""
+    t0 = time.perf_counter()
+    s.engine.refit_policy(s.policy)
+    draft = s.drafts["cotrained"].draft
+    got = verify_refit(s.engine, draft, s.engine.refit_draft(draft))
+    return {"engine_sum": got, "engine_refit_s": time.perf_counter() - t0}
+
+
+def recompute_logp(policy, prompt: torch.Tensor, toks: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(n,) log p_tau of each generated token under the trainer's policy (one packed forward over prompt + toks)."""
+    x = torch.cat([prompt, toks]).to(next(policy.parameters()).device)
+    cu = torch.tensor([0, x.numel()], dtype=torch.int32, device=x.device)
+    with torch.no_grad():
+        logits = policy(x, cu).logits  # (L, V): one row's, see the module docstring
+    return next_token_logp(logits, x, cu, temperature)[prompt.numel():].float().cpu()
+
+
+def engine_generate(s: Setup, prompts: list, keys: torch.Tensor) -> tuple:
+    """harness/rollout.generate's contract from the engine: (tokens, log-probs, stats); row i's seed from keys[i]."""
+    c = s.cfg
+    out = s.engine.generate([p.tolist() for p in prompts], temperature=c.temperature,
+                            max_tokens=s.task.max_new_tokens, stop=[s.task.tok.eos_id],
+                            seeds=[int(k) % (2 ** 31) for k in keys])
+    toks = [torch.tensor(t[0], dtype=torch.long) for t in out.tokens]
+    lps = [recompute_logp(s.policy, p.cpu(), t, c.temperature) for p, t in zip(prompts, toks)]
+    st = {"row_steps": out.drafts, "kept": out.drafts + out.accepted, "new_tokens": sum(t.numel() for t in toks),
+          "seconds": out.wall_s, "row_kept": [], "row_forwards": [], "steps_at_k": None}
+    st["accept_len"] = out.acceptance_length
+    st["tok_s"] = st["new_tokens"] / max(out.wall_s, 1e-9)
+    return toks, lps, st
