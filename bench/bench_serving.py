@@ -90,4 +90,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from parallel.cli import run_main  # an error: one line, exit 1 (COSPEC_TRACEBACK=1: the traceback)
+    run_main(main, __file__)

@@ -8,6 +8,7 @@ Checked forms, anywhere in a module docstring:
     import M                                                         -> M imports
     python path.py / torchrun ... path.py / pytest ... tests/x.py     -> the file exists
     python -m M                                                      -> M is a module of the checkout
+Examples of other packages (`python -m pytest`, `from vllm import LLM`) are theirs to keep, and not checked here.
 """
 import ast
 import importlib
@@ -22,7 +23,7 @@ FROM = re.compile(r"\bfrom\s+([\w.]+)\s+import\s+([\w, ]+)")
 IMPORT = re.compile(r"(?:^|;|\")\s*import\s+([\w.]+)")
 FILE = re.compile(r"(?:\bpython3?|\btorchrun\b[^#\n]*?|\bpytest\b[^#\n]*?)\s+((?:[\w./-]+/)?[\w-]+\.py)\b")
 MODULE = re.compile(r"\bpython3?\s+-m\s+([\w.]+)")
-EXTERNAL = {"pytest", "torch"}  # `python -m pytest`, `python -m torch.distributed.run`: not the checkout's
+OURS = {name.split(".")[0] for name in project_modules()}  # examples of other packages (torch, vllm, venv) are theirs
 
 
 def docstrings():
@@ -40,13 +41,15 @@ def examples():
     for name, doc in docstrings():
         for line in doc.splitlines():
             for mod, names in FROM.findall(line):
-                out.append((name, "from", (mod, tuple(n.strip() for n in names.split(",") if n.strip()))))
+                if mod.split(".")[0] in OURS:
+                    out.append((name, "from", (mod, tuple(n.strip() for n in names.split(",") if n.strip()))))
             for mod in IMPORT.findall(line):
-                out.append((name, "import", (mod, ())))
+                if mod.split(".")[0] in OURS:
+                    out.append((name, "import", (mod, ())))
             for path in FILE.findall(line):
                 out.append((name, "file", path))
             for mod in MODULE.findall(line):
-                if mod.split(".")[0] not in EXTERNAL:
+                if mod.split(".")[0] in OURS:
                     out.append((name, "module", mod))
     return out
 
