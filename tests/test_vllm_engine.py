@@ -134,3 +134,4 @@ def test_one_rl_step_with_rollouts_from_vllm(served, capsys):
     step = [r for r in rows if r["kind"] == "train"][0]
     assert len(step["engine_sum"]) == 16 and step["engine_accept"] > 1.2 and step["resp_len"] > 5
     assert math.isfinite(step["kl"]) and step["engine_accept"] == step["accept_len"]
+    assert step["engine_gap"] is None  # within ENGINE_GAP_TOL of the co-trained draft's teacher-forced tau-hat
