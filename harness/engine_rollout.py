@@ -7,8 +7,8 @@ before its samples are used the engine passes serving/engine_check's losslessnes
 workaround applied only if needed), and after every refit its draft checksum must equal the trainer's
 (engine_check.verify_refit: a stale draft stops the run in one line). Each step's record carries the engine's
 acceptance (vLLM's counters) and the checksum (`engine_accept`, `engine_sum`), and a line when that acceptance is
-more than ENGINE_GAP_TOL from the co-trained draft's teacher-forced tau-hat on the step's rollouts (`engine_gap`). cospec's own engine stays the default
-and the reference (--rollout_engine home): every eval arm runs on it.
+more than ENGINE_GAP_TOL from the co-trained draft's teacher-forced tau-hat on the step's rollouts (`engine_gap`).
+cospec's own engine stays the default and the reference (--rollout_engine home): every eval arm runs on it.
 
     python train.py --model serve --rollout_engine vllm     # needs vLLM's environment (bash .ci/vllm_env.sh)
 
