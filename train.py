@@ -61,9 +61,10 @@ import warnings
 import torch
 
 from harness.config import Config, parse_args
-from harness.engine_rollout import start_engine
+from harness.engine_rollout import ENGINE_GAP_TOL, start_engine
 from harness.eval_arms import evaluate
 from harness.experiment import build
+from serving.engine_check import acceptance_gap
 from serving.export import write_servables
 from harness.mesh import make_mesh
 from harness.report import HEADER, Report
@@ -122,6 +123,10 @@ def train(cfg: Config) -> dict:
         timer["rollout"], timer["cpu"] = time.perf_counter() - t0, {"rollout": time.process_time() - cpu0}
         up = update(s, batch, timer, step)  # `updates` GRPO + co-training steps through the pipeline, each refitted
         check_finite(step, up, s)
+        if s.engine is not None and up.get("tau_hat_cotrained") is not None:  # the engine vs the trainer's tau-hat
+            info["engine_gap"] = acceptance_gap(info["engine_accept"], up["tau_hat_cotrained"], ENGINE_GAP_TOL)
+            if info["engine_gap"]:
+                rep.print(f"step {step}: {info['engine_gap']}")
         ev, t_eval = do_eval(step, up["kl"]) if step % cfg.eval_every == 0 or step == cfg.steps else (None, 0.0)
         timer["eval"] += t_eval
         t_eval = 0.0

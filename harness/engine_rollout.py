@@ -6,8 +6,9 @@ rollouts, the engine generates, and the token log-probs GRPO needs are recompute
 before its samples are used the engine passes serving/engine_check's losslessness check (the CPU build's expand
 workaround applied only if needed), and after every refit its draft checksum must equal the trainer's
 (engine_check.verify_refit: a stale draft stops the run in one line). Each step's record carries the engine's
-acceptance (vLLM's counters) and the checksum (`engine_accept`, `engine_sum`). cospec's own engine stays the default
-and the reference (--rollout_engine home): every eval arm runs on it.
+acceptance (vLLM's counters) and the checksum (`engine_accept`, `engine_sum`), and a line when that acceptance is
+more than ENGINE_GAP_TOL from the co-trained draft's teacher-forced tau-hat on the step's rollouts (`engine_gap`).
+cospec's own engine stays the default and the reference (--rollout_engine home): every eval arm runs on it.
 
     python train.py --model serve --rollout_engine vllm     # needs vLLM's environment (bash .ci/vllm_env.sh)
 
@@ -28,6 +29,11 @@ from serving.export import write_servables
 
 if TYPE_CHECKING:
     from harness.experiment import Setup
+
+# |engine acceptance - the co-trained draft's teacher-forced tau-hat on the same step's rollouts| above this is
+# reported in one line each step (train.py): a stale or wrong draft in the engine. Both estimate the T = 1 acceptance
+# at k = ttt_passes; one step's rollouts leave ~0.2 between them (2.26 vs 2.08 on the test's pair, 8 rows)
+ENGINE_GAP_TOL = 0.5
 
 
 def start_engine(s: Setup, out_dir: str, log=print):
