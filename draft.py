@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import draft_ttt
+from drafter import propose_chain
 from serving.draft_vocab import maps as draft_vocab_maps
 from model import EMBED_TAP, ModelConfig, Transformer, check_tap_layers, default_tap_layers
 from modeling.kv_cache import KVCache
@@ -158,6 +159,8 @@ class Eagle3Draft(nn.Module):
                 draft.t2d.copy_(t2d)
         return draft
 
+    block_size = None  # drafter.py: a chain drafter (any k, tree drafts, adaptive k)
+
     # -- the shared pieces -----------------------------------------------------------------------------------------
     @property
     def tap_layers(self) -> tuple:
@@ -212,6 +215,14 @@ class Eagle3Draft(nn.Module):
         cache.rollback(L0 + last + 1)
         return h, self.target_logits(h)
 
+    def propose(self, cache: KVCache, state, k: int, temperature: float, generator=None):
+        """drafter.py: k tokens from the state (h, zq) at the last verified position, one `step` per further token
+        (k - 1 forwards on the branch), the cache rolled back afterwards -> d (B, k), q (B, k, V) or None."""
+        L, bound = cache.lengths.clone(), cache.bound  # bound: the host's, restored with the lengths
+        d, q = propose_chain(lambda t, h: self.step(cache, t, h), *state, k, temperature, generator)
+        cache.rollback(L, bound=bound)
+        return d, q
+
     def step(self, cache: KVCache, tokens, h):
         """One more pass at every row's anchor: tokens (B,) the previous pass's proposal, h (B, H) its state."""
         h = self._cached(cache, self.embed(tokens)[:, None], h[:, None])[:, 0]
@@ -232,6 +243,12 @@ class Eagle3Draft(nn.Module):
     def ttt_loss(self, taps: dict, tokens, cu_seqlens, teacher_logits=None, **kw):
         """The multi-pass TTT loss on the policy's own forward -> (loss, metrics): draft_ttt.ttt_loss."""
         return draft_ttt.ttt_loss(self, taps, tokens, cu_seqlens, teacher_logits, **kw)
+
+    loss = ttt_loss  # drafter.py: the family's training loss
+
+    @staticmethod
+    def loss_options(trainer) -> dict:  # drafter.py: TTT's passes and their weight decay, from a DraftTrainer
+        return dict(num_passes=trainer.num_passes, pass_weight=trainer.pass_weight)
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
     def save(self, path: str):
