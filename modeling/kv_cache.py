@@ -101,10 +101,11 @@ class KVCache:
     def positions(self, S: int) -> torch.Tensor:  # (B, S) absolute positions of the next S tokens of each row
         return self.lengths[:, None] + torch.arange(S, device=self.lengths.device)
 
-    def begin(self, S: int, tree=None) -> torch.Tensor:
+    def begin(self, S: int, tree=None, causal: bool = True) -> torch.Tensor:
         """Start a forward that appends S entries to every row -> their positions (B, S). What every layer's write
         shares (positions, row ids, the causal mask up to the longest row) is built here once, not per layer.
-        tree: the S entries are tree nodes instead, a TreeNodes (begin_nodes) or (depth, visible, base) (begin_tree)."""
+        tree: the S entries are tree nodes instead, a TreeNodes (begin_nodes) or (depth, visible, base) (begin_tree).
+        causal False: the S entries form a block that sees all of itself (a block drafter's, draft_dflash.py)."""
         if tree is not None:
             return self.begin_nodes(tree) if isinstance(tree, TreeNodes) else self.begin_tree(*tree)
         self._check_room(S)
@@ -112,7 +113,8 @@ class KVCache:
         self._reserve(Lk)
         pos = self.positions(S)  # (B, S)
         rows = torch.arange(self.batch, device=pos.device)[:, None].expand(-1, S)  # (B, S)
-        mask = torch.arange(Lk, device=pos.device)[None, None, :] <= pos[:, :, None]  # (B, S, Lk) causal per row
+        last = pos if causal else pos[:, -1:].expand(-1, S)  # (B, S) the last slot each entry sees
+        mask = torch.arange(Lk, device=pos.device)[None, None, :] <= last[:, :, None]  # (B, S, Lk) causal per row
         self._pending = (S, pos, rows, mask)
         return pos
 
