@@ -68,12 +68,13 @@ def sample_anchors(tokens, cu_seqlens, loss_mask, anchors: int, seed: int, ring,
     key = _mix(_mix(content[seq] + seed * 0x9E3779B97F4A7C15 % (1 << 61)) + pos.long())
     key = torch.where(m, key, _BIG)  # (T,)
     n = max(int(anchors), 0)
-    best = torch.full((cp, S, max(n, 1)), _BIG, dtype=torch.long, device=dev)  # my n smallest per sequence
+    best = torch.zeros((cp, S, max(n, 1)), dtype=torch.long, device=dev)  # slot r: rank r's n smallest per sequence
+    best[ring.rank] = _BIG
     for s, (a, b) in enumerate(zip(lcu, lcu[1:])):
         if b > a and n:
             v = key[a:b].topk(min(n, b - a), largest=False).values
             best[ring.rank, s, : v.numel()] = v
-    best = ring_sum(best, ring) if cp > 1 else best  # every rank's n smallest: the slots of the others are zeros
+    best = ring_sum(best, ring)  # every rank's n smallest (each rank fills its own slot, zeros elsewhere)
     thr = best.permute(1, 0, 2).flatten(1).sort(-1).values[:, n - 1] if n else torch.full((S,), -1, device=dev)
     return ((key <= thr[seq]) & m).nonzero()[:, 0]
 
