@@ -159,7 +159,12 @@ class Eagle3Draft(nn.Module):
                 draft.t2d.copy_(t2d)
         return draft
 
-    block_size = None  # drafter.py: a chain drafter (any k, tree drafts, adaptive k)
+    max_draft_tokens = None  # drafter.py: a chain drafter (any k, tree drafts, adaptive k)
+
+    def fresh(self, policy) -> "Eagle3Draft":  # drafter.py: untrained, the same taps and draft vocabulary
+        reduced = self.cfg.draft_vocab_size < self.cfg.vocab_size
+        return Eagle3Draft.from_target(policy, tap_layers=self.tap_layers,
+                                       draft_vocab=self.draft_to_target if reduced else None)
 
     # -- the shared pieces -----------------------------------------------------------------------------------------
     @property
@@ -262,11 +267,16 @@ class Eagle3Draft(nn.Module):
             write(tmp)
             os.replace(tmp, os.path.join(path, name))  # each file lands atomically
 
-    def export(self, path: str, *, dtype=torch.bfloat16):
+    def export(self, path: str, *, dtype=torch.bfloat16, **kw):
         """The serving format vLLM's and SGLang's LlamaForCausalLMEagle3 load (export.py): config.json +
-        model.safetensors, floats in `dtype`, written atomically. Needs exactly 3 taps, none on the last layer."""
+        model.safetensors, floats in `dtype`, written atomically. Needs exactly 3 taps, none on the last layer.
+        kw: export_draft's (max_position_embeddings, pair)."""
         from serving.export import export_draft  # export.py reads a draft; the draft does not need it to train
-        export_draft(self, path, dtype=dtype)
+        export_draft(self, path, dtype=dtype, **kw)
+
+    def check_exportable(self):  # drafter.py: a ValueError when the engines cannot feed these taps
+        from serving.export import check_exportable
+        check_exportable(self.cfg.tap_layers, self.cfg.target_num_layers)
 
     @classmethod
     def load(cls, path: str, embed) -> "Eagle3Draft":

@@ -127,7 +127,9 @@ def train_blocks(draft, taps, tokens, cu_seqlens, teacher_logits=None, *, teache
     h = draft.block_forward(taps, tokens, cu_seqlens, a, position_ids=position_ids, group=ring, attn_fn=attn_fn,
                             backend=backend)  # (N, W, H)
     g = default_gamma(draft.cfg.block_size) if gamma is None else float(gamma)
-    loss, stats = draft.block_loss(h, teacher, valid, src, count, gamma=g,
+    def slot_tokens(k):  # (N,) x_{a+k}: the token at each anchor's slot k (0 past the sequence's end)
+        return (tokens if k == 0 else cp_shift(tokens, cu_seqlens, k, group=ring, fill=0)[0])[a]
+    loss, stats = draft.block_loss(h, teacher, valid, src, count, gamma=g, slot_tokens=slot_tokens,
                                    chunk=chunk_rows(draft.cfg.vocab_size, chunk) or chunk_rows(draft.cfg.vocab_size))
     return loss, position_metrics(ring_sum(stats, ring), count)
 

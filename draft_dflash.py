@@ -118,6 +118,15 @@ class DFlashDraft(nn.Module):
         return self.cfg.block_size
 
     @property
+    def max_draft_tokens(self) -> int:  # drafter.py: the trained slots, proposed from one block
+        return len(self.trained_slots)
+
+    def fresh(self, policy):  # drafter.py: untrained, the same config
+        return type(self).from_target(policy, **{k: v for k, v in asdict(self.cfg).items() if k in self.build_keys})
+
+    build_keys = ("mask_token_id", "tap_layers", "block_size", "num_layers", "intermediate_size")
+
+    @property
     def trained_slots(self) -> tuple:  # block slots whose prediction is trained and proposed
         return tuple(range(1 - self.block_offset, self.cfg.block_size))
 
@@ -138,18 +147,18 @@ class DFlashDraft(nn.Module):
 
     @classmethod
     def from_target(cls, target: Transformer, *, mask_token_id: int, tap_layers=None, block_size: int = 8,
-                    num_layers: int = 1, intermediate_size=None, **_) -> "DFlashDraft":
+                    num_layers: int = 1, intermediate_size=None, **extra) -> "DFlashDraft":
         """A draft matched to `target`: its head shapes, taps (default default_dflash_taps(n)), the final norm copied
-        from the policy's, the embedding and LM head shared."""
+        from the policy's, the embedding and LM head shared. extra: a variant's own config fields (DSpark's)."""
         c = target.cfg
         taps = default_dflash_taps(c.num_hidden_layers) if tap_layers is None else tuple(tap_layers)
-        cfg = DFlashConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        cfg = cls.config_class()(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
                            intermediate_size=intermediate_size or c.intermediate_size,
                            num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
                            head_dim=c.head_dim, tap_layers=taps, target_num_layers=c.num_hidden_layers,
                            mask_token_id=int(mask_token_id), block_size=int(block_size), num_layers=int(num_layers),
                            rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
-                           max_position_embeddings=c.max_position_embeddings)
+                           max_position_embeddings=c.max_position_embeddings, **extra)
         p = next(target.parameters())
         draft = cls(cfg, target).to(device=p.device, dtype=p.dtype)
         draft.attach(target)  # .to() may have copied the shared buffers
@@ -217,7 +226,7 @@ class DFlashDraft(nn.Module):
         """drafter.py: one block forward, slots 1..k sampled independently from their own q -> d (B, k), q (B, k, V)
         (None at tau = 0). The cache is unchanged."""
         h = self.run_block(cache, state[0])
-        z = self.logits(h[:, 1: k + 1])  # (B, k, V)
+        z = self.logits(h[:, list(self.trained_slots[:k])])  # (B, k, V)
         ds, qs = zip(*(sample(z[:, j], temperature, generator) for j in range(k)))
         return torch.stack(ds, 1), (torch.stack(qs, 1) if temperature > 0 else None)
 
@@ -256,7 +265,8 @@ class DFlashDraft(nn.Module):
         """drafter.py: the block loss on the policy's own forward -> (loss, metrics): draft_block.train_blocks."""
         return draft_block.train_blocks(self, taps, tokens, cu_seqlens, teacher_logits, **kw)
 
-    def block_loss(self, h, teacher, valid, src, count, *, gamma: float, chunk: int):
+    def block_loss(self, h, teacher, valid, src, count, *, gamma: float, chunk: int, slot_tokens=None):
+        """draft_block.block_loss (slot_tokens(k) -> (N,) the token at each anchor's slot k: DSpark's input)."""
         return draft_block.block_loss(self, h, teacher, valid, src, count, gamma=gamma, chunk=chunk)
 
     @staticmethod
@@ -300,10 +310,13 @@ class DFlashDraft(nn.Module):
         draft.attach(policy)
         return draft
 
-    def export(self, path: str, *, dtype=torch.bfloat16):
-        """vLLM's DFlash serving format (serving/export_dflash.py)."""
+    def export(self, path: str, *, dtype=torch.bfloat16, **kw):
+        """vLLM's DFlash serving format (serving/export_dflash.py); kw: max_position_embeddings, pair."""
         from serving.export_dflash import export_dflash
-        export_dflash(self, path, dtype=dtype)
+        export_dflash(self, path, dtype=dtype, **kw)
+
+    def check_exportable(self):  # drafter.py: vLLM's DFlash loader reads every field this draft has
+        return None
 
 
 def _default_attention(ring):

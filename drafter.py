@@ -7,9 +7,10 @@ head) -- is an nn.Module with these members, and the engine (speculative.py), th
 DistCotrainer (dist_step.py), rl_loop's draft loss, the warm-up, the control arms and the export speak to them alone:
 
     tap_layers                     the policy layers whose outputs the draft reads (TapChannel carries them under PP)
-    block_size                     None: a chain drafter (any k, tree drafts, adaptive k); B: a block drafter, which
-                                   proposes k <= B - 1 tokens in one forward (no tree, no adaptive k)
+    max_draft_tokens               None: a chain drafter (any k, tree drafts, adaptive k); K: a block drafter, which
+                                   proposes k <= K tokens in one forward (no tree, no adaptive k)
     attach(policy)                 share the policy's embedding (and LM head) detached; again after a re-assembly
+    fresh(policy)                  an untrained draft of the same shape (taps, vocabulary, block) for `policy`
     loss(taps, tokens, cu_seqlens, teacher..., loss_mask=, position_ids=, group=, attn_fn=, backend=, chunk=,
          **loss_options(trainer)) -> (loss, metrics)
                                    the training loss on detached taps (this rank's share under CP); metrics per draft
@@ -23,7 +24,8 @@ DistCotrainer (dist_step.py), rl_loop's draft loss, the warm-up, the control arm
     propose(cache, state, k, temperature, generator) -> d (b, k), q (b, k, V) or None (tau = 0)
                                    k tokens and the distributions they were ACTUALLY sampled from (the accept rule's
                                    q); the cache is unchanged afterwards
-    save(path), load(path, policy) (classmethod), export(path, dtype=)  checkpoints and the serving format
+    save(path), load(path, policy) (classmethod)          its checkpoint (config.json names the family)
+    check_exportable(), export(path, dtype=, **kw)         the serving format (a ValueError says why one cannot be)
 
 `select_rows(state, rows)` compacts a state with the batch (every family's state is rows-first). The registry that
 maps `--drafter eagle3|dflash|dspark` to a family is harness/drafters.py.
@@ -36,8 +38,8 @@ import torch
 
 from decoding.spec_rule import sample
 
-PROTOCOL = ("tap_layers", "block_size", "attach", "loss", "loss_options", "new_cache", "extend", "propose", "save",
-            "load", "export")
+PROTOCOL = ("tap_layers", "max_draft_tokens", "attach", "fresh", "loss", "loss_options", "new_cache", "extend",
+            "propose", "save", "load", "check_exportable", "export")
 
 
 def select_rows(state: tuple, rows: torch.Tensor) -> tuple:

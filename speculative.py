@@ -150,10 +150,10 @@ def generate(target: Transformer, draft=None, prompts=(), *, max_new_tokens: int
     check_generate_args(target, draft, prompts, max_new_tokens, num_draft_tokens, temperature, eos_id)
     if adapt is not None and (draft is None or tree):
         raise ValueError("adapt: expected a chain draft (a draft, and tree=None: a tree keeps its fixed shape)")
-    B = getattr(draft, "block_size", None)  # drafter.py: None for a chain drafter
-    if B is not None and (tree or adapt is not None or num_draft_tokens > B - 1):
+    K = None if draft is None else draft.max_draft_tokens  # drafter.py: None for a chain drafter
+    if K is not None and (tree or adapt is not None or num_draft_tokens > K):
         raise ValueError(f"num_draft_tokens={num_draft_tokens}, tree={tree}, adapt={adapt}: a block drafter proposes "
-                         f"k <= block_size - 1 = {B - 1} tokens in one forward, as a chain (no tree, no adaptive k)")
+                         f"k <= {K} tokens in one forward, as a chain (no tree, no adaptive k)")
     t0 = time.perf_counter()
     tree = speculative_tree.Tree(tree) if tree else None
     if tree is not None and num_draft_tokens not in (0, tree.k):
