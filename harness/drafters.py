@@ -4,20 +4,22 @@ Everything else speaks to a draft through the drafter protocol (drafter.py); thi
 which class a name means, which of the config's flags its constructor and its loss take, and its single-process
 training attention. eagle3 is the default (the experiment's numbers are EAGLE-3's).
 
-    build_draft(cfg, policy, tsk, tap_layers=..., draft_vocab=...)   a fresh draft of cfg.drafter for the policy
-    make_trainer(cfg, draft, opt)                                    its rl_loop.DraftTrainer (lam, clip, loss options)
-    load_cached(path, policy)                                        a saved draft of any family (config.json names it)
-    mask_token_id(cfg, tsk)                                          the block drafters' MASK id
+    options(cfg, tsk)                                  the family's construction and loss options (a warm-up's key)
+    build_draft(name, policy, opts, tap_layers=, draft_vocab=)   a fresh draft of that family for the policy
+    make_trainer(name, draft, opt, opts, ...) / config_trainer(cfg, tsk, draft, opt)   its rl_loop.DraftTrainer
+    architecture(path)                                 the family class of a saved draft (config.json names it)
+    mask_token_id(cfg, tsk)                            the block drafters' MASK id
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 from backends.attention_padded import padded_branch_attention
-from draft import Eagle3Draft
+from draft import DraftConfig, Eagle3Draft
 from draft_dflash import DFlashDraft
 from draft_dspark import DSparkDraft
 from drafter import check_drafter
@@ -27,33 +29,35 @@ from rl_loop import DraftTrainer
 @dataclass(frozen=True)
 class Family:
     cls: type
-    build_kw: Callable  # (cfg, tsk) -> from_target's family keywords
-    loss_opts: Callable  # cfg -> DraftTrainer.opts
+    build_keys: tuple  # the options its from_target takes
+    loss_keys: tuple  # the options its loss takes (rl_loop.DraftTrainer.opts)
     attn_fn: Optional[Callable] = None  # the single-process training attention (None: the family's default)
 
 
-def _block_kw(cfg, tsk) -> dict:
-    return dict(mask_token_id=mask_token_id(cfg, tsk), block_size=cfg.block_size, num_layers=cfg.draft_layers)
-
-
-def _block_opts(cfg) -> dict:
-    return dict(anchors=cfg.anchors, gamma=cfg.block_gamma or None, seed=cfg.seed)
-
-
+BLOCK_BUILD, BLOCK_LOSS = ("mask_token_id", "block_size", "num_layers"), ("anchors", "gamma", "seed")
 FAMILIES = {
-    "eagle3": Family(Eagle3Draft, lambda cfg, tsk: {}, lambda cfg: {}, padded_branch_attention),
-    "dflash": Family(DFlashDraft, _block_kw, _block_opts),
-    "dspark": Family(DSparkDraft, lambda cfg, tsk: dict(_block_kw(cfg, tsk), markov_rank=cfg.markov_rank),
-                     _block_opts),
+    "eagle3": Family(Eagle3Draft, (), (), padded_branch_attention),
+    "dflash": Family(DFlashDraft, BLOCK_BUILD, BLOCK_LOSS),
+    "dspark": Family(DSparkDraft, BLOCK_BUILD + ("markov_rank",), BLOCK_LOSS),
 }
 BY_ARCHITECTURE = {"Eagle3DraftModel": Eagle3Draft, DFlashDraft.architecture: DFlashDraft,
                    DSparkDraft.architecture: DSparkDraft}
 
 
-def family(cfg) -> Family:
-    if cfg.drafter not in FAMILIES:
-        raise ValueError(f"drafter={cfg.drafter!r}: expected one of {sorted(FAMILIES)}")
-    return FAMILIES[cfg.drafter]
+def family(name: str) -> Family:
+    if name not in FAMILIES:
+        raise ValueError(f"drafter={name!r}: expected one of {sorted(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def options(cfg, tsk) -> dict:
+    """The family's construction and loss options from the config ({} for eagle3, whose TTT options are the
+    trainer's num_passes / pass_weight): part of the draft warm-up's cache key."""
+    f = family(cfg.drafter)
+    every = dict(mask_token_id=mask_token_id(cfg, tsk) if f.build_keys else -1, block_size=cfg.block_size,
+                 num_layers=cfg.draft_layers, markov_rank=cfg.markov_rank, anchors=cfg.anchors,
+                 gamma=cfg.block_gamma or None, seed=cfg.seed)
+    return {k: every[k] for k in f.build_keys + f.loss_keys}
 
 
 def mask_token_id(cfg, tsk) -> int:
@@ -71,35 +75,40 @@ def mask_token_id(cfg, tsk) -> int:
                      "policy never emits)")
 
 
-def build_draft(cfg, policy, tsk, *, tap_layers=None, draft_vocab=None):
-    """A fresh draft of cfg.drafter matched to `policy` (taps: tap_layers or the family's default rule)."""
-    f = family(cfg)
-    kw = dict(f.build_kw(cfg, tsk), tap_layers=tap_layers)
+def build_draft(name: str, policy, opts: dict, *, tap_layers=None, draft_vocab=None):
+    """A fresh draft of family `name` matched to `policy` (taps: tap_layers or the family's default rule)."""
+    f = family(name)
+    kw = {k: opts[k] for k in f.build_keys}
     if draft_vocab is not None:
         kw["draft_vocab"] = draft_vocab
-    d = f.cls.from_target(policy, **kw)
+    d = f.cls.from_target(policy, tap_layers=tap_layers, **kw)
     check_drafter(d)
     return d
 
 
-def make_trainer(cfg, draft, opt) -> DraftTrainer:
-    """The draft with its optimizer, lambda, clipping and the family's loss options from the config."""
-    f = family(cfg)
-    return DraftTrainer(draft, opt, lam=cfg.draft_lam, grad_clip=cfg.draft_grad_clip, num_passes=cfg.ttt_passes,
-                        pass_weight=cfg.ttt_decay, attn_fn=f.attn_fn, opts=f.loss_opts(cfg))
+def make_trainer(name: str, draft, opt, opts: dict, *, lam: float = 1.0, grad_clip: float = 1.0,
+                 num_passes: int = 3, pass_weight: float = 0.8) -> DraftTrainer:
+    """The draft with its optimizer, lambda, clipping and its family's loss options."""
+    f = family(name)
+    return DraftTrainer(draft, opt, lam=lam, grad_clip=grad_clip, num_passes=num_passes, pass_weight=pass_weight,
+                        attn_fn=f.attn_fn, opts={k: opts[k] for k in f.loss_keys})
 
 
-def load_cached(path: str, policy):
-    """A draft saved by its family's `save` (config.json's architectures names the family)."""
+def config_trainer(cfg, tsk, draft, opt) -> DraftTrainer:
+    """make_trainer with the config's lambda, clip, TTT passes / decay and family options."""
+    return make_trainer(cfg.drafter, draft, opt, options(cfg, tsk), lam=cfg.draft_lam, grad_clip=cfg.draft_grad_clip,
+                        num_passes=cfg.ttt_passes, pass_weight=cfg.ttt_decay)
+
+
+def architecture(path: str):
+    """The family class of a saved draft (config.json's architectures; a file without one: EAGLE-3's)."""
     with open(os.path.join(path, "config.json")) as fh:
         arch = (json.load(fh).get("architectures") or ["Eagle3DraftModel"])[0]
     if arch not in BY_ARCHITECTURE:
         raise ValueError(f"{path}: unknown draft architecture {arch!r}; expected one of {sorted(BY_ARCHITECTURE)}")
-    return BY_ARCHITECTURE[arch].load(path, policy)
+    return BY_ARCHITECTURE[arch]
 
 
-def config_fields(draft_or_path) -> set:
-    """The config keys a saved draft of this family may hold (warmup.load_draft's check)."""
-    import dataclasses
-    cls = draft_or_path
-    return {f.name for f in dataclasses.fields(cls.config_class())}
+def config_fields(cls) -> set:
+    """The config keys a saved draft of family class `cls` holds."""
+    return {f.name for f in dataclasses.fields(DraftConfig if cls is Eagle3Draft else cls.config_class())}
