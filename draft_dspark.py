@@ -1,4 +1,4 @@
-"""DSpark [arXiv 2607.05147]: the DFlash backbone, then a low-rank Markov head sampled left to right, and a confidence head.
+"""DSpark [arXiv 2607.05147]: the DFlash backbone, a low-rank Markov head sampled left to right, a confidence head.
 
 The backbone is DFlash's (draft_dflash.py: one forward over [y, MASK x (W - 1)] with the policy's context injected as
 keys and values), with every slot shifted one token on: slot k, at position s+k, predicts x_{s+k+1}, so all W slots

@@ -284,10 +284,10 @@ def draft_mask(mb: RolloutBatch) -> torch.Tensor:
 def draft_loss(tr: DraftTrainer, taps: dict, logits, mb: RolloutBatch, temperature: float = 1.0, *, hidden=None,
                head=None, chunk=None):
     """L_draft: the draft's loss (drafter.py; EAGLE-3: TTT) on detached taps with the policy's detached logits as
-    teacher, at the rollout temperature: the teacher is softmax(logits / tau), the distribution the draft's proposals are verified against. Returns (loss,
-    metrics). logits None: the teacher is the policy's final normed hidden (T, H) with its LM head (V, H), its logits
-    formed `chunk` rows at a time inside the streamed loss (no (T, V) tensor). chunk: rows per chunk of the streamed
-    loss (None or 0: draft_loss.chunk_rows's default budget)."""
+    teacher, at the rollout temperature: the teacher is softmax(logits / tau), the distribution the draft's proposals
+    are verified against. Returns (loss, metrics). logits None: the teacher is the policy's final normed hidden
+    (T, H) with its LM head (V, H), its logits formed `chunk` rows at a time inside the streamed loss (no (T, V)
+    tensor). chunk: rows per chunk of the streamed loss (None or 0: draft_loss.chunk_rows's default budget)."""
     taps = {l: taps[l].detach() for l in tr.draft.tap_layers}
     if logits is not None:
         teacher = dict(teacher_logits=logits.detach() if temperature == 1.0 else logits.detach() / temperature)

@@ -231,7 +231,7 @@ def tree_greedy(z, cand, tree: Tree):
 
 # ------------------------------------------------------------------------------------------------- the engine steps
 def propose(draft, s, tree: Tree):
-    """Step 1 (tree). Level by level from the root's state (s.dstate = (h, zq)): draw each node's children, then one draft
+    """Step 1 (tree). Level by level from the root's state s.dstate = (h, zq): draw each node's children, then one draft
     forward over the new level (k - 1 forwards, as the chain), each node attending to the trunk and its ancestors.
     Returns cand (b, 1+N) the node tokens (column 0 = s.y) and q (b, I, V) the draft at the internal nodes (None at
     tau = 0). The draft's tree entries are rolled back afterwards."""

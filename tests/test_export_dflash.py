@@ -24,7 +24,8 @@ def rope(x, pos, theta):  # x (L, heads, D), neox layout (rotate_half), position
     D = x.shape[-1]
     inv = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
     ang = pos.double()[:, None] * inv
-    cos, sin = torch.cat([ang, ang], -1).cos()[:, None].to(x.dtype), torch.cat([ang, ang], -1).sin()[:, None].to(x.dtype)
+    ang = torch.cat([ang, ang], -1)[:, None]
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
     x1, x2 = x.chunk(2, -1)
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
@@ -57,8 +58,8 @@ def engine_forward(path, hidden_states, y, embed, head):
         a = torch.softmax(torch.einsum("qhd,khd->hqk", q, K) / D ** 0.5, -1)  # non-causal: every key
         x = x + F.linear(torch.einsum("hqk,khd->qhd", a, V).reshape(W, Hq * D), w[p + "self_attn.o_proj.weight"])
         hn = rms(x, w[p + "post_attention_layernorm.weight"], eps)
-        x = x + F.linear(F.silu(F.linear(hn, w[p + "mlp.gate_proj.weight"])) * F.linear(hn, w[p + "mlp.up_proj.weight"]),
-                         w[p + "mlp.down_proj.weight"])
+        gate, up = F.linear(hn, w[p + "mlp.gate_proj.weight"]), F.linear(hn, w[p + "mlp.up_proj.weight"])
+        x = x + F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
     return F.linear(rms(x, w["norm.weight"], eps), head)
 
 
@@ -83,7 +84,8 @@ def test_export_matches_engine_forward(tmp_path):
         want = engine_forward(str(tmp_path / "d"), {i: out.taps[i][:s] for i in draft.tap_layers}, int(tokens[s]),
                               policy.embed.weight, policy.head_weight)
         cache = draft.new_cache(1, 16)
-        draft.extend(cache, tokens[None, 1: s + 1], {l: t[None, :s] for l, t in out.taps.items()}, torch.tensor([s - 1]))
+        draft.extend(cache, tokens[None, 1: s + 1], {l: t[None, :s] for l, t in out.taps.items()},
+                     torch.tensor([s - 1]))
         got = draft.logits(draft.run_block(cache, tokens[s: s + 1]))[0]
     assert torch.allclose(got, want, atol=1e-10)
 

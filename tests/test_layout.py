@@ -29,6 +29,7 @@ LAYERS = [  # (unit, what it is); a unit imports only itself and the units above
     ("serving", "HF checkpoints, EAGLE-3 export, reduced draft vocabulary"),
     ("draft_loss", "the draft's TTT loss, streamed"),
     ("draft_ttt", "the draft's multi-pass training (TTT): passes over trunk + branch, its loss and metrics"),
+    ("draft_block", "block drafts' training: seeded anchors, the block targets and the streamed block loss"),
     ("drafter", "the drafter protocol: what a draft family gives the engine, the trainer and the export"),
     ("draft", "the EAGLE-3 draft: its layer, inference steps, save / load"),
     ("draft_dflash", "the DFlash block draft: context KV injection, one forward per block, its loss"),
