@@ -50,149 +50,16 @@ entries per anchor, C = rows of one zigzag chunk of a sequence, cp ranks in the 
 """
 from __future__ import annotations
 
+import bisect
 import importlib
 import math
 import os
-from typing import NamedTuple
 
 import torch
 
-from branch_mask import branch_attention_mask, check_cp_padded, host_cu
+from attention_blocks import KeyEnds, Segment, TorchBlocks, host_to_device, merge_  # noqa: F401  (re-exported)
+from branch_mask import anchor_attention_mask, branch_attention_mask, check_cp_padded, host_cu
 from parallel.ring import as_ring
-
-# ------------------------------------------------------------------------------------------ block computation
-NEG_INF = float("-inf")
-
-
-class Segment(NamedTuple):
-    """Query rows [q0, q1) attend to key rows [k0, k1) of one sequence; causal: key offset k - k0 <= query offset
-    q - q0 (aligned starts, as for a rank's own [chunk r, chunk 2cp-1-r] pair, whose positions increase)."""
-    q0: int
-    q1: int
-    k0: int
-    k1: int
-    causal: bool
-
-
-def merge_(out, lse, out_b, lse_b):
-    """(out, lse) <- (out, lse) (+) (out_b, lse_b) in place, steps 4-5. out (..., D), lse (...)."""
-    new = torch.logaddexp(lse, lse_b)
-    ref = torch.where(torch.isinf(new), 0.0, new)  # both parts empty: keep lse = -inf, weights exp(-inf) = 0
-    out.mul_(torch.exp(lse - ref).unsqueeze(-1)).add_(torch.exp(lse_b - ref).unsqueeze(-1) * out_b)
-    lse.copy_(new)
-
-
-def _heads(x, Hkv):  # (t, Hq, D) -> (Hkv, G*t, D): each kv head's G query heads stacked, rows g-major
-    t, Hq, D = x.shape
-    return x.reshape(t, Hkv, Hq // Hkv, D).permute(1, 2, 0, 3).reshape(Hkv, Hq // Hkv * t, D)
-
-
-def _unheads(x, t):  # inverse of _heads: (Hkv, G*t, D) -> (t, Hq, D)
-    Hkv, Gt, D = x.shape
-    return x.reshape(Hkv, Gt // t, t, D).permute(2, 0, 1, 3).reshape(t, Hkv * (Gt // t), D)
-
-
-def _safe(lse):  # exp(s - lse) with lse = -inf (a row with no key in this tile) must give 0, not NaN
-    return torch.where(torch.isinf(lse), 0.0, lse)
-
-
-class TorchBlocks:
-    """Tiled pure-PyTorch kernel: tiles of `tile` query rows x `tile` key rows, any device, fp64/fp32/bf16 inputs
-    (tiles are upcast to the accumulator dtype, fp32 or fp64)."""
-
-    def __init__(self, tile: int = 256):
-        self.tile = tile
-
-    def _tiles(self, seg: Segment):
-        """(q tile, k tile, needs mask) pairs of a segment; causal tiles wholly above the diagonal are skipped."""
-        t = self.tile
-        for qs in range(seg.q0, seg.q1, t):
-            qe = min(qs + t, seg.q1)
-            for ks in range(seg.k0, seg.k1, t):
-                ke = min(ks + t, seg.k1)
-                if seg.causal and ks - seg.k0 > qe - 1 - seg.q0:
-                    break
-                yield slice(qs, qe), slice(ks, ke), seg.causal and ke - 1 - seg.k0 > qs - seg.q0
-
-    @staticmethod
-    def _scores(qh, kh, seg, qsl, ksl, masked):  # qh (Hkv, G*tq, D) pre-scaled by tau, kh (Hkv, tk, D)
-        s = torch.bmm(qh, kh.transpose(1, 2))  # (Hkv, G*tq, tk): step 1, the tile's one big tensor
-        if masked:
-            nq = qsl.stop - qsl.start
-            qi = torch.arange(qsl.start - seg.q0, qsl.stop - seg.q0, device=s.device).repeat(s.shape[1] // nq)
-            kj = torch.arange(ksl.start - seg.k0, ksl.stop - seg.k0, device=s.device)
-            s.masked_fill_(kj[None, :] > qi[:, None], NEG_INF)
-        return s
-
-    def forward(self, q, k, v, segments, scale, out, lse):
-        """Merge attention of q (T, Hq, D) over k, v (Tk, Hkv, D) along `segments` into out (T, Hq, D), lse (T, Hq)."""
-        acc, Hkv = out.dtype, k.shape[1]
-        for seg in segments:
-            for qsl, ksl, masked in self._tiles(seg):
-                s = self._scores(_heads(q[qsl].to(acc) * scale, Hkv), _heads(k[ksl].to(acc), Hkv), seg, qsl, ksl,
-                                 masked)
-                m = _safe(s.amax(dim=-1, keepdim=True))  # (Hkv, G*tq, 1): row max, the usual stabiliser
-                p = s.sub_(m).exp_()  # in place: the tile's scores become its unnormalised probabilities
-                l = p.sum(dim=-1, keepdim=True)  # 0 for a row with no visible key in this tile
-                o_t = torch.bmm(p, _heads(v[ksl].to(acc), Hkv)) / torch.where(l == 0, 1.0, l)  # (Hkv, G*tq, D)
-                lse_t = m + torch.log(l)  # step 2: lse = m + log l (-inf where l = 0)
-                nq = qsl.stop - qsl.start
-                merge_(out[qsl], lse[qsl], _unheads(o_t, nq), _unheads(lse_t, nq).squeeze(-1))
-
-    def backward(self, q, k, v, dout, lse, delta, segments, scale, dq, dk, dv):
-        """Add this block's terms (steps 6-10) to dq (T, Hq, D) and dk, dv (Tk, Hkv, D)."""
-        acc, Hkv = dq.dtype, k.shape[1]
-        for seg in segments:
-            for qsl, ksl, masked in self._tiles(seg):
-                qh = _heads(q[qsl].to(acc) * scale, Hkv)  # (Hkv, G*tq, D), pre-scaled
-                doh = _heads(dout[qsl].to(acc), Hkv)
-                kh, vh = _heads(k[ksl].to(acc), Hkv), _heads(v[ksl].to(acc), Hkv)  # (Hkv, tk, D)
-                rows = lambda x: _heads(x[qsl].unsqueeze(-1), Hkv)  # noqa: E731  (T, Hq) -> (Hkv, G*tq, 1)
-                p = self._scores(qh, kh, seg, qsl, ksl, masked).sub_(_safe(rows(lse))).exp_()  # (Hkv, G*tq, tk)
-                dv[ksl] += torch.bmm(p.transpose(1, 2), doh).transpose(0, 1)
-                ds = torch.bmm(doh, vh.transpose(1, 2)).sub_(rows(delta)).mul_(p)
-                dq[qsl] += _unheads(torch.bmm(ds, kh), (qsl.stop - qsl.start)) * scale
-                dk[ksl] += torch.bmm(ds.transpose(1, 2), qh).transpose(0, 1)  # qh carries the tau
-
-    def branch_forward(self, q, bk, bv, scale, acc):
-        """Each query row i over the P branch entries of its own anchor: q (T, Hq, D), bk, bv (T, P, Hkv, D) ->
-        out (T, Hq, D), lse (T, Hq) in `acc`. Row tiles bound the upcast copies."""
-        T, Hq, D = q.shape
-        out, lse = q.new_empty(T, Hq, D, dtype=acc), q.new_empty(T, Hq, dtype=acc)
-        for i in range(0, T, 8 * self.tile):
-            r = slice(i, min(i + 8 * self.tile, T))
-            qt = q[r].to(acc).unflatten(1, (bk.shape[2], -1))  # (t, Hkv, G, D)
-            s = torch.einsum("thgd,tphd->thgp", qt, bk[r].to(acc)) * scale  # (t, Hkv, G, P)
-            lse_t = torch.logsumexp(s, dim=-1)
-            out[r] = torch.einsum("thgp,tphd->thgd", torch.exp(s - lse_t.unsqueeze(-1)), bv[r].to(acc)).flatten(1, 2)
-            lse[r] = lse_t.flatten(1)
-        return out, lse
-
-    def branch_backward(self, q, bk, bv, dout, lse, delta, scale, dq):
-        """Steps 6-10 for the branch: adds to dq (T, Hq, D); returns dbk, dbv (T, P, Hkv, D) in dq's dtype."""
-        acc, Hkv = dq.dtype, bk.shape[2]
-        dbk, dbv = torch.empty_like(bk, dtype=acc), torch.empty_like(bv, dtype=acc)
-        for i in range(0, q.shape[0], 8 * self.tile):
-            r = slice(i, min(i + 8 * self.tile, q.shape[0]))
-            qt, dot = (x[r].to(acc).unflatten(1, (Hkv, -1)) for x in (q, dout))  # (t, Hkv, G, D)
-            bkt, bvt = bk[r].to(acc), bv[r].to(acc)
-            s = torch.einsum("thgd,tphd->thgp", qt, bkt) * scale
-            p = torch.exp(s - lse[r].unflatten(1, (Hkv, -1)).unsqueeze(-1))  # (t, Hkv, G, P)
-            dbv[r] = torch.einsum("thgp,thgd->tphd", p, dot)
-            ds = p * (torch.einsum("thgd,tphd->thgp", dot, bvt) - delta[r].unflatten(1, (Hkv, -1)).unsqueeze(-1))
-            dq[r] += torch.einsum("thgp,tphd->thgd", ds, bkt).flatten(1, 2) * scale
-            dbk[r] = torch.einsum("thgp,thgd->tphd", ds, qt) * scale
-        return dbk, dbv
-
-
-def host_to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """A small host-built table (tiles, row indices) onto `device` without a host sync: a pageable host->GPU copy
-    waits for the stream, a pinned non_blocking one does not (the caching host allocator keeps the pinned buffer
-    until the copy is done). Callers cache the result per layout, so it happens once per new layout."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 BACKENDS = {"torch": TorchBlocks()}
@@ -229,42 +96,77 @@ def ring_branch_attention(q, k, v, cu_seqlens, branch_k=None, branch_v=None, *, 
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     if branch_k is not None and branch_k.shape[1] == 0:
         branch_k = branch_v = None
-    out, lse = _RingBranchAttention.apply(q, k, v, branch_k, branch_v, cu_seqlens, ring, scale, kernel)
+    out, lse = _RingBranchAttention.apply(q, k, v, branch_k, branch_v, cu_seqlens, ring, scale, kernel, None)
     return (out, lse) if return_lse else out
 
 
-def step_segments(local_cu, step: int, rank: int, cp: int):
-    """Which query rows see which rows of the K/V held at `step` (they came from rank src = rank - step)."""
+def anchor_branch_attention(q, k, v, cu_seqlens, anchors, branch_k=None, branch_v=None, *, anchor_visible=True,
+                            group=None, softmax_scale=None, return_lse=False, backend="torch"):
+    """The general branch: W query rows per anchor. q (N, W, Hq, D): the W queries of each of this rank's N anchors;
+    anchors int64 (N,): each anchor's *local* trunk row on this rank's zigzag shard, non-decreasing
+    (branch_mask.shard_anchors maps global rows to ranks); k, v (T_local, Hkv, D): the trunk, travelling the ring as
+    in ring_branch_attention; branch_k/v (N, P, Hkv, D) or None: anchor n's P entries, seen by all W of its queries.
+    Query (n, w) sees the trunk keys j of its anchor's sequence with j <= a_n (anchor_visible: TTT) or j < a_n (a
+    DFlash block), wherever they live in the ring, plus the P entries of anchor n. Returns out (N, W, Hq, D) in q's
+    dtype [, lse (N, W, Hq), fp32 / fp64]; a query that sees no key gets out 0, lse -inf and no gradient.
+    Memory O(N W) per rank plus ring_branch_attention's: the W queries ride as extra query heads of their kv head."""
+    ring = as_ring(group)
+    kernel = get_backend(backend)
+    if not getattr(kernel, "key_ends", False):
+        raise ValueError(f"backend={backend!r} has no per-anchor key limits (anchor_branch_attention); "
+                         f"use backend='torch' or 'triton'")
+    _check_inputs(q, k, v, cu_seqlens, branch_k, branch_v, ring.size, anchors)
+    N, W, Hq, D = q.shape
+    Hkv = k.shape[1]
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
+    if branch_k is not None and branch_k.shape[1] == 0:
+        branch_k = branch_v = None
+    rows = host_cu(anchors)  # the anchors on the host (any 1-D int tensor; read once per tensor): tiles, segments
+    ends = KeyEnds(tuple(a + 1 for a in rows), anchors + 1) if anchor_visible else KeyEnds(rows, anchors)
+    qf = q.reshape(N, W, Hkv, Hq // Hkv, D).transpose(1, 2).reshape(N, Hkv * W * (Hq // Hkv), D)  # kv-head major
+    out, lse = _RingBranchAttention.apply(qf, k, v, branch_k, branch_v, cu_seqlens, ring, scale, kernel, (rows, ends))
+    out = out.reshape(N, Hkv, W, Hq // Hkv, D).transpose(1, 2).reshape(N, W, Hq, D)
+    lse = lse.reshape(N, Hkv, W, Hq // Hkv).transpose(1, 2).reshape(N, W, Hq)
+    return (out, lse) if return_lse else out
+
+
+def step_segments(local_cu, step: int, rank: int, cp: int, anchors=None):
+    """Which query rows see which rows of the K/V held at `step` (they came from rank src = rank - step). A query
+    row is an anchor: anchors (host ints, non-decreasing) are their local trunk rows; None: row i is its own anchor.
+    A query follows its anchor's position, so the rule is the trunk's own."""
     src, segs = (rank - step) % cp, []
     for o, e in zip(local_cu[:-1], local_cu[1:]):
-        n, C = e - o, (e - o) // 2  # a sequence: my rows [o, o+C) = chunk r, [o+C, o+n) = chunk 2cp-1-r; src's alike
-        if n == 0:
+        C = (e - o) // 2  # a sequence: my rows [o, o+C) = chunk r, [o+C, e) = chunk 2cp-1-r; src's alike
+        # its queries: [a0, a2), of which [a1, a2) have their anchor in my second chunk
+        a0, a1, a2 = (o, o + C, e) if anchors is None else (bisect.bisect_left(anchors, x) for x in (o, o + C, e))
+        if a2 == a0:
             continue
-        if step == 0:
-            segs.append(Segment(o, o + n, o, o + n, True))
+        if step == 0:  # causal: up to the anchor (aligned diagonal, or the kernel's KeyEnds)
+            segs.append(Segment(a0, a2, o, e, True))
         elif src < rank:  # src's chunk src precedes both of mine; its chunk 2cp-1-src follows both
-            segs.append(Segment(o, o + n, o, o + C, False))
-        else:  # src's two chunks lie between my two: only my second chunk sees them
-            segs.append(Segment(o + C, o + n, o, o + n, False))
+            segs.append(Segment(a0, a2, o, o + C, False))
+        elif a2 > a1:  # src's two chunks lie between my two: only my second chunk sees them
+            segs.append(Segment(a1, a2, o, e, False))
     return segs
 
 
 class _RingBranchAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bk, bv, cu_seqlens, ring, scale, kernel):
+    def forward(ctx, q, k, v, bk, bv, cu_seqlens, ring, scale, kernel, anchors):
+        """q (Nq, Hq, D) query rows; anchors None (row i of q is trunk row i) or (host rows, KeyEnds) of the rows."""
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         local_cu = [c // ring.size for c in host_cu(cu_seqlens)]  # host ints (read once per tensor): no sync here
         r, n = ring.rank, ring.size
-        T, Hq, D = q.shape
-        out = q.new_zeros(T, Hq, D, dtype=acc)
-        lse = q.new_full((T, Hq), float("-inf"), dtype=acc)
+        rows, kw = (None, {}) if anchors is None else (anchors[0], {"ends": anchors[1]})
+        out = q.new_zeros(q.shape, dtype=acc)
+        lse = q.new_full(q.shape[:2], float("-inf"), dtype=acc)
         k_cur, v_cur, k_nxt, v_nxt = k, v, None, None
         for step in range(n):
             if step + 1 < n:  # post the next hop first: the transfer runs while this block computes
                 k_nxt, v_nxt = torch.empty_like(k), torch.empty_like(v)
                 hop = ring.exchange([((r + 1) % n, k_cur), ((r + 1) % n, v_cur)],
                                     [((r - 1) % n, k_nxt), ((r - 1) % n, v_nxt)], "ring attention K/V hop")
-            kernel.forward(q, k_cur, v_cur, step_segments(local_cu, step, r, n), scale, out, lse)
+            kernel.forward(q, k_cur, v_cur, step_segments(local_cu, step, r, n, rows), scale, out, lse, **kw)
             if step + 1 < n:
                 hop.wait()  # sync point: the next block must be here before the next step
                 k_cur, v_cur, hop = k_nxt, v_nxt, None  # dropping the handle frees the block just sent
@@ -272,13 +174,13 @@ class _RingBranchAttention(torch.autograd.Function):
         if bk is not None:
             merge_(out, lse, *kernel.branch_forward(q, bk, bv, scale, acc))
         ctx.save_for_backward(q, k, v, bk, bv, out, lse)
-        ctx.local_cu, ctx.ring, ctx.scale, ctx.kernel = local_cu, ring, scale, kernel
+        ctx.local_cu, ctx.ring, ctx.scale, ctx.kernel, ctx.rows, ctx.kw = local_cu, ring, scale, kernel, rows, kw
         return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, bk, bv, out, lse = ctx.saved_tensors
-        ring, scale, kernel, local_cu = ctx.ring, ctx.scale, ctx.kernel, ctx.local_cu
+        ring, scale, kernel, local_cu, rows, kw = ctx.ring, ctx.scale, ctx.kernel, ctx.local_cu, ctx.rows, ctx.kw
         r, n = ring.rank, ring.size
         acc = out.dtype
         dout = dout.to(acc)
@@ -301,8 +203,8 @@ class _RingBranchAttention(torch.autograd.Function):
                 hop = ring.exchange([((r + 1) % n, k_cur), ((r + 1) % n, v_cur)],
                                     [((r - 1) % n, k_nxt), ((r - 1) % n, v_nxt)], "ring attention backward K/V hop")
             dk_blk, dv_blk = torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
-            kernel.backward(q, k_cur, v_cur, dout, lse, delta, step_segments(local_cu, step, r, n), scale,
-                            dq, dk_blk, dv_blk)
+            kernel.backward(q, k_cur, v_cur, dout, lse, delta, step_segments(local_cu, step, r, n, rows), scale,
+                            dq, dk_blk, dv_blk, **kw)
             if incoming is not None:  # this block's dK/dV summed by the ranks that held it before me
                 incoming[0].wait()
                 dk_blk += incoming[1]
@@ -324,17 +226,20 @@ class _RingBranchAttention(torch.autograd.Function):
         if bk is not None:
             dbk, dbv = kernel.branch_backward(q, bk, bv, dout, lse, delta, scale, dq)
             dbk, dbv = dbk.to(bk.dtype), dbv.to(bv.dtype)
-        return (dq.to(q.dtype), dk_blk.to(k.dtype), dv_blk.to(v.dtype), dbk, dbv, None, None, None, None)
+        return (dq.to(q.dtype), dk_blk.to(k.dtype), dv_blk.to(v.dtype), dbk, dbv, None, None, None, None, None)
 
 
-def _check_inputs(q, k, v, cu_seqlens, bk, bv, cp):
+def _check_inputs(q, k, v, cu_seqlens, bk, bv, cp, anchors=None):
+    """q (T, Hq, D) without anchors, (N, W, Hq, D) with; k, v (T, Hkv, D); branch (q rows, P, Hkv, D)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             got = f"{type(x).__name__} {getattr(x, 'dtype', '')}"
             raise TypeError(f"{name}: expected a floating-point tensor, got {got}")
-    if q.dim() != 3:
-        raise ValueError(f"q: expected (T_local, Hq, D), got shape {tuple(q.shape)}")
-    T, Hq, D = q.shape
+    want_q = "(T_local, Hq, D)" if anchors is None else "(N anchors, W, Hq, D)"
+    if q.dim() != (3 if anchors is None else 4):
+        raise ValueError(f"q: expected {want_q}, got shape {tuple(q.shape)}")
+    N, Hq, D = q.shape[0], q.shape[-2], q.shape[-1]
+    T = N if anchors is None else k.shape[0]
     for name, x in (("k", k), ("v", v)):
         if x.dim() != 3 or x.shape[0] != T or x.shape[2] != D:
             raise ValueError(f"{name}: expected (T_local={T}, Hkv, D={D}), got shape {tuple(x.shape)}")
@@ -342,17 +247,18 @@ def _check_inputs(q, k, v, cu_seqlens, bk, bv, cp):
         raise ValueError(f"k, v: shapes differ, {tuple(k.shape)} vs {tuple(v.shape)}")
     if Hq % k.shape[1]:
         raise ValueError(f"q: Hq={Hq} heads is not a multiple of k's Hkv={k.shape[1]} (GQA)")
+    rows = "T_local" if anchors is None else "N"
     for name, x in (("branch_k", bk), ("branch_v", bv)):
         if x is not None and not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name}: expected a tensor (T_local, P, Hkv, D) or None, got {type(x).__name__} "
+            raise TypeError(f"{name}: expected a tensor ({rows}, P, Hkv, D) or None, got {type(x).__name__} "
                             f"(softmax_scale is keyword-only)")
     if (bk is None) != (bv is None):
         raise ValueError("branch_k, branch_v: pass both or neither")
     if bk is not None:
-        want = (T, bk.shape[1] if bk.dim() == 4 else -1, k.shape[1], D)
+        want = (N, bk.shape[1] if bk.dim() == 4 else -1, k.shape[1], D)
         for name, x in (("branch_k", bk), ("branch_v", bv)):
             if x.dim() != 4 or tuple(x.shape) != want:
-                raise ValueError(f"{name}: expected (T_local={T}, P, Hkv={k.shape[1]}, D={D}) with P equal for "
+                raise ValueError(f"{name}: expected ({rows}={N}, P, Hkv={k.shape[1]}, D={D}) with P equal for "
                                  f"branch_k and branch_v, got shape {tuple(x.shape)}")
     tensors = [("q", q), ("k", k), ("v", v)] + ([("branch_k", bk), ("branch_v", bv)] if bk is not None else [])
     for name, x in tensors[1:]:
@@ -361,8 +267,24 @@ def _check_inputs(q, k, v, cu_seqlens, bk, bv, cp):
     check_cp_padded(cu_seqlens, cp)
     total = host_cu(cu_seqlens)[-1]
     if total != T * cp:
-        raise ValueError(f"q: {T} rows, but cu_seqlens holds {total} tokens, which a CP group of size {cp} splits "
-                         f"into {total // cp} per rank; is `group` the group these shards were cut for?")
+        raise ValueError(f"{'q' if anchors is None else 'k'}: {T} rows, but cu_seqlens holds {total} tokens, which a "
+                         f"CP group of size {cp} splits into {total // cp} per rank; is `group` the group these "
+                         f"shards were cut for?")
+    if anchors is not None:
+        _check_anchors(anchors, N, T, q.device)
+
+
+def _check_anchors(anchors, N, T, device):
+    if not isinstance(anchors, torch.Tensor) or anchors.dtype != torch.int64 or anchors.dim() != 1:
+        raise TypeError(f"anchors: expected an int64 tensor (N,), got {type(anchors).__name__} "
+                        f"{getattr(anchors, 'dtype', '')} {tuple(getattr(anchors, 'shape', ()))}")
+    if anchors.shape[0] != N or anchors.device != device:
+        raise ValueError(f"anchors: expected (N={N},) on {device} (one per row of q), got "
+                         f"{tuple(anchors.shape)} on {anchors.device}")
+    rows = host_cu(anchors)  # the host copy the ring uses anyway: read once per tensor
+    if rows and (min(rows) < 0 or max(rows) >= T or any(b < a for a, b in zip(rows, rows[1:]))):
+        raise ValueError(f"anchors: expected this rank's local trunk rows in [0, T_local={T}), non-decreasing "
+                         f"(branch_mask.shard_anchors gives them), got {list(rows[:16])}{' ...' if N > 16 else ''}")
 
 
 def reference_branch_attention(q, k, v, cu_seqlens, branch_k=None, branch_v=None, softmax_scale=None):
@@ -379,6 +301,29 @@ def reference_branch_attention(q, k, v, cu_seqlens, branch_k=None, branch_v=None
     lse = torch.logsumexp(s, dim=-1)
     out = torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), vals.repeat_interleave(G, 1))
     return out, lse.transpose(0, 1)
+
+
+def reference_anchor_attention(q, k, v, cu_seqlens, anchors, branch_k=None, branch_v=None, *, anchor_visible=True,
+                               softmax_scale=None):
+    """The oracle of anchor_branch_attention: dense masked attention over the full (unsharded) batch with
+    branch_mask.anchor_attention_mask. anchors (N,): *global* packed (padded) rows; q (N, W, Hq, D), k, v (T, Hkv, D),
+    branch (N, P, Hkv, D) or None. O(N W (T + N P)) memory. Returns (out (N, W, Hq, D), lse (N, W, Hq)); a query with
+    no visible key gets out 0, lse -inf, and plain autograd gives it zero gradients (no NaN)."""
+    N, W, Hq, D = q.shape
+    P = 0 if branch_k is None else branch_k.shape[1]
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    G = Hq // k.shape[1]
+    keys, vals = (torch.cat([x] + ([b.flatten(0, 1)] if P else [])).repeat_interleave(G, 1)
+                  for x, b in ((k, branch_k), (v, branch_v)))  # (T + N P, Hq, D): [trunk | anchor 0's P | ...]
+    mask = anchor_attention_mask(cu_seqlens, anchors.cpu(), W, P, anchor_visible).to(q.device)  # (N W, T + N P)
+    empty = ~mask.any(-1)  # (N W,) rows with no key: scored over a dummy 0 so that autograd never sees -inf - -inf
+    s = torch.einsum("qhd,khd->hqk", q.flatten(0, 1), keys) * scale  # (Hq, N W, T + N P)
+    s = s.masked_fill(~mask, float("-inf")).masked_fill(empty[:, None], 0.0)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.softmax(s, dim=-1).masked_fill(empty[:, None], 0.0)
+    out = torch.einsum("hqk,khd->qhd", p, vals)
+    lse = lse.masked_fill(empty, float("-inf")).transpose(0, 1)
+    return out.reshape(N, W, Hq, D), lse.reshape(N, W, Hq)
 
 
 # ------------------------------------------------------------------------------------------------------------- demo

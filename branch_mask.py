@@ -164,6 +164,33 @@ def zigzag_index(cu_seqlens: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
     return idx.to(cu_seqlens.device)  # index math on the host, the index where the data lives
 
 
+def shard_anchors(anchor_rows, cu_seqlens: torch.Tensor, cp: int, rank: int):
+    """Which anchors `rank` holds: global packed (padded) rows (N,), non-decreasing -> (local_rows, index), both int64
+    (n_r,): their rows on rank's zigzag shard (non-decreasing: anchor_branch_attention's `anchors`) and their places in
+    the global list (x[index] shards a per-anchor tensor; scatter by index gathers it back). A row at position p of a
+    sequence lies in chunk c = p // C, on rank c (c < cp) or 2·cp−1−c, at local offset p % C (+ C in the 2nd chunk)."""
+    check_cp_padded(cu_seqlens, cp)
+    if not 0 <= rank < cp:
+        raise ValueError(f"rank={rank}: expected 0 <= rank < cp={cp}")
+    rows = torch.as_tensor(anchor_rows).reshape(-1)
+    cu = host_cu(cu_seqlens)
+    host = rows.tolist()  # sync point (device rows): an input-preparation step, once per batch
+    bad = rows.is_floating_point() or any(not 0 <= a < cu[-1] for a in host)
+    if bad or any(b < a for a, b in zip(host, host[1:])):
+        raise ValueError(f"anchor_rows: expected integer packed rows in [0, {cu[-1]}), non-decreasing, got "
+                         f"{host[:16]}{' ...' if len(host) > 16 else ''}")
+    cu_t = torch.tensor(cu, dtype=torch.long, device=rows.device)
+    rows = rows.long()
+    seq = torch.searchsorted(cu_t[1:], rows, right=True)  # the sequence whose end lies past the row
+    start, C = cu_t[seq], (cu_t[seq + 1] - cu_t[seq]) // (2 * cp)
+    chunk = (rows - start) // C
+    second = chunk >= cp
+    owner = torch.where(second, 2 * cp - 1 - chunk, chunk)
+    local = start // cp + torch.where(second, C, 0) + (rows - start) % C
+    index = torch.nonzero(owner == rank).flatten()
+    return local[index], index
+
+
 @functools.lru_cache(maxsize=64)
 def _zigzag_index_cached(cu: tuple, cp: int, rank: int, device) -> torch.Tensor:  # cp_shift's: once per layout
     host = torch.tensor(cu, dtype=torch.int64)
@@ -295,6 +322,20 @@ def branch_attention_mask(cu_seqlens, P: int) -> torch.Tensor:
     entries of the query's own anchor. This is what attention_cp.ring_branch_attention computes without building it."""
     T = int(cu_seqlens[-1])
     return torch.cat([causal_mask(cu_seqlens)] + [torch.eye(T, dtype=torch.bool)] * P, dim=1)
+
+
+def anchor_attention_mask(cu_seqlens, anchors, W: int, P: int, anchor_visible: bool = True) -> torch.Tensor:
+    """(N·W, T + N·P) bool over keys [trunk | anchor 0's P entries | ... | anchor N−1's]: query (n, w) (row n·W + w)
+    sees trunk key j iff j is in anchor n's sequence and pos_j <= pos(a_n) (anchor_visible: TTT) or pos_j < pos(a_n)
+    (a DFlash block), and all P entries of anchor n. anchors (N,): packed rows. What attention_cp.
+    anchor_branch_attention computes without building it; TTT's branch_attention_mask is anchors = all rows, W = 1."""
+    anchors = torch.as_tensor(anchors, dtype=torch.long).reshape(-1)
+    seq, pos = seq_ids(cu_seqlens).cpu(), position_ids(cu_seqlens).cpu()
+    a_seq, a_pos = seq[anchors], pos[anchors]
+    seen = pos[None, :] <= a_pos[:, None] if anchor_visible else pos[None, :] < a_pos[:, None]
+    trunk = (seq[None, :] == a_seq[:, None]) & seen  # (N, T)
+    branch = torch.eye(len(anchors), dtype=torch.bool).repeat_interleave(P, dim=1)  # (N, N·P)
+    return torch.cat([trunk, branch], dim=1).repeat_interleave(W, dim=0)
 
 
 def ttt_labels(cu_seqlens, passes: int, convention: str = "diagonal"):

@@ -24,6 +24,7 @@ LAYERS = [  # (unit, what it is); a unit imports only itself and the units above
     ("modeling", "the policy's layers, the KV cache, mixed precision"),
     ("decoding", "the accept / residual rule, tree drafts"),
     ("model", "the policy"),
+    ("attention_blocks", "one ring step's block attention (tiles, per-row key limits) and the exact LSE merge"),
     ("attention_cp", "idea (a): zigzag ring attention fused with the local branch, exact LSE merge"),
     ("backends", "Triton / flash-attn / padded kernels, fused log-probs"),
     ("serving", "HF checkpoints, EAGLE-3 export, reduced draft vocabulary"),
