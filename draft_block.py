@@ -132,25 +132,3 @@ def train_blocks(draft, taps, tokens, cu_seqlens, teacher_logits=None, *, teache
     loss, stats = draft.block_loss(h, teacher, valid, src, count, gamma=g, slot_tokens=slot_tokens,
                                    chunk=chunk_rows(draft.cfg.vocab_size, chunk) or chunk_rows(draft.cfg.vocab_size))
     return loss, position_metrics(ring_sum(stats, ring), count)
-
-
-def reference_block_attention(q, k, v, cu_seqlens, anchors, branch_k, branch_v, *, softmax_scale, anchor_visible=False,
-                              group=None, backend=None):
-    """The dense oracle of one process (no CP): block query (n, w) sees trunk rows j of its anchor's sequence with
-    j < anchors[n] (j <= with anchor_visible) and all W entries of its own block. q (N, W, Hq, D), k/v (T, Hkv, D),
-    branch_k/v (N, W, Hkv, D) -> (N, W, Hq, D). Materialises (N, W, Hq, T + W) scores: for tests and tiny runs."""
-    if as_ring(group).size > 1:
-        raise ValueError("group: the dense block attention runs in one process (use attention_cp's under CP)")
-    N, W, Hq, D = q.shape
-    T, Hkv = k.shape[0], k.shape[1]
-    seq = seq_ids(cu_seqlens)
-    j = torch.arange(T, device=q.device)
-    a = anchors.long()
-    see = (seq[None] == seq[a][:, None]) & ((j[None] <= a[:, None]) if anchor_visible else (j[None] < a[:, None]))
-    rep = Hq // Hkv
-    K = torch.cat([k[None].expand(N, T, Hkv, D), branch_k], 1).repeat_interleave(rep, 2)  # (N, T + W, Hq, D)
-    V = torch.cat([v[None].expand(N, T, Hkv, D), branch_v], 1).repeat_interleave(rep, 2)
-    s = torch.einsum("nwhd,nkhd->nwhk", q, K) * softmax_scale  # (N, W, Hq, T + W)
-    mask = torch.cat([see, torch.ones(N, W, dtype=torch.bool, device=q.device)], 1)  # (N, T + W)
-    s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
-    return torch.einsum("nwhk,nkhd->nwhd", torch.softmax(s, -1), V)

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import draft_block
+from attention_cp import anchor_branch_attention
 from branch_mask import position_ids as packed_positions, zigzag_shard
 from decoding.spec_rule import sample
 from draft import draft_device
@@ -236,8 +237,7 @@ class DFlashDraft(nn.Module):
         """The blocks of `anchors` (N,) local rows over the packed context -> h (N, W, H) (pre-norm). taps {layer:
         (T, H)} (detached by the caller), tokens (T,), cu_seqlens the global (CP-padded under CP) boundaries."""
         ring = as_ring(group)
-        if attn_fn is None:
-            attn_fn = _default_attention(ring)
+        attn_fn = anchor_branch_attention if attn_fn is None else attn_fn  # tests pass the dense oracle
         pos = position_ids
         if pos is None:
             pos = packed_positions(cu_seqlens)
@@ -317,16 +317,6 @@ class DFlashDraft(nn.Module):
 
     def check_exportable(self):  # drafter.py: vLLM's DFlash loader reads every field this draft has
         return None
-
-
-def _default_attention(ring):
-    """The block attention: attention_cp.anchor_branch_attention (any cp); the dense oracle of one process where the
-    general branch attention is absent."""
-    import attention_cp
-    fn = getattr(attention_cp, "anchor_branch_attention", None)
-    if fn is not None:
-        return fn
-    return draft_block.reference_block_attention
 
 
 if __name__ == "__main__":

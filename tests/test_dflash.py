@@ -12,6 +12,7 @@ from draft_block import default_gamma, sample_anchors
 from draft_dflash import DFlashDraft, default_dflash_taps
 from model import ModelConfig, Transformer, greedy_generate
 from parallel.ring import as_ring, run_ranks
+from block_cases import oracle
 from spec_cases import exact_first3
 from speculative import generate
 
@@ -62,14 +63,15 @@ def test_training_block_equals_inference_block(pair):
     then run_block from x_a (inference), to fp64 round-off."""
     policy, draft, _ = pair
     torch.manual_seed(1)
-    seqs = [torch.randint(1, 97, (n,)) for n in (9, 14)]
+    seqs = [torch.randint(1, 97, (n,)) for n in (10, 14)]
     tokens, cu = packed(seqs)
     with torch.no_grad():
         out = policy(tokens, cu, tap_layers=draft.tap_layers)
-        anchors = torch.tensor([1, 5, 8, 9 + 3, 9 + 13])
-        h = draft.block_forward(out.taps, tokens, cu, anchors)  # (N, W, H)
+        anchors = torch.tensor([0, 1, 5, 9, 10, 10 + 3, 10 + 13])  # sequence starts, chunk edges, blocks past the end
+        h = draft.block_forward(out.taps, tokens, cu, anchors)  # (N, W, H), the ring attention at cp = 1
+        assert torch.allclose(h, draft.block_forward(out.taps, tokens, cu, anchors, attn_fn=oracle), atol=1e-12)
         for n, a in enumerate(anchors.tolist()):
-            s = 0 if a < 9 else 9
+            s = 0 if a < 10 else 10
             cache = draft.new_cache(1, 32)
             if a > s:
                 state = draft.extend(cache, tokens[None, s + 1: a + 1], {l: t[None, s:a] for l, t in out.taps.items()},
@@ -81,7 +83,7 @@ def test_training_block_equals_inference_block(pair):
 
 def dense_block_loss(draft, out, tokens, cu, mask, anchors):
     """Every slot's (N, V) logits and the policy's softmax at a + k - 1, materialised (fp64)."""
-    h = draft.block_forward(out.taps, tokens, cu, anchors)
+    h = draft.block_forward(out.taps, tokens, cu, anchors, attn_fn=oracle)  # unpadded, the dense oracle
     p = torch.softmax(out.logits.double(), -1)  # (T, V)
     seq_end = cu[1:].long()[torch.searchsorted(cu[1:].long(), anchors, right=True)]
     W, loss = draft.cfg.block_size, 0.0

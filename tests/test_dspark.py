@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from block_cases import oracle
 from branch_mask import cu_seqlens_from_lengths
 from draft_block import default_gamma, sample_anchors
 from draft_dspark import DSparkDraft
@@ -30,7 +31,7 @@ def policy():
 
 def dense_loss(draft, out, tokens, cu, mask, anchors):
     """0.1 CE + 0.9 L1 + BCE(confidence, alpha) per slot k (teacher p_{a+k}, prev = x_{a+k}), weights exp(-k/gamma)."""
-    h = draft.block_forward(out.taps, tokens, cu, anchors)
+    h = draft.block_forward(out.taps, tokens, cu, anchors, attn_fn=oracle)
     T, W = len(tokens), draft.cfg.block_size
     seq_end = cu[1:].long()[torch.searchsorted(cu[1:].long(), anchors, right=True)]
     p_all = torch.softmax(out.logits.double(), -1)
