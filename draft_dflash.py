@@ -248,7 +248,7 @@ class DFlashDraft(nn.Module):
         cos_t, sin_t = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta, c.dtype)
         bpos = pos[anchors][:, None] + torch.arange(W, device=pos.device)  # (N, W)
         cos_b, sin_b = rope_cos_sin(bpos, self.cfg.head_dim, self.cfg.rope_theta, c.dtype)
-        x = self.embed(self.block_tokens(tokens[anchors]))  # (N, W, H)
+        x = self.block_inputs(taps, tokens, anchors)  # (N, W, H)
         scale = 1.0 / math.sqrt(self.cfg.head_dim)
         for layer in self.layers:
             kc, vc = self.context_kv(layer, c, cos_t, sin_t)  # (T, Hkv, D) the trunk: rides the ring under CP
@@ -260,6 +260,15 @@ class DFlashDraft(nn.Module):
                 return a.o_proj(o.flatten(-2))
             x = layer(x, attend)
         return x
+
+    def block_inputs(self, taps, tokens, anchors):
+        """(N, W, H) [e(x_a), e(MASK) x (W - 1)]. e(x_a) is the policy's embedding tap at the anchor when the taps
+        carry it (EMBED_TAP: stage 0's, through TapChannel under PP, as TTT reads e(x_{i+d})); the shared embedding
+        is read for the MASK row alone."""
+        N, W = anchors.shape[0], self.cfg.block_size
+        first = taps[EMBED_TAP][anchors].to(self.fc.weight.dtype) if EMBED_TAP in taps else self.embed(tokens[anchors])
+        mask = self.embed(tokens.new_full((1, 1), self.cfg.mask_token_id)).expand(N, W - 1, -1)
+        return torch.cat([first[:, None], mask], 1)
 
     def loss(self, taps: dict, tokens, cu_seqlens, teacher_logits=None, **kw):
         """drafter.py: the block loss on the policy's own forward -> (loss, metrics): draft_block.train_blocks."""
