@@ -13,7 +13,6 @@ training attention. eagle3 is the default (the experiment's numbers are EAGLE-3'
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -24,6 +23,7 @@ from draft_dflash import DFlashDraft
 from draft_dspark import DSparkDraft
 from drafter import check_drafter
 from rl_loop import DraftTrainer
+from serving.hf_io import read_json
 
 
 @dataclass(frozen=True)
@@ -102,8 +102,7 @@ def config_trainer(cfg, tsk, draft, opt) -> DraftTrainer:
 
 def architecture(path: str):
     """The family class of a saved draft (config.json's architectures; a file without one: EAGLE-3's)."""
-    with open(os.path.join(path, "config.json")) as fh:
-        arch = (json.load(fh).get("architectures") or ["Eagle3DraftModel"])[0]
+    arch = (read_json(os.path.join(path, "config.json")).get("architectures") or ["Eagle3DraftModel"])[0]
     if arch not in BY_ARCHITECTURE:
         raise ValueError(f"{path}: unknown draft architecture {arch!r}; expected one of {sorted(BY_ARCHITECTURE)}")
     return BY_ARCHITECTURE[arch]
