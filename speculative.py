@@ -3,7 +3,7 @@
 `generate` is a short driver over named steps: `prefill` (one policy forward over the prompts, the first token, the
 draft's trunk over the prompt), then until every row is done `compact` (drop finished rows) and, per step and row, with
 p the policy's and q the draft's next-token distributions, both at temperature tau:
-  1. propose: d_j ~ q_j(. | x, d_<j)                 j = 1..k       (k cheap draft forwards, the draft's own KV cache)
+  1. propose: d_j ~ q_j(. | x, d_<j)   j = 1..k   (the draft's own KV cache: EAGLE-3 k cheap forwards, DFlash one)
   2. verify:  p_1..p_{k+1} from ONE policy forward over [x_t, d_1..d_k] (its KV cache; taps for the draft come free)
   3. accept:  d_j with probability min(1, p_j(d_j) / q_j(d_j)), left to right; n = number accepted before the first
               rejection; then y ~ norm(max(p_{n+1} - q_{n+1}, 0)) (residual), or y ~ p_{k+1} when n = k (bonus)
@@ -18,6 +18,7 @@ max_new_tokens (kept_tokens). So returned tokens = rows with a prefill token + t
 The log-probs returned for GRPO are the policy's, log softmax(logits / tau) (tau = 0: of the raw logits), read from
 the verification forwards.
 
+The draft is any family of the drafter protocol (drafter.py): `extend` / `propose` / `new_cache` are all it is asked.
 Tree drafts (several candidates per position, verified in the same one forward): speculative_tree.py, generate(tree=).
 Adaptive k (chains only): generate(adapt=AdaptiveK(K)) asks decoding/adaptive_k.py for each step's k in {0..K} and
 tells it the step's timings (chain_step); k = 0 is an autoregressive step (no draft at all once `dormant`).
