@@ -1,7 +1,7 @@
 """draft_dflash.py / draft_block.py: the training block equals the inference block, the streamed block loss equals a
 dense fp64 reference (value and gradients), anchors are seeded, bounded and mesh-independent, and DFlash proposals
 through speculative.generate are lossless (greedy == autoregressive, TV against the exact distribution, GRPO's
-log-probs the policy's). ~40 s on 2 CPU cores."""
+log-probs the policy's). ~15 s on 2 CPU cores."""
 import math
 
 import pytest

@@ -1,7 +1,7 @@
 """The block drafters' loss under context parallelism: each of cp ranks (threads over a ThreadRing) holds its zigzag
 shard of the taps, tokens, mask and teacher; anchors, blocks and targets (the teacher at a + k, read across ranks
 through the halo) follow their positions. The ranks' losses sum to the one-process loss, their gradients likewise,
-fp64, for DFlash and DSpark, with anchors at chunk edges and blocks crossing a sequence's end. ~20 s on 2 CPU cores.
+fp64, for DFlash and DSpark, with anchors at chunk edges and blocks crossing a sequence's end. ~10 s on 2 CPU cores.
 """
 import copy
 
