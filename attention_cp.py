@@ -1,15 +1,29 @@
 """Zigzag ring attention over packed sequences, fused with the draft's local branch attention; exact fwd and bwd.
 
-During TTT, pass d at anchor i attends to the *trunk* (pass-1 keys j <= i of its sequence) and to a *branch* (the P
-keys of passes 2..d at anchor i itself). Under CP (zigzag layout, branch_mask.py) the trunk is spread over the ranks
-and travels a ring; every branch entry sits at its anchor, hence on the query's own rank. So, per rank r of cp:
+A draft's query belongs to an *anchor* a (a trunk row) and attends to the *trunk* keys j of a's sequence up to the
+anchor, and to the *branch*: the P entries of anchor a itself. Each anchor holds W such queries. Two families:
 
-    (a) step 0: causal attention of my rows over my own trunk K/V (both my chunks; positions increase locally);
+    TTT (EAGLE-3):   pass d at anchor a, W = 1, trunk j <= a (the anchor visible), branch = passes 2..d at a;
+    DFlash blocks:   the block at anchor a, W = B slots, trunk j < a, branch = the block's own B entries (W x W,
+                     bidirectional): every query of anchor a sees all P entries of a.
+
+The policy's causal attention is the first with no branch (every row its own anchor). Under CP (zigzag layout,
+branch_mask.py) the trunk is spread over the ranks and travels a ring; an anchor's queries and branch sit on the rank
+that holds the anchor, so the branch stays local and a query follows the ring by its anchor's position. Per rank r:
+
+    (a) step 0: each query over my own trunk K/V up to its anchor, j <= a or j < a (positions increase locally);
     (b) step t = 1..cp-1: the K/V of rank src = r - t arrive (sent during step t-1, so the hop overlaps compute);
-       if src < r all my rows see src's first chunk only; if src > r only my second chunk sees all of src's rows
-       (zigzag: every step after the first is half a block, and the work is the same on every rank);
-    (c) branch: each row over its own P entries, locally, once;
+       if src < r every query sees src's first chunk only; if src > r only the queries whose anchor is in my second
+       chunk see all of src's rows (zigzag: every step after the first is half a block, the work the same on every
+       rank);
+    (c) branch: each query over its anchor's P entries, locally, once;
     (d) all partial (out, lse) merged exactly with the one rule below (merge_, steps 4-5).
+
+`ring_branch_attention` takes trunk-aligned queries (q row i belongs to anchor i, j <= i: the policy, TTT);
+`anchor_branch_attention` any anchors, W, and either convention. They share the ring and the kernels: the W queries
+of an anchor ride as extra query heads of their kv head (GQA), and a query's trunk limit is the kernel's per-row key
+end (attention_blocks.KeyEnds: a + 1 or a). A query that sees nothing (j < a at a sequence's first row, no branch)
+ends with out 0, lse -inf, and no gradient.
 
 The block computation (TorchBlocks; FlashAttention's notation). For one query row q over a key set K, scale tau:
 
@@ -30,9 +44,12 @@ Backward (FlashAttention-2), given the *final* lse and delta_i = dO_i.O_i - dlse
 so blocks need no merging going backward: each adds its own terms. Only tile x tile scores ever exist. The backward
 runs the same ring: K/V travel again, and each block's dK/dV travels *with* it (diagram at _RingBranchAttention.
 backward); dQ and the branch grads stay local. No mask and no full-length K/V ever exist: per rank O((L/cp)(P+1))
-memory plus two ring buffers. World size 1 runs the same code without messages.
+memory (with anchors: O(L/cp + N W + N P), N this rank's anchors) plus two ring buffers. World size 1 runs the same
+code without messages.
 
-Backends: a kernel is any object with forward / backward / branch_forward / branch_backward as in TorchBlocks;
+Backends: a kernel is any object with forward / backward / branch_forward / branch_backward as in TorchBlocks
+(attention_blocks.py; with `key_ends = True` when it takes per-row key ends, which anchor_branch_attention needs:
+torch and triton do, flash-attn refuses with an error naming backend=);
 `register_backend("triton", kernel)` makes `ring_branch_attention(..., backend="triton")` use it (backends/ holds the
 Triton and flash-attn kernels, imported on first request). A kernel may also have prepare_backward(q, dout, delta) ->
 kernel, called once per backward before the ring loop: work that depends on the rows only (and any host check it
@@ -43,10 +60,11 @@ cached per layout (host_to_device).
     torchrun --standalone --nproc_per_node=4 attention_cp.py    # the same over real gloo processes
 
 References: ring attention (Liu et al. 2023), zigzag load balancing (zhuzilin/ring-flash-attention; Llama 3 §3.3.2),
-FlashAttention-2's lse backward, EAGLE-3 training-time test (Li et al. 2025).
+FlashAttention-2's lse backward, EAGLE-3 training-time test (Li et al. 2025), DFlash block drafts (arXiv 2602.06036).
 
 Letters: T = T_local rows on this rank, S sequences, Hq / Hkv heads, G = Hq / Hkv (GQA group), D head dim, P branch
-entries per anchor, C = rows of one zigzag chunk of a sequence, cp ranks in the group, r this rank, tq / tk tile rows.
+entries per anchor, N anchors on this rank, W queries per anchor, C = rows of one zigzag chunk of a sequence, cp ranks
+in the group, r this rank, tq / tk tile rows.
 """
 from __future__ import annotations
 
@@ -348,19 +366,47 @@ def _demo_case(rank, cp, group):
     return max(float((a - shard(b)).abs().max()) for a, b in ((a.detach(), b.detach()) for a, b in pairs))
 
 
+def _demo_blocks(rank, cp, group):
+    """DFlash-shaped: blocks of W = 4 queries at every 7th row, trunk j < a, branch = the block's own 4 entries."""
+    from branch_mask import cu_seqlens_from_lengths, pad_for_cp, shard_anchors, zigzag_shard
+    g = torch.Generator().manual_seed(1)
+    cu = pad_for_cp(cu_seqlens_from_lengths([37, 5, 64]), cp).cu_seqlens
+    anchors = torch.arange(0, int(cu[-1]), 7)
+    N, W, Hq, Hkv, D = len(anchors), 4, 4, 2, 16
+    rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    full = [rnd(N, W, Hq, D), rnd(int(cu[-1]), Hkv, D), rnd(int(cu[-1]), Hkv, D), rnd(N, W, Hkv, D), rnd(N, W, Hkv, D)]
+    dout = rnd(N, W, Hq, D)
+    ref = [x.clone().requires_grad_() for x in full]
+    out_r, lse_r = reference_anchor_attention(*ref[:3], cu, anchors, *ref[3:], anchor_visible=False)
+    (out_r * dout).sum().backward()
+    local, idx = shard_anchors(anchors, cu, cp, rank)
+    trunk = lambda x: zigzag_shard(x, cu, cp, rank)  # noqa: E731
+    mine = [(x[idx] if i in (0, 3, 4) else trunk(x)).requires_grad_() for i, x in enumerate(full)]
+    out, lse = anchor_branch_attention(*mine[:3], cu, local, *mine[3:], anchor_visible=False, group=group,
+                                       return_lse=True)
+    (out * dout[idx]).sum().backward()
+    pairs = [(out, out_r[idx]), (lse, lse_r[idx])] + [(m.grad, x.grad[idx] if i in (0, 3, 4) else trunk(x.grad))
+                                                      for i, (m, x) in enumerate(zip(mine, ref))]
+    return max([0.0] + [float((a.detach() - b.detach()).abs().max()) for a, b in pairs if a.numel()])
+
+
 if __name__ == "__main__":
     from parallel.cli import answer_help
     answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: one real process per rank
         import torch.distributed as dist
         dist.init_process_group("gloo")
-        err = torch.tensor(_demo_case(dist.get_rank(), dist.get_world_size(), dist.group.WORLD))
+        err = torch.tensor([f(dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
+                            for f in (_demo_case, _demo_blocks)])
         dist.all_reduce(err, op=dist.ReduceOp.MAX)
         if dist.get_rank() == 0:
-            print(f"gloo cp={dist.get_world_size()}: max |error| vs dense fp64 (out, lse, 5 grads) = {err:.2e}")
+            print(f"gloo cp={dist.get_world_size()}: max |error| vs dense fp64 (out, lse, 5 grads) = {err[0]:.2e}; "
+                  f"blocks (W=4, j < a) = {err[1]:.2e}")
         dist.destroy_process_group()
     else:
         from parallel.ring import run_ranks
         for cp in (1, 2, 3, 4):
             errs = run_ranks(cp, lambda ring: _demo_case(ring.rank, ring.size, ring))
-            print(f"threads cp={cp}: max |error| vs dense fp64 (out, lse, 5 grads) = {max(errs):.2e}")
+            blocks = run_ranks(cp, lambda ring: _demo_blocks(ring.rank, ring.size, ring))
+            print(f"threads cp={cp}: max |error| vs dense fp64 (out, lse, 5 grads) = {max(errs):.2e}; "
+                  f"blocks (W=4, j < a) = {max(blocks):.2e}")

@@ -10,8 +10,9 @@ early and one late chunk. The two neighbour facts everything below rests on:
     chunk 2·cp−r (after my second chunk) lives on rank r−1 (for r = 0 it is past the end).
 
 This file is the single source of truth for the layout (`pad_for_cp`, `pad_ring_of_one` for cp = 1, `zigzag_index`,
-`zigzag_shard`/`unshard`), for the CP-aware shift `cp_shift` (the draft reads x_{i+d} at anchor i), and for the
-dense reference masks the tests use as oracles: packed causal, the TTT branch mask in its two conventions, and tree
+`zigzag_shard`/`unshard`, `shard_anchors`: which anchors a rank holds), for the CP-aware shift `cp_shift` (the draft
+reads x_{i+d} at anchor i), and for the dense reference masks the tests use as oracles: packed causal, the TTT branch
+mask in its two conventions, the anchor mask (any draft's branch: W queries per anchor, j <= a or j < a), and tree
 masks.
 
     python branch_mask.py       # prints the layout and the masks, writes docs/branch_masks.png

@@ -84,17 +84,21 @@ def _launch_groups(segments):
     return [[s] for s in segs]
 
 
-def tile_table(segments, side: str, rows: int, device) -> torch.Tensor:
+def tile_table(segments, side: str, rows: int, device, ends=None) -> torch.Tensor:
     """The work list: (n_tiles, 6) int32, one row per program, longest first. side="q": tiles of `rows` query rows,
-    each row (qs, qe, q0, k0, k1, causal); side="k": tiles of key rows, (ks, ke, k0, q0, q1, causal).
+    each row (qs, qe, q0, k0, k1, causal); side="k": tiles of key rows, (ks, ke, k0, q0, q1, causal). causal is 0
+    (full), 1 (the aligned diagonal) or, for a causal segment when the kernel has KeyEnds `ends`, 2 (per-row key
+    ends; the kernels read the ends themselves, the table orders tiles by them).
     Built on the host once per (segments, side, rows, device) -- i.e. per (local cu_seqlens, ring step, side) -- and
     cached on the device: the other layers, and the backward, reuse it without a copy or a sync."""
-    return _tile_table(tuple(segments), side, rows, torch.device(device))
+    return _tile_table(tuple(segments), side, rows, torch.device(device), None if ends is None else ends.host)
 
 
 @functools.lru_cache(maxsize=512)
-def _tile_table(segments, side, rows, device):
+def _tile_table(segments, side, rows, device, ends):
     seg = torch.tensor([tuple(s) for s in segments], dtype=torch.int64).reshape(-1, 5)  # (q0, q1, k0, k1, causal)
+    if ends is not None:
+        seg[:, 4] *= 2  # causal segments: per-row key ends
     if side == "k":
         seg = seg[:, [2, 3, 0, 1, 4]]  # the tiled side first: (k0, k1, q0, q1, causal)
     a0, a1, b0, b1, causal = seg.unbind(1)
@@ -104,12 +108,32 @@ def _tile_table(segments, side, rows, device):
     a0, a1, b0, b1, causal = (x.repeat_interleave(n) for x in (a0, a1, b0, b1, causal))
     s = a0 + j * rows
     e = torch.minimum(s + rows, a1)
-    if side == "q":  # causal: the tile's last query sees keys up to its own offset
+    if ends is not None:  # the keys / queries each tile works on, by the rows' ends (non-decreasing in a segment)
+        e_host = torch.tensor(ends, dtype=torch.int64)
+        if side == "q":  # causal: keys up to the tile's last row's end
+            work = torch.where(causal.bool(), torch.minimum(b1, e_host[e - 1]) - b0, b1 - b0)
+        else:  # causal: queries from the first whose end lies past the tile's first key
+            lo = torch.minimum(torch.maximum(torch.searchsorted(e_host, s, right=True), b0), b1)
+            work = torch.where(causal.bool(), b1 - lo, b1 - b0)
+    elif side == "q":  # causal: the tile's last query sees keys up to its own offset
         work = torch.where(causal.bool(), torch.minimum(b1 - b0, e - a0), b1 - b0)
     else:  # causal: the tile's first key is seen by the queries from its own offset on
         work = torch.where(causal.bool(), b1 - b0 - (s - a0), b1 - b0)
     table = torch.stack([s, e, a0, b0, b1, causal], 1)[torch.argsort(work, descending=True, stable=True)]
     return host_to_device(table.to(torch.int32), device)
+
+
+def _ends_on(ends, device) -> torch.Tensor:
+    """The kernels' Ends pointer: the rows' key ends (int64, contiguous), or a one-element stand-in they never read
+    (no table row has causal = 2 then)."""
+    if ends is None:
+        return _no_ends(torch.device(device))
+    return ends.dev if ends.dev.stride(0) == 1 or ends.dev.numel() < 2 else ends.dev.contiguous()
+
+
+@functools.lru_cache(maxsize=8)
+def _no_ends(device) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int64, device=device)
 
 
 def check_tiles(name: str, tiles) -> tuple:
@@ -187,23 +211,28 @@ class TritonBlocks:
                 raise TypeError(f'backend="triton": accumulators must be fp32 with a contiguous last dim, got '
                                 f'{a.dtype} strides {a.stride()}')
 
-    def forward(self, q, k, v, segments, scale, out, lse):
-        """Merge attention of q (T, Hq, D) over k, v (Tk, Hkv, D) along `segments` into out (T, Hq, D), lse (T, Hq)."""
+    key_ends = True  # forward / backward take ends=KeyEnds (anchor_branch_attention needs it)
+
+    def forward(self, q, k, v, segments, scale, out, lse, ends=None):
+        """Merge attention of q (T, Hq, D) over k, v (Tk, Hkv, D) along `segments` into out (T, Hq, D), lse (T, Hq).
+        ends: None (causal = the aligned diagonal) or KeyEnds, each query row's key end (attention_blocks.py)."""
         self._check(q, out, lse)
+        e_dev = _ends_on(ends, q.device)
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         cfg = self.config(q)
         (BM, BN), opts = cfg["fwd"]
         const = cfg["const"]
         Hq, G, D = q.shape[1], q.shape[1] // k.shape[1], q.shape[2]
         for group in _launch_groups(segments):
-            tiles = tile_table(group, "q", BM, q.device)
-            _launch(_fwd_kernel, (tiles.shape[0], Hq), q, k, v, out, lse, tiles, q.stride(0), q.stride(1),
+            tiles = tile_table(group, "q", BM, q.device, ends)
+            _launch(_fwd_kernel, (tiles.shape[0], Hq), q, k, v, out, lse, tiles, e_dev, q.stride(0), q.stride(1),
                     k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), lse.stride(0),
                     scale * LOG2E, G, D, BM=BM, BN=BN, **const, **opts)
 
-    def backward(self, q, k, v, dout, lse, delta, segments, scale, dq, dk, dv):
-        """Add this block's terms (steps 6-10) to dq (T, Hq, D) and dk, dv (Tk, Hkv, D)."""
+    def backward(self, q, k, v, dout, lse, delta, segments, scale, dq, dk, dv, ends=None):
+        """Add this block's terms (steps 6-10) to dq (T, Hq, D) and dk, dv (Tk, Hkv, D); ends as in forward."""
         self._check(q, dout, lse, delta, dq, dk, dv)
+        e_dev = _ends_on(ends, q.device)
         if dout.stride() != dq.stride() or dk.stride() != dv.stride() or lse.stride() != delta.stride():
             raise ValueError('backend="triton": dout/dq, dk/dv and lse/delta must share their layouts')
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
@@ -214,11 +243,11 @@ class TritonBlocks:
         common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dq.stride(0),
                   dq.stride(1), lse.stride(0))
         for group in _launch_groups(segments):
-            tiles = tile_table(group, "q", outer, q.device)
-            _launch(_bwd_dq_kernel, (tiles.shape[0], Hq), q, k, v, dout, lse, delta, dq, tiles, *common,
+            tiles = tile_table(group, "q", outer, q.device, ends)
+            _launch(_bwd_dq_kernel, (tiles.shape[0], Hq), q, k, v, dout, lse, delta, dq, tiles, e_dev, *common,
                     scale * LOG2E, scale, Hq // Hkv, D, BM=outer, BN=inner, **const, **opts)
-            tiles = tile_table(group, "k", outer_k, q.device)
-            _launch(_bwd_dkdv_kernel, (tiles.shape[0], Hkv), q, k, v, dout, lse, delta, dk, dv, tiles, *common,
+            tiles = tile_table(group, "k", outer_k, q.device, ends)
+            _launch(_bwd_dkdv_kernel, (tiles.shape[0], Hkv), q, k, v, dout, lse, delta, dk, dv, tiles, e_dev, *common,
                     dk.stride(0), dk.stride(1), scale * LOG2E, scale, Hq // Hkv, D, BM=inner_k, BN=outer_k, **const,
                     **opts_k)
 
@@ -227,6 +256,8 @@ class TritonBlocks:
         T, Hq, D = q.shape
         out, lse = q.new_empty(T, Hq, D, dtype=acc), q.new_empty(T, Hq, dtype=acc)
         self._check(q, out, lse)
+        if T == 0:  # a rank that holds no anchor: nothing to launch
+            return out, lse
         q, bk, bv = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, bk, bv))
         if bk.stride() != bv.stride():
             bk, bv = bk.contiguous(), bv.contiguous()
@@ -249,6 +280,8 @@ class TritonBlocks:
         P, Hkv = bk.shape[1], bk.shape[2]
         dbk = torch.empty(bk.shape, dtype=dq.dtype, device=q.device)  # contiguous: dbk, dbv share strides
         dbv = torch.empty_like(dbk)
+        if T == 0:
+            return dbk, dbv
         cfg = self.config(q)
         BR, opts = cfg["branch"]
         common = (T, P, q.stride(0), q.stride(1), bk.stride(0), bk.stride(1), bk.stride(2), dq.stride(0), dq.stride(1),

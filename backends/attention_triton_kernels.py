@@ -32,7 +32,46 @@ def _tile(Tiles):
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, Out, Lse, Tiles, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, sl_t,
+def _visible(kj, k_ok, qi, q_ok, q0, k0, causal, Ends):
+    """(BM, BN) which keys each query sees: all (causal 0), key offset <= query offset (1: the aligned diagonal), or
+    key row < Ends[query row] (2: per-row key ends, the queries of anchors)."""
+    # (BM,) int64; unless causal == 2 every row reads Ends[0] (the stand-in holds one element) and ignores it
+    end = tl.load(Ends + tl.where(causal == 2, qi, 0), mask=q_ok, other=0)
+    diag = kj[None, :] - k0 <= qi[:, None] - q0
+    return k_ok[None, :] & ((causal == 0) | ((causal == 1) & diag) | ((causal == 2) & (kj[None, :] < end[:, None])))
+
+
+@triton.jit
+def _key_hi(qe, q0, k0, k1, causal, Ends):
+    """End of the keys any query row in [.., qe) sees: the last row's (end(i) is non-decreasing)."""
+    k_hi = k1
+    if causal == 1:  # aligned starts: query offset i sees key offsets <= i, so the tile stops at its last row's
+        k_hi = tl.minimum(k1, k0 + (qe - q0))
+    if causal == 2:
+        k_hi = tl.minimum(k1, tl.load(Ends + qe - 1).to(tl.int32))
+    return k_hi
+
+
+@triton.jit
+def _query_lo(ks, q0, q1, k0, causal, Ends):
+    """First query row that sees key row ks: its own offset (aligned), or the first with Ends > ks (binary search:
+    Ends is non-decreasing within a segment)."""
+    q_lo = q0
+    if causal == 1:
+        q_lo = q0 + (ks - k0)
+    if causal == 2:
+        hi = q1
+        while q_lo < hi:
+            mid = (q_lo + hi) // 2
+            if tl.load(Ends + mid) > ks:
+                hi = mid
+            else:
+                q_lo = mid + 1
+    return q_lo
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, Out, Lse, Tiles, Ends, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, sl_t,
                 qk_scale, G, D, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PRECISION: tl.constexpr):
     qs, qe, q0, k0, k1, causal = _tile(Tiles)  # query rows [qs, qe) of segment (q0.., k0..k1, causal)
     h = tl.program_id(1)
@@ -48,9 +87,7 @@ def _fwd_kernel(Q, K, V, Out, Lse, Tiles, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so
     m = lse_old * LOG2E_K  # (BM,) running max, base 2
     l = tl.where(lse_old == -INF, 0.0, 1.0)  # (BM,) running sum of 2^(s2 - m)
     acc = tl.load(Out + io, mask=mq, other=0.0)  # (BM, BD) fp32
-    k_hi = k1
-    if causal != 0:  # aligned starts: query offset i sees key offsets <= i, so the tile stops at its last row's
-        k_hi = tl.minimum(k1, k0 + (qe - q0))
+    k_hi = _key_hi(qe, q0, k0, k1, causal, Ends)
     for ks in range(k0, k_hi, BN):
         kj = ks + tl.arange(0, BN)  # (BN,) key rows
         k_ok = kj < k_hi
@@ -58,8 +95,7 @@ def _fwd_kernel(Q, K, V, Out, Lse, Tiles, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so
                      mask=k_ok[None, :] & (d[:, None] < D), other=0.0)  # (BD, BN)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # (BM, BN) base-2 scores
         # -inf, not a large negative: 2^-inf is exactly 0, so a masked key has weight exactly 0
-        ok = k_ok[None, :] & ((causal == 0) | (kj[None, :] - k0 <= qi[:, None] - q0))
-        s = tl.where(ok, s, -INF)
+        s = tl.where(_visible(kj, k_ok, qi, q_ok, q0, k0, causal, Ends), s, -INF)
         m_new = tl.maximum(m, tl.max(s, 1))
         m_ref = tl.where(m_new == -INF, 0.0, m_new)  # a row with nothing yet: 2^(-inf - 0) = 0, never -inf - -inf
         p = tl.exp2(s - m_ref[:, None])
@@ -74,7 +110,7 @@ def _fwd_kernel(Q, K, V, Out, Lse, Tiles, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, dO, Lse, Delta, dQ, Tiles, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sl_t,
+def _bwd_dq_kernel(Q, K, V, dO, Lse, Delta, dQ, Tiles, Ends, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sl_t,
                    qk_scale, sm_scale, G, D, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
                    PRECISION: tl.constexpr):
     """dq_i += tau sum_j ds_ij k_j over one query tile; dO and dQ share the accumulator layout (sg_*)."""
@@ -92,9 +128,7 @@ def _bwd_dq_kernel(Q, K, V, dO, Lse, Delta, dQ, Tiles, sq_t, sq_h, sk_t, sk_h, s
     lse2 = tl.where(lse2 == -INF, INF, lse2)  # a row that saw no key: p = 2^(s2 - inf) = 0, not NaN
     delta = tl.load(Delta + qi.to(tl.int64) * sl_t + h, mask=q_ok, other=0.0)
     dq = tl.zeros((BM, BD), dtype=tl.float32)
-    k_hi = k1
-    if causal != 0:
-        k_hi = tl.minimum(k1, k0 + (qe - q0))
+    k_hi = _key_hi(qe, q0, k0, k1, causal, Ends)
     for ks in range(k0, k_hi, BN):
         kj = ks + tl.arange(0, BN)
         k_ok = kj < k_hi
@@ -102,7 +136,7 @@ def _bwd_dq_kernel(Q, K, V, dO, Lse, Delta, dQ, Tiles, sq_t, sq_h, sk_t, sk_h, s
         kt = tl.load(K + kj.to(tl.int64)[None, :] * sk_t + hk * sk_h + d[:, None], mask=mk, other=0.0)  # (BD, BN)
         vt = tl.load(V + kj.to(tl.int64)[None, :] * sv_t + hk * sv_h + d[:, None], mask=mk, other=0.0)  # (BD, BN)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
-        ok = k_ok[None, :] & ((causal == 0) | (kj[None, :] - k0 <= qi[:, None] - q0))
+        ok = _visible(kj, k_ok, qi, q_ok, q0, k0, causal, Ends)
         p = tl.where(ok, tl.exp2(s - lse2[:, None]), 0.0)  # (BM, BN) step 6, with the *final* lse
         dp = tl.dot(do, vt, input_precision=PRECISION)  # dO_i . v_j
         ds = p * (dp - delta[:, None])  # step 8
@@ -111,7 +145,7 @@ def _bwd_dq_kernel(Q, K, V, dO, Lse, Delta, dQ, Tiles, sq_t, sq_h, sk_t, sk_h, s
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, dO, Lse, Delta, dK, dV, Tiles, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sl_t,
+def _bwd_dkdv_kernel(Q, K, V, dO, Lse, Delta, dK, dV, Tiles, Ends, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sl_t,
                      sd_t, sd_h, qk_scale, sm_scale, G, D, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
                      PRECISION: tl.constexpr):
     """dv_j += sum_i p_ij dO_i, dk_j += tau sum_i ds_ij q_i over one key tile, all G query heads of its kv head
@@ -126,9 +160,7 @@ def _bwd_dkdv_kernel(Q, K, V, dO, Lse, Delta, dK, dV, Tiles, sq_t, sq_h, sk_t, s
     v = tl.load(V + kj.to(tl.int64)[:, None] * sv_t + hk * sv_h + d[None, :], mask=mk, other=0.0)
     dk = tl.zeros((BN, BD), dtype=tl.float32)
     dv = tl.zeros((BN, BD), dtype=tl.float32)
-    q_lo = q0
-    if causal != 0:  # the first query that sees key ks has the same offset in its segment
-        q_lo = q0 + (ks - k0)
+    q_lo = _query_lo(ks, q0, q1, k0, causal, Ends)  # queries before it see no key of this tile
     for g in range(G):
         h = hk * G + g
         for qs in range(q_lo, q1, BM):
@@ -140,7 +172,7 @@ def _bwd_dkdv_kernel(Q, K, V, dO, Lse, Delta, dK, dV, Tiles, sq_t, sq_h, sk_t, s
             lse2 = tl.load(Lse + qi.to(tl.int64) * sl_t + h, mask=q_ok, other=INF) * LOG2E_K
             delta = tl.load(Delta + qi.to(tl.int64) * sl_t + h, mask=q_ok, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BM, BN)
-            ok = q_ok[:, None] & k_ok[None, :] & ((causal == 0) | (kj[None, :] - k0 <= qi[:, None] - q0))
+            ok = q_ok[:, None] & _visible(kj, k_ok, qi, q_ok, q0, k0, causal, Ends)
             p = tl.where(ok & (lse2[:, None] != -INF), tl.exp2(s - lse2[:, None]), 0.0)
             dv += tl.dot(tl.trans(p.to(k.dtype)), do, input_precision=PRECISION)  # step 7
             ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])

@@ -2,17 +2,20 @@
 against the dense fp64 oracle, run as real per-rank code over an in-process ring (threads): out, lse and the grads of
 q, k, v, branch_k, branch_v, both anchor conventions (j <= a: TTT; j < a: DFlash blocks), at cp 1..4. Also: TTT as its
 special case equals ring_branch_attention, shard_anchors, the loud errors, and peak memory with no (N W, T) tensor.
-About 25 s on this machine (2 shared cores)."""
+About 18 s on this machine (2 cores shared with other jobs)."""
+import contextlib
+
 import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
 
+from attention_blocks import KeyEnds, Segment, TorchBlocks
 from attention_cp import anchor_branch_attention, register_backend, ring_branch_attention
-from attention_cp import TorchBlocks
-from branch_mask import cu_seqlens_from_lengths, pad_for_cp, shard_anchors, zigzag_index
+from branch_mask import cu_seqlens_from_lengths, pad_for_cp, shard_anchors, zigzag_index, zigzag_shard
 from harness.memory_track import StorageTracker
 from parallel.ring import run_ranks
 from anchor_cases import PICKS, assert_all_close, make_case, reference, run_threads
+from sync_count import HostSyncs
 
 for _t in (3, 5):  # tiny tiles: partial, skipped and masked tiles on small shapes
     register_backend(f"torch_tile{_t}", TorchBlocks(tile=_t))
@@ -84,6 +87,38 @@ def test_ttt_is_the_special_case(cp, P, backend):
             assert (a is None and b is None) or torch.equal(a, b)  # bit for bit: the same tiles, masks and merges
 
 
+def test_tiles_stop_at_the_rows_key_ends():
+    """Per-row key ends (non-decreasing): a query tile stops at its last row's end and is masked past its first's."""
+    ends = KeyEnds((1, 2, 30, 31, 40), torch.tensor([1, 2, 30, 31, 40]))
+    tiles = list(TorchBlocks(tile=4)._tiles(Segment(0, 5, 0, 40, True), ends))
+    first = [(k.start, masked) for q, k, masked in tiles if q.start == 0]
+    assert first == [(k, True) for k in range(0, 32, 4)]  # rows 0-3 end at 31 at most: 8 of 10 key tiles
+    assert [masked for q, k, masked in tiles if q.start == 4] == [False] * 10  # row 4 sees all 40 keys
+
+
+def test_no_host_reads_after_the_first_call_on_an_anchors_tensor():
+    """The anchors are read to the host once per tensor (host_cu's cached copy); a second layer's forward + backward
+    on the same tensors reads nothing back (tests/test_host_sync.py counts the same for ring_branch_attention)."""
+    case = make_case([13, 5, 20], 2, W=2, P=2, Hkv=2, G=2, D=8, visible=False, backend="torch_tile5")
+    found = []
+
+    def rank(ring):
+        local, index = shard_anchors(case["anchors"], case["cu"], 2, ring.rank)
+        trunk = lambda x: zigzag_shard(x, case["cu"], 2, ring.rank)  # noqa: E731
+        ins = [case["q"][index], trunk(case["k"]), trunk(case["v"]), case["bk"][index], case["bv"][index]]
+        ins = [x.requires_grad_() for x in ins]
+        dout = case["dout"][index]
+        for layer in range(2):  # the first layer makes the host copies of cu_seqlens and of the local anchors
+            with HostSyncs() if layer else contextlib.nullcontext() as syncs:
+                out = anchor_branch_attention(*ins[:3], case["cu"], local, *ins[3:], anchor_visible=False, group=ring,
+                                              backend=case["backend"])
+                (out * dout).sum().backward()
+        found.extend(syncs.sites)
+
+    run_ranks(2, rank, timeout=60)
+    assert found == [], found
+
+
 def test_shard_anchors_round_trip():
     cu = pad_for_cp(cu_seqlens_from_lengths([7, 16, 3]), 3).cu_seqlens
     rows = torch.tensor([0, 1, 5, 6, 6, 11, 12, 17, 23, 29, 30, 35])  # padded lengths 12, 18, 6
@@ -123,13 +158,14 @@ def test_loud_on_bad_inputs():
 
 
 def test_memory_is_linear_no_query_by_trunk_tensor():
-    """Forward + backward at T = 16384, N = 1024 anchors, W = 4 (cp = 1, default tile 256): the transient peak stays
-    below N W T bytes (one bool mask of the queries over the trunk; the fp64 scores would be 16x that per head).
-    Measured: 15.2 MiB against the 64 MiB bound (tiles of 256 anchors x W G query heads x 256 keys dominate)."""
+    """Forward + backward at T = 16384 (two sequences), N = 1024 anchors, W = 4 (cp = 1, default tile 256): the
+    transient peak stays below N W T bytes, one bool mask of the queries over the trunk (their fp64 scores would be 8x
+    that per head). The anchors are each sequence's first 512 rows, so the test computes little while any tensor
+    over (queries, trunk) would still be that large. Measured: about 15 MiB against the 64 MiB bound (tiles of 256
+    anchors x W G query heads x 256 keys, and the inputs' gradients)."""
     T, N, W, Hkv, G, D = 16384, 1024, 4, 1, 2, 16
-    g = torch.Generator().manual_seed(0)
     cu = torch.tensor([0, T // 2, T], dtype=torch.int32)
-    anchors = torch.sort(torch.randperm(T, generator=g)[:N]).values
+    anchors = torch.cat([torch.arange(N // 2), T // 2 + torch.arange(N // 2)])
     q = torch.randn(N, W, Hkv * G, D, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(T, Hkv, D, dtype=torch.float64, requires_grad=True) for _ in range(2))
     bk, bv = (torch.randn(N, W, Hkv, D, dtype=torch.float64, requires_grad=True) for _ in range(2))
