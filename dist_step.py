@@ -129,7 +129,7 @@ class DistCotrainer:
         DP x CP ranks (parallel/zero1.py), the same update. The drafts read e(x_{i+d}) from the embedding tap
         (stage 0's, through TapChannel), never from the full policy copy, which serves the rollouts only.
         activation_checkpointing: each decoder layer of the stage is recomputed in backward. watch: drafts
-        (Eagle3Draft) NOT trained on the rollouts whose teacher-forced acceptance on them is measured in the same draft
+        (drafter.py) NOT trained on the rollouts whose teacher-forced acceptance on them is measured in the same draft
         hook, forward only (the frozen and offline-extended arms): no extra policy forward, no gradient; they must read
         the trained drafts' taps."""
         cfg = policy.cfg
