@@ -249,7 +249,8 @@ class Eagle3Draft(nn.Module):
         """The multi-pass TTT loss on the policy's own forward -> (loss, metrics): draft_ttt.ttt_loss."""
         return draft_ttt.ttt_loss(self, taps, tokens, cu_seqlens, teacher_logits, **kw)
 
-    loss = ttt_loss  # drafter.py: the family's training loss
+    def loss(self, taps: dict, tokens, cu_seqlens, teacher_logits=None, **kw):  # drafter.py: the family's loss
+        return self.ttt_loss(taps, tokens, cu_seqlens, teacher_logits, **kw)
 
     @staticmethod
     def loss_options(trainer) -> dict:  # drafter.py: TTT's passes and their weight decay, from a DraftTrainer
