@@ -114,7 +114,8 @@ def train_blocks(draft, taps, tokens, cu_seqlens, teacher_logits=None, *, teache
                  attn_fn=None, backend: str = "torch", chunk=None):
     """A block drafter's loss on the policy's own forward -> (loss, metrics); the arguments as draft_ttt.ttt_loss's
     (this rank's share of the loss under CP; metrics global, per trained slot). anchors: per sequence; gamma: the
-    position weights' decay (None: default_gamma(block_size)); seed: the anchors' seed."""
+    position weights' decay (None: default_gamma(block_size)); seed: the anchors' seed; chunk: rows per chunk of the
+    streamed loss (None or 0: draft_loss.chunk_rows's byte budget; the tests hold the dense reference)."""
     ring = as_ring(group)
     T = tokens.shape[0]
     halo = max(draft.teacher_offsets) + 1

@@ -206,3 +206,16 @@ def test_refuses_chain_only_features(pair):
     for kw in (dict(num_draft_tokens=4), dict(num_draft_tokens=2, tree=(2, 1))):
         with pytest.raises(ValueError, match="block drafter"):
             generate(policy, draft, [torch.tensor([1, 2])], max_new_tokens=4, temperature=0, **kw)
+
+
+def test_no_anchor_is_a_zero_loss(pair):
+    """A batch (or a CP rank's shard) without a response position: loss 0 with a graph, counts 0, no NaN."""
+    policy, draft, _ = pair
+    tokens, cu = packed([torch.randint(1, 97, (n,)) for n in (6, 8)])
+    with torch.no_grad():
+        out = policy(tokens, cu, tap_layers=draft.tap_layers)
+    loss, m = draft.loss(out.taps, tokens, cu, out.logits, loss_mask=torch.zeros(14, dtype=torch.bool), anchors=3)
+    loss.backward()
+    assert float(loss.detach()) == 0 and m["count"] == [0, 0, 0]
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in draft.parameters())
+    draft.zero_grad()
