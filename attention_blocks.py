@@ -68,20 +68,26 @@ def _safe(lse):  # exp(s - lse) with lse = -inf (a row with no key in this tile)
 
 
 class TorchBlocks:
-    """Tiled pure-PyTorch kernel: tiles of `tile` query rows x `tile` key rows, any device, fp64/fp32/bf16 inputs
-    (tiles are upcast to the accumulator dtype, fp32 or fp64)."""
+    """Tiled pure-PyTorch kernel: tiles of `tile` query rows (fewer past 8 query heads per kv head: _rows) x `tile`
+    key rows, any device, fp64/fp32/bf16 inputs (tiles are upcast to the accumulator dtype, fp32 or fp64)."""
+
+    key_ends = True  # forward / backward take ends=KeyEnds (anchor_branch_attention needs it)
 
     def __init__(self, tile: int = 256):
         self.tile = tile
 
-    key_ends = True  # forward / backward take ends=KeyEnds (anchor_branch_attention needs it)
+    @staticmethod
+    def _rows(rows: int, G: int) -> int:
+        """Query rows per tile for G query heads per kv head: `rows` up to G = 8, fewer beyond, so that a tile holds at
+        most 8 rows' worth of scores per kv head (anchor_branch_attention's W queries per anchor multiply G)."""
+        return max(1, min(rows, rows * 8 // G))
 
-    def _tiles(self, seg: Segment, ends=None):
+    def _tiles(self, seg: Segment, ends=None, G: int = 1):
         """(q tile, k tile, needs mask) triples of a segment. end(i) is non-decreasing, so a causal q tile stops at its
         last row's end (tiles past every row's limit are skipped) and needs a mask only past its first row's."""
-        t = self.tile
-        for qs in range(seg.q0, seg.q1, t):
-            qe = min(qs + t, seg.q1)
+        t, tq = self.tile, self._rows(self.tile, G)
+        for qs in range(seg.q0, seg.q1, tq):
+            qe = min(qs + tq, seg.q1)
             first, last = (causal_end(seg, qs, ends), causal_end(seg, qe - 1, ends)) if seg.causal else (seg.k1,) * 2
             for ks in range(seg.k0, min(seg.k1, last), t):
                 ke = min(ks + t, seg.k1)
@@ -104,7 +110,7 @@ class TorchBlocks:
         """Merge attention of q (T, Hq, D) over k, v (Tk, Hkv, D) along `segments` into out (T, Hq, D), lse (T, Hq)."""
         acc, Hkv = out.dtype, k.shape[1]
         for seg in segments:
-            for qsl, ksl, masked in self._tiles(seg, ends):
+            for qsl, ksl, masked in self._tiles(seg, ends, q.shape[1] // Hkv):
                 s = self._scores(_heads(q[qsl].to(acc) * scale, Hkv), _heads(k[ksl].to(acc), Hkv), seg, qsl, ksl,
                                  masked, ends)
                 m = _safe(s.amax(dim=-1, keepdim=True))  # (Hkv, G*tq, 1): row max, the usual stabiliser
@@ -119,7 +125,7 @@ class TorchBlocks:
         """Add this block's terms (steps 6-10) to dq (T, Hq, D) and dk, dv (Tk, Hkv, D)."""
         acc, Hkv = dq.dtype, k.shape[1]
         for seg in segments:
-            for qsl, ksl, masked in self._tiles(seg, ends):
+            for qsl, ksl, masked in self._tiles(seg, ends, q.shape[1] // Hkv):
                 qh = _heads(q[qsl].to(acc) * scale, Hkv)  # (Hkv, G*tq, D), pre-scaled
                 doh = _heads(dout[qsl].to(acc), Hkv)
                 kh, vh = _heads(k[ksl].to(acc), Hkv), _heads(v[ksl].to(acc), Hkv)  # (Hkv, tk, D)
@@ -135,8 +141,9 @@ class TorchBlocks:
         out (T, Hq, D), lse (T, Hq) in `acc`. Row tiles bound the upcast copies."""
         T, Hq, D = q.shape
         out, lse = q.new_empty(T, Hq, D, dtype=acc), q.new_empty(T, Hq, dtype=acc)
-        for i in range(0, T, 8 * self.tile):
-            r = slice(i, min(i + 8 * self.tile, T))
+        rows = self._rows(8 * self.tile, Hq // bk.shape[2])
+        for i in range(0, T, rows):
+            r = slice(i, min(i + rows, T))
             qt = q[r].to(acc).unflatten(1, (bk.shape[2], -1))  # (t, Hkv, G, D)
             s = torch.einsum("thgd,tphd->thgp", qt, bk[r].to(acc)) * scale  # (t, Hkv, G, P)
             lse_t = torch.logsumexp(s, dim=-1)
@@ -148,8 +155,9 @@ class TorchBlocks:
         """Steps 6-10 for the branch: adds to dq (T, Hq, D); returns dbk, dbv (T, P, Hkv, D) in dq's dtype."""
         acc, Hkv = dq.dtype, bk.shape[2]
         dbk, dbv = torch.empty_like(bk, dtype=acc), torch.empty_like(bv, dtype=acc)
-        for i in range(0, q.shape[0], 8 * self.tile):
-            r = slice(i, min(i + 8 * self.tile, q.shape[0]))
+        rows = self._rows(8 * self.tile, q.shape[1] // Hkv)
+        for i in range(0, q.shape[0], rows):
+            r = slice(i, min(i + rows, q.shape[0]))
             qt, dot = (x[r].to(acc).unflatten(1, (Hkv, -1)) for x in (q, dout))  # (t, Hkv, G, D)
             bkt, bvt = bk[r].to(acc), bv[r].to(acc)
             s = torch.einsum("thgd,tphd->thgp", qt, bkt) * scale

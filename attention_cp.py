@@ -141,7 +141,8 @@ def anchor_branch_attention(q, k, v, cu_seqlens, anchors, branch_k=None, branch_
         branch_k = branch_v = None
     rows = host_cu(anchors)  # the anchors on the host (any 1-D int tensor; read once per tensor): tiles, segments
     ends = KeyEnds(tuple(a + 1 for a in rows), anchors + 1) if anchor_visible else KeyEnds(rows, anchors)
-    qf = q.reshape(N, W, Hkv, Hq // Hkv, D).transpose(1, 2).reshape(N, Hkv * W * (Hq // Hkv), D)  # kv-head major
+    # (N, W, Hkv, G, D) -> (N, Hkv W G, D), kv-head major: the W queries become extra GQA heads of their kv head
+    qf = q.reshape(N, W, Hkv, Hq // Hkv, D).transpose(1, 2).reshape(N, Hkv * W * (Hq // Hkv), D)
     out, lse = _RingBranchAttention.apply(qf, k, v, branch_k, branch_v, cu_seqlens, ring, scale, kernel, (rows, ends))
     out = out.reshape(N, Hkv, W, Hq // Hkv, D).transpose(1, 2).reshape(N, W, Hq, D)
     lse = lse.reshape(N, Hkv, W, Hq // Hkv).transpose(1, 2).reshape(N, W, Hq)
@@ -254,8 +255,8 @@ def _check_inputs(q, k, v, cu_seqlens, bk, bv, cp, anchors=None):
             got = f"{type(x).__name__} {getattr(x, 'dtype', '')}"
             raise TypeError(f"{name}: expected a floating-point tensor, got {got}")
     want_q = "(T_local, Hq, D)" if anchors is None else "(N anchors, W, Hq, D)"
-    if q.dim() != (3 if anchors is None else 4):
-        raise ValueError(f"q: expected {want_q}, got shape {tuple(q.shape)}")
+    if q.dim() != (3 if anchors is None else 4) or (anchors is not None and q.shape[1] < 1):
+        raise ValueError(f"q: expected {want_q}{'' if anchors is None else ' with W >= 1'}, got shape {tuple(q.shape)}")
     N, Hq, D = q.shape[0], q.shape[-2], q.shape[-1]
     T = N if anchors is None else k.shape[0]
     for name, x in (("k", k), ("v", v)):

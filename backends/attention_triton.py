@@ -19,7 +19,8 @@ are in attention_triton_kernels.py; this file holds the work tables, the launch 
 
 Work list: each Segment (q0, q1, k0, k1, causal) is cut into row tiles on the host (a small int32 table, one row per
 program: rows [s, e) of the tiled side and the segment's bounds), so one launch covers every sequence of a packed
-batch. Causal tiles stop at the diagonal; the longest tiles go first so the tail of the launch is short.
+batch. Causal tiles stop at the diagonal (or, given KeyEnds, at their rows' key ends: the queries of anchors); the
+longest tiles go first so the tail of the launch is short.
 
     python -m backends.attention_triton                        # GPU: the ring (cp = 1, 2 as threads) vs dense fp64
                                                                # (bf16)

@@ -5,6 +5,9 @@ forward and backward over a work table of tiles, and the branch part, in base 2 
                                             l <- 2^(m_old - m) l + sum_j 2^(s2_j - m)
     backward:  p_ij = 2^(s2_ij - lse_i log2 e);  dv += p dO;  ds = p (dO.v - delta);  dq += tau ds k;  dk += tau ds q
 
+A causal segment's rows see keys j < end(i): the aligned diagonal, or per-row ends (the queries of anchors; the ends
+are non-decreasing: a query tile stops at its last row's end, and a key tile's queries start at the first row whose
+end lies past the tile's first key, found by binary search).
 Every program owns the rows it writes (query tiles for out/lse/dq, key tiles for dk/dv, row tiles for the branch),
 adds to them once at its end, and so needs no atomics. Import through attention_triton (TRITON_INTERPRET=1 must be set
 before the first import on a CPU).
@@ -26,19 +29,19 @@ INF = tl.constexpr(float("inf"))
 @triton.jit
 def _tile(Tiles):
     """Row program_id(0) of the work table: rows [s, e) of the tiled side, segment start a0 of that side, and the
-    other side's rows [b0, b1) and the causal flag."""
+    other side's rows [b0, b1) and the causal kind (0 none, 1 the aligned diagonal, 2 per-row key ends in Ends)."""
     t = Tiles + tl.program_id(0) * 6
     return tl.load(t), tl.load(t + 1), tl.load(t + 2), tl.load(t + 3), tl.load(t + 4), tl.load(t + 5)
 
 
 @triton.jit
-def _visible(kj, k_ok, qi, q_ok, q0, k0, causal, Ends):
-    """(BM, BN) which keys each query sees: all (causal 0), key offset <= query offset (1: the aligned diagonal), or
-    key row < Ends[query row] (2: per-row key ends, the queries of anchors)."""
-    # (BM,) int64; unless causal == 2 every row reads Ends[0] (the stand-in holds one element) and ignores it
-    end = tl.load(Ends + tl.where(causal == 2, qi, 0), mask=q_ok, other=0)
-    diag = kj[None, :] - k0 <= qi[:, None] - q0
-    return k_ok[None, :] & ((causal == 0) | ((causal == 1) & diag) | ((causal == 2) & (kj[None, :] < end[:, None])))
+def _row_ends(qi, q_ok, q0, k0, k1, causal, Ends):
+    """(BM,) end (exclusive) of the key rows each query row sees: k1 (causal 0: all), k0 + offset + 1 (1: the aligned
+    diagonal) or Ends[row] (2: per-row key ends, the queries of anchors). Loaded once per query tile."""
+    # unless causal == 2 every row reads Ends[0] (the stand-in holds one element) and ignores it
+    end = tl.load(Ends + tl.where(causal == 2, qi, 0), mask=q_ok, other=0).to(tl.int32)
+    end = tl.where(causal == 1, k0 + (qi - q0) + 1, end)
+    return tl.where(causal == 0, k1, end)
 
 
 @triton.jit
@@ -88,6 +91,7 @@ def _fwd_kernel(Q, K, V, Out, Lse, Tiles, Ends, sq_t, sq_h, sk_t, sk_h, sv_t, sv
     l = tl.where(lse_old == -INF, 0.0, 1.0)  # (BM,) running sum of 2^(s2 - m)
     acc = tl.load(Out + io, mask=mq, other=0.0)  # (BM, BD) fp32
     k_hi = _key_hi(qe, q0, k0, k1, causal, Ends)
+    end = _row_ends(qi, q_ok, q0, k0, k1, causal, Ends)  # (BM,) key rows j < end are visible
     for ks in range(k0, k_hi, BN):
         kj = ks + tl.arange(0, BN)  # (BN,) key rows
         k_ok = kj < k_hi
@@ -95,7 +99,7 @@ def _fwd_kernel(Q, K, V, Out, Lse, Tiles, Ends, sq_t, sq_h, sk_t, sk_h, sv_t, sv
                      mask=k_ok[None, :] & (d[:, None] < D), other=0.0)  # (BD, BN)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # (BM, BN) base-2 scores
         # -inf, not a large negative: 2^-inf is exactly 0, so a masked key has weight exactly 0
-        s = tl.where(_visible(kj, k_ok, qi, q_ok, q0, k0, causal, Ends), s, -INF)
+        s = tl.where(k_ok[None, :] & (kj[None, :] < end[:, None]), s, -INF)
         m_new = tl.maximum(m, tl.max(s, 1))
         m_ref = tl.where(m_new == -INF, 0.0, m_new)  # a row with nothing yet: 2^(-inf - 0) = 0, never -inf - -inf
         p = tl.exp2(s - m_ref[:, None])
@@ -129,6 +133,7 @@ def _bwd_dq_kernel(Q, K, V, dO, Lse, Delta, dQ, Tiles, Ends, sq_t, sq_h, sk_t, s
     delta = tl.load(Delta + qi.to(tl.int64) * sl_t + h, mask=q_ok, other=0.0)
     dq = tl.zeros((BM, BD), dtype=tl.float32)
     k_hi = _key_hi(qe, q0, k0, k1, causal, Ends)
+    end = _row_ends(qi, q_ok, q0, k0, k1, causal, Ends)  # (BM,) key rows j < end are visible
     for ks in range(k0, k_hi, BN):
         kj = ks + tl.arange(0, BN)
         k_ok = kj < k_hi
@@ -136,7 +141,7 @@ def _bwd_dq_kernel(Q, K, V, dO, Lse, Delta, dQ, Tiles, Ends, sq_t, sq_h, sk_t, s
         kt = tl.load(K + kj.to(tl.int64)[None, :] * sk_t + hk * sk_h + d[:, None], mask=mk, other=0.0)  # (BD, BN)
         vt = tl.load(V + kj.to(tl.int64)[None, :] * sv_t + hk * sv_h + d[:, None], mask=mk, other=0.0)  # (BD, BN)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
-        ok = _visible(kj, k_ok, qi, q_ok, q0, k0, causal, Ends)
+        ok = k_ok[None, :] & (kj[None, :] < end[:, None])
         p = tl.where(ok, tl.exp2(s - lse2[:, None]), 0.0)  # (BM, BN) step 6, with the *final* lse
         dp = tl.dot(do, vt, input_precision=PRECISION)  # dO_i . v_j
         ds = p * (dp - delta[:, None])  # step 8
@@ -172,7 +177,8 @@ def _bwd_dkdv_kernel(Q, K, V, dO, Lse, Delta, dK, dV, Tiles, Ends, sq_t, sq_h, s
             lse2 = tl.load(Lse + qi.to(tl.int64) * sl_t + h, mask=q_ok, other=INF) * LOG2E_K
             delta = tl.load(Delta + qi.to(tl.int64) * sl_t + h, mask=q_ok, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BM, BN)
-            ok = q_ok[:, None] & _visible(kj, k_ok, qi, q_ok, q0, k0, causal, Ends)
+            end = _row_ends(qi, q_ok, q0, k0, ke, causal, Ends)  # causal 0: k_ok bounds it
+            ok = q_ok[:, None] & k_ok[None, :] & (kj[None, :] < end[:, None])
             p = tl.where(ok & (lse2[:, None] != -INF), tl.exp2(s - lse2[:, None]), 0.0)
             dv += tl.dot(tl.trans(p.to(k.dtype)), do, input_precision=PRECISION)  # step 7
             ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])

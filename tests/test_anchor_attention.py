@@ -37,6 +37,8 @@ cases = st.fixed_dictionaries(dict(
               backend="torch"))  # no anchor anywhere: the ring still runs, trunk grads are zero
 @example(dict(lengths=[13, 6], cp=2, W=2, P=3, Hkv=2, G=1, D=8, visible=True, pick="all", seed=4,
               backend="torch_tile3"))  # every row an anchor (TTT's layout) with W > 1
+@example(dict(lengths=[11, 7], cp=2, W=5, P=2, Hkv=1, G=2, D=4, visible=False, pick="random", seed=5,
+              backend="torch_tile3"))  # W G = 10 query heads per kv head: query tiles of 2 anchors, not 3
 def test_fp64_matches_dense(c):
     case = make_case(**c)
     assert_all_close(run_threads(case), reference(case), atol=1e-10, rtol=1e-10)
