@@ -43,8 +43,8 @@ from modeling.mixed_precision import clip_grads_, grads_of, master_optimizer
 from parallel.pp_schedule import split_layers
 from pipeline import Microbatch, PipelineSchedule, shard_for_cp
 from draft_ttt import merge_metrics
-from rl_loop import (GRPOConfig, RolloutBatch, aggregate, draft_mask, micro_chunks, per_prediction, seq_ids,
-                     token_logp, token_losses)
+from rl_loop import (DraftTrainer, GRPOConfig, RolloutBatch, aggregate, draft_mask, micro_chunks, per_prediction,
+                     seq_ids, token_logp, token_losses)
 
 
 # ------------------------------------------------------------------------------------------------ the batch, sharded
@@ -129,7 +129,7 @@ class DistCotrainer:
         DP x CP ranks (parallel/zero1.py), the same update. The drafts read e(x_{i+d}) from the embedding tap
         (stage 0's, through TapChannel), never from the full policy copy, which serves the rollouts only.
         activation_checkpointing: each decoder layer of the stage is recomputed in backward. watch: drafts
-        (Eagle3Draft) NOT trained on the rollouts whose teacher-forced acceptance on them is measured in the same draft
+        (drafter.py) NOT trained on the rollouts whose teacher-forced acceptance on them is measured in the same draft
         hook, forward only (the frozen and offline-extended arms): no extra policy forward, no gradient; they must read
         the trained drafts' taps."""
         cfg = policy.cfg
@@ -183,28 +183,25 @@ class DistCotrainer:
                                         (kl.double() * m).sum(), m.sum()])
             return (l * e["w"]).sum() * g.dp
 
-        def draft_hook(d):  # last stage, after F(m): every draft's TTT loss on the detached taps and logits
+        def draft_hook(d):  # last stage, after F(m): every draft's loss (drafter.py) on the detached taps
             mb, total = d.mb, 0.0
             teacher = self._teacher(d, cfg.temperature)  # softmax(z / tau): the rollout's temperature
             backend = dict(backend=self.attn_backend or "torch", group=g.cp_group,
                            chunk=self.logprob_chunk or None)  # the draft loss's chunk: the log-probs' rows
             for k, tr in enumerate(self.drafts):
-                L, met = tr.draft.ttt_loss(d.taps, mb.tokens, mb.cu_seqlens, loss_mask=mb.extra["dmask"],
-                                           num_passes=tr.num_passes, pass_weight=tr.pass_weight,
-                                           position_ids=mb.position_ids, attn_fn=self._draft_attn(tr.attn_fn),
-                                           **backend, **teacher)
+                L, met = tr.draft.loss(d.taps, mb.tokens, mb.cu_seqlens, loss_mask=mb.extra["dmask"],
+                                       position_ids=mb.position_ids, attn_fn=self._draft_attn(tr.attn_fn),
+                                       **tr.draft.loss_options(tr), **backend, **teacher)
                 acc[8 + k] += L.detach().double() / micro_batches
                 metrics[(mb.extra["chunk"], k)] = met
                 total = total + tr.lam * L / micro_batches * g.dp
             t0, c0 = time.perf_counter(), time.process_time()
             with torch.no_grad():  # watched arms: the same taps and teacher, forward only
-                for k, dr in enumerate(self.watch):
-                    metrics[(mb.extra["chunk"], K + k)] = dr.ttt_loss(
-                        d.taps, mb.tokens, mb.cu_seqlens, loss_mask=mb.extra["dmask"],
-                        num_passes=self.drafts[0].num_passes if self.drafts else 3,
-                        pass_weight=self.drafts[0].pass_weight if self.drafts else 0.8, position_ids=mb.position_ids,
-                        attn_fn=self._draft_attn(self.drafts[0].attn_fn if self.drafts else None), **backend,
-                        **teacher)[1]
+                for k, dr in enumerate(self.watch):  # read with the trained drafts' options (a default trainer's)
+                    tr = self.drafts[0] if self.drafts else DraftTrainer(dr, None)
+                    metrics[(mb.extra["chunk"], K + k)] = dr.loss(
+                        d.taps, mb.tokens, mb.cu_seqlens, loss_mask=mb.extra["dmask"], position_ids=mb.position_ids,
+                        attn_fn=self._draft_attn(tr.attn_fn), **dr.loss_options(tr), **backend, **teacher)[1]
             acc[5] += time.perf_counter() - t0
             acc[7] += time.process_time() - c0
             return total if self.drafts else None

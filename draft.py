@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import draft_ttt
+from drafter import propose_chain
 from serving.draft_vocab import maps as draft_vocab_maps
 from model import EMBED_TAP, ModelConfig, Transformer, check_tap_layers, default_tap_layers
 from modeling.kv_cache import KVCache
@@ -158,6 +159,13 @@ class Eagle3Draft(nn.Module):
                 draft.t2d.copy_(t2d)
         return draft
 
+    max_draft_tokens = None  # drafter.py: a chain drafter (any k, tree drafts, adaptive k)
+
+    def fresh(self, policy) -> "Eagle3Draft":  # drafter.py: untrained, the same taps and draft vocabulary
+        reduced = self.cfg.draft_vocab_size < self.cfg.vocab_size
+        return Eagle3Draft.from_target(policy, tap_layers=self.tap_layers,
+                                       draft_vocab=self.draft_to_target if reduced else None)
+
     # -- the shared pieces -----------------------------------------------------------------------------------------
     @property
     def tap_layers(self) -> tuple:
@@ -212,6 +220,14 @@ class Eagle3Draft(nn.Module):
         cache.rollback(L0 + last + 1)
         return h, self.target_logits(h)
 
+    def propose(self, cache: KVCache, state, k: int, temperature: float, generator=None):
+        """drafter.py: k tokens from the state (h, zq) at the last verified position, one `step` per further token
+        (k - 1 forwards on the branch), the cache rolled back afterwards -> d (B, k), q (B, k, V) or None."""
+        L, bound = cache.lengths.clone(), cache.bound  # bound: the host's, restored with the lengths
+        d, q = propose_chain(lambda t, h: self.step(cache, t, h), *state, k, temperature, generator)
+        cache.rollback(L, bound=bound)
+        return d, q
+
     def step(self, cache: KVCache, tokens, h):
         """One more pass at every row's anchor: tokens (B,) the previous pass's proposal, h (B, H) its state."""
         h = self._cached(cache, self.embed(tokens)[:, None], h[:, None])[:, 0]
@@ -233,6 +249,13 @@ class Eagle3Draft(nn.Module):
         """The multi-pass TTT loss on the policy's own forward -> (loss, metrics): draft_ttt.ttt_loss."""
         return draft_ttt.ttt_loss(self, taps, tokens, cu_seqlens, teacher_logits, **kw)
 
+    def loss(self, taps: dict, tokens, cu_seqlens, teacher_logits=None, **kw):  # drafter.py: the family's loss
+        return self.ttt_loss(taps, tokens, cu_seqlens, teacher_logits, **kw)
+
+    @staticmethod
+    def loss_options(trainer) -> dict:  # drafter.py: TTT's passes and their weight decay, from a DraftTrainer
+        return dict(num_passes=trainer.num_passes, pass_weight=trainer.pass_weight)
+
     # -- checkpoints -----------------------------------------------------------------------------------------------
     def save(self, path: str):
         """config.json + model.safetensors (fc, midlayer.*, norm, lm_head, d2t, t2d; not the shared embedding)."""
@@ -245,11 +268,16 @@ class Eagle3Draft(nn.Module):
             write(tmp)
             os.replace(tmp, os.path.join(path, name))  # each file lands atomically
 
-    def export(self, path: str, *, dtype=torch.bfloat16):
+    def export(self, path: str, *, dtype=torch.bfloat16, **kw):
         """The serving format vLLM's and SGLang's LlamaForCausalLMEagle3 load (export.py): config.json +
-        model.safetensors, floats in `dtype`, written atomically. Needs exactly 3 taps, none on the last layer."""
+        model.safetensors, floats in `dtype`, written atomically. Needs exactly 3 taps, none on the last layer.
+        kw: export_draft's (max_position_embeddings, pair)."""
         from serving.export import export_draft  # export.py reads a draft; the draft does not need it to train
-        export_draft(self, path, dtype=dtype)
+        export_draft(self, path, dtype=dtype, **kw)
+
+    def check_exportable(self):  # drafter.py: a ValueError when the engines cannot feed these taps
+        from serving.export import check_exportable
+        check_exportable(self.cfg.tap_layers, self.cfg.target_num_layers)
 
     @classmethod
     def load(cls, path: str, embed) -> "Eagle3Draft":

@@ -119,21 +119,10 @@ def ttt_loss(draft, taps: dict, tokens, cu_seqlens, teacher_logits=None, *, teac
     (draft_loss.StreamingSoftCE, O(chunk * V) memory; None: one 256 MiB fp32 block, draft_loss.chunk_rows); 0 runs
     the dense reference (draft_loss.dense_pass_losses, every (T, V) tensor materialised)."""
     ring = as_ring(group)
-    T = tokens.shape[0]
-    teacher = make_teacher(teacher_logits, teacher_hidden, teacher_head, T, draft.cfg.vocab_size, cu_seqlens,
-                           num_passes, ring)
-    if loss_mask is None:
-        if ring.size > 1:
-            raise ValueError("loss_mask: required under CP (false on the padding)")
-        loss_mask = shift_packed(tokens, cu_seqlens, 1)[1]  # (T,) a next token exists in the sequence
-    elif loss_mask.shape != (T,):
-        raise ValueError(f"loss_mask: expected shape ({T},), got {tuple(loss_mask.shape)}")
-    pad = pad_ring_of_one(cu_seqlens) if ring.size == 1 else None
-    if pad is not None:  # cp = 1, odd lengths: pad the (T, H) inputs; the teacher is read through a row map
-        taps = {l: pad.pad(t) for l, t in tap_inputs(draft, taps, T).items()}
-        tokens, loss_mask, cu_seqlens = pad.pad(tokens), pad.pad(loss_mask.bool(), False), pad.cu_seqlens
-        position_ids = None if position_ids is None else pad.pad(position_ids)
-        teacher.row_map = pad.pad(torch.arange(T, device=tokens.device))
+    teacher = make_teacher(teacher_logits, teacher_hidden, teacher_head, tokens.shape[0], draft.cfg.vocab_size,
+                           cu_seqlens, num_passes, ring)
+    taps, tokens, cu_seqlens, loss_mask, position_ids = pad_inputs(draft, taps, tokens, cu_seqlens, loss_mask,
+                                                                   position_ids, ring, teacher)
     hs = ttt_forward(draft, taps, tokens, cu_seqlens, num_passes, position_ids=position_ids, group=ring,
                           attn_fn=attn_fn, backend=backend)
     valid, labels, count = pass_targets(tokens, cu_seqlens, loss_mask, num_passes, ring, hard_labels=hard_labels,
@@ -152,6 +141,27 @@ def ttt_loss(draft, taps: dict, tokens, cu_seqlens, teacher_logits=None, *, teac
                                             local_cu=cu_local(cu_seqlens, ring.size),
                                             chunk=chunk)
     return loss, _metrics(ring_sum(stats, ring), count)
+
+
+def pad_inputs(draft, taps, tokens, cu_seqlens, loss_mask, position_ids, ring, teacher):
+    """The training inputs checked (taps detached, loss_mask defaulted without CP) and, at cp = 1 with odd lengths,
+    padded (branch_mask.pad_ring_of_one says why); the teacher then reads its rows through a row map. Returns (taps,
+    tokens, cu_seqlens, loss_mask, position_ids). Shared by TTT and the block drafters (draft_block.py)."""
+    T = tokens.shape[0]
+    taps = tap_inputs(draft, taps, T)
+    if loss_mask is None:
+        if ring.size > 1:
+            raise ValueError("loss_mask: required under CP (false on the padding)")
+        loss_mask = shift_packed(tokens, cu_seqlens, 1)[1]  # (T,) a next token exists in the sequence
+    elif loss_mask.shape != (T,):
+        raise ValueError(f"loss_mask: expected shape ({T},), got {tuple(loss_mask.shape)}")
+    pad = pad_ring_of_one(cu_seqlens) if ring.size == 1 else None
+    if pad is None:
+        return taps, tokens, cu_seqlens, loss_mask, position_ids
+    taps = {l: pad.pad(t) for l, t in taps.items()}  # cp = 1, odd lengths: pad the (T, H) inputs
+    teacher.row_map = pad.pad(torch.arange(T, device=tokens.device))
+    return (taps, pad.pad(tokens), pad.cu_seqlens, pad.pad(loss_mask.bool(), False),
+            None if position_ids is None else pad.pad(position_ids))
 
 
 def _to_draft_id(draft, y):  # (T,) target ids -> draft ids (0 where outside the draft vocabulary)
@@ -176,6 +186,9 @@ def _metrics(stats, count) -> dict:
         tau += run
     return {"loss_per_pass": loss, "acc": acc, "acc_cond": acc_cond, "alpha": alpha, "tau_hat": tau,
             "count": [int(c) for c in count], "n_cond": [int(c) for c in n_cond]}
+
+
+position_metrics = _metrics  # the per-position metrics of any drafter's loss (draft_block.py reads them too)
 
 
 def merge_metrics(parts) -> Optional[dict]:

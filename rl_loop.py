@@ -44,7 +44,7 @@ Letters: T packed tokens, t a row of the packed batch, S sequences, G group size
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -269,9 +269,10 @@ class DraftTrainer:
     opt: torch.optim.Optimizer
     lam: float = 1.0
     grad_clip: float = 1.0
-    num_passes: int = 3
-    pass_weight: float = 0.8
-    attn_fn: Optional[object] = None  # the TTT attention (None: draft.py's default)
+    num_passes: int = 3  # TTT's passes (a chain drafter's loss_options read them)
+    pass_weight: float = 0.8  # TTT's per-pass weight decay
+    attn_fn: Optional[object] = None  # the draft's single-process training attention (None: the family's default)
+    opts: dict = field(default_factory=dict)  # other families' loss options (drafter.py: draft.loss_options reads)
 
 
 def draft_mask(mb: RolloutBatch) -> torch.Tensor:
@@ -282,19 +283,19 @@ def draft_mask(mb: RolloutBatch) -> torch.Tensor:
 
 def draft_loss(tr: DraftTrainer, taps: dict, logits, mb: RolloutBatch, temperature: float = 1.0, *, hidden=None,
                head=None, chunk=None):
-    """L_draft: TTT loss on detached taps with the policy's detached logits as teacher, at the rollout temperature:
-    the teacher is softmax(logits / tau), the distribution the draft's proposals are verified against. Returns (loss,
-    metrics). logits None: the teacher is the policy's final normed hidden (T, H) with its LM head (V, H), its logits
-    formed `chunk` rows at a time inside the streamed loss (no (T, V) tensor). chunk: rows per chunk of the streamed
-    loss (None or 0: draft_loss.chunk_rows's default budget)."""
+    """L_draft: the draft's loss (drafter.py; EAGLE-3: TTT) on detached taps with the policy's detached logits as
+    teacher, at the rollout temperature: the teacher is softmax(logits / tau), the distribution the draft's proposals
+    are verified against. Returns (loss, metrics). logits None: the teacher is the policy's final normed hidden
+    (T, H) with its LM head (V, H), its logits formed `chunk` rows at a time inside the streamed loss (no (T, V)
+    tensor). chunk: rows per chunk of the streamed loss (None or 0: draft_loss.chunk_rows's default budget)."""
     taps = {l: taps[l].detach() for l in tr.draft.tap_layers}
     if logits is not None:
         teacher = dict(teacher_logits=logits.detach() if temperature == 1.0 else logits.detach() / temperature)
     else:
         teacher = dict(teacher_hidden=hidden.detach(),
                        teacher_head=head.detach() if temperature == 1.0 else head.detach() / temperature)
-    return tr.draft.ttt_loss(taps, mb.tokens, mb.cu_seqlens, loss_mask=draft_mask(mb), num_passes=tr.num_passes,
-                             pass_weight=tr.pass_weight, attn_fn=tr.attn_fn, chunk=chunk or None, **teacher)
+    return tr.draft.loss(taps, mb.tokens, mb.cu_seqlens, loss_mask=draft_mask(mb), attn_fn=tr.attn_fn,
+                         chunk=chunk or None, **tr.draft.loss_options(tr), **teacher)
 
 
 def packed_logp(out, head, tokens, cu_seqlens, *, chunk: int, temperature: float = 1.0) -> torch.Tensor:

@@ -3,7 +3,7 @@
 `generate` is a short driver over named steps: `prefill` (one policy forward over the prompts, the first token, the
 draft's trunk over the prompt), then until every row is done `compact` (drop finished rows) and, per step and row, with
 p the policy's and q the draft's next-token distributions, both at temperature tau:
-  1. propose: d_j ~ q_j(. | x, d_<j)                 j = 1..k       (k cheap draft forwards, the draft's own KV cache)
+  1. propose: d_j ~ q_j(. | x, d_<j)   j = 1..k   (the draft's own KV cache: EAGLE-3 k cheap forwards, DFlash one)
   2. verify:  p_1..p_{k+1} from ONE policy forward over [x_t, d_1..d_k] (its KV cache; taps for the draft come free)
   3. accept:  d_j with probability min(1, p_j(d_j) / q_j(d_j)), left to right; n = number accepted before the first
               rejection; then y ~ norm(max(p_{n+1} - q_{n+1}, 0)) (residual), or y ~ p_{k+1} when n = k (bonus)
@@ -18,6 +18,7 @@ max_new_tokens (kept_tokens). So returned tokens = rows with a prefill token + t
 The log-probs returned for GRPO are the policy's, log softmax(logits / tau) (tau = 0: of the raw logits), read from
 the verification forwards.
 
+The draft is any family of the drafter protocol (drafter.py): `extend` / `propose` / `new_cache` are all it is asked.
 Tree drafts (several candidates per position, verified in the same one forward): speculative_tree.py, generate(tree=).
 Adaptive k (chains only): generate(adapt=AdaptiveK(K)) asks decoding/adaptive_k.py for each step's k in {0..K} and
 tells it the step's timings (chain_step); k = 0 is an autoregressive step (no draft at all once `dormant`).
@@ -39,7 +40,8 @@ from decoding.backlog import Backlog
 from decoding.generate_args import check_generate_args
 from model import Transformer
 from modeling.layers import at_least_f32
-from decoding.spec_rule import accept_prob, probs, residual
+from decoding.spec_rule import accept_prob, probs, residual, sample
+from drafter import select_rows
 from decoding.row_streams import multinomial, uniform
 
 
@@ -91,13 +93,6 @@ def verify(p_logits, d, q, temperature: float, generator=None):
     return n, y
 
 
-def _sample(logits, temperature, generator):  # (B, V) -> (B,), and the probabilities (None at tau = 0)
-    if temperature == 0:
-        return logits.argmax(-1), None
-    q = probs(logits, temperature)
-    return multinomial(q, generator), q
-
-
 def _logprob(logits, tokens, temperature):  # (B, S, V), (B, S) -> (B, S) log p(token)
     z = at_least_f32(logits) if temperature == 0 else at_least_f32(logits) / temperature
     return torch.log_softmax(z, -1).gather(-1, tokens[..., None])[..., 0]
@@ -121,8 +116,7 @@ class _Decode:
     pcache: object  # the policy's KV cache (kv_cache.KVCache)
     tap_layers: tuple = None  # the policy layers the draft reads
     dcache: object = None  # the draft's KV cache
-    h: torch.Tensor = None  # (b, H) the draft's pass-1 state at y's anchor
-    zq: torch.Tensor = None  # (b, V) the draft's logits there: q for d_1
+    dstate: tuple = None  # the draft's state at y (drafter.py: what extend returns and propose reads), rows first
     stats: SpecStats = field(default_factory=SpecStats)
     reached: torch.Tensor = None  # (k,) rows whose draft j was tried, per position j
     accepted: torch.Tensor = None  # (k,) of which accepted
@@ -157,6 +151,10 @@ def generate(target: Transformer, draft=None, prompts=(), *, max_new_tokens: int
     check_generate_args(target, draft, prompts, max_new_tokens, num_draft_tokens, temperature, eos_id)
     if adapt is not None and (draft is None or tree):
         raise ValueError("adapt: expected a chain draft (a draft, and tree=None: a tree keeps its fixed shape)")
+    K = None if draft is None else draft.max_draft_tokens  # drafter.py: None for a chain drafter
+    if K is not None and (tree or adapt is not None or num_draft_tokens > K):
+        raise ValueError(f"num_draft_tokens={num_draft_tokens}, tree={tree}, adapt={adapt}: a block drafter proposes "
+                         f"k <= {K} tokens in one forward, as a chain (no tree, no adaptive k)")
     t0 = time.perf_counter()
     tree = speculative_tree.Tree(tree) if tree else None
     if tree is not None and num_draft_tokens not in (0, tree.k):
@@ -178,12 +176,12 @@ def generate(target: Transformer, draft=None, prompts=(), *, max_new_tokens: int
         compact(s, n_done)
         if k == 0:
             z = target.forward_cached(s.y[:, None], s.pcache).logits  # (b, 1, V)
-            n, (y, _) = torch.zeros_like(s.y), _sample(z[:, 0], temperature, generator)
+            n, (y, _) = torch.zeros_like(s.y), sample(z[:, 0], temperature, generator)
             commit(s, y[:, None], z, n)
         elif tree is not None:
             nodes, q = speculative_tree.propose(draft, s, tree)
             block, z, n, taps = speculative_tree.verify_step(target, s, tree, nodes, q)
-            s.h, s.zq = draft.extend(s.dcache, block, taps, n)
+            s.dstate = draft.extend(s.dcache, block, taps, n)
             commit(s, block, z, n)
         else:
             chain_step(target, draft, s, adapt)
@@ -202,17 +200,17 @@ def chain_step(target, draft, s: _Decode, adapt=None):
     if s.k == 0:
         off = getattr(adapt, "dormant", False)  # speculation off for the rest of the call: no taps, no catch-up
         out = target.forward_cached(s.y[:, None], s.pcache, tap_layers=None if off else s.tap_layers)  # (b, 1, V)
-        y, _ = _sample(out.logits[:, 0], s.temperature, s.generator)
+        y, _ = sample(out.logits[:, 0], s.temperature, s.generator)
         s.backlog = Backlog() if off else s.backlog.push(y[:, None], out.taps)  # off: dropped, never flushed
         commit(s, y[:, None], out.logits, torch.zeros_like(y))
     else:
         if s.backlog:  # the catch-up after k = 0 steps: the price of switching on, charged to this step's draft
-            s.h, s.zq = s.backlog.flush(draft, s.dcache)
+            s.dstate = s.backlog.flush(draft, s.dcache)
         d, q = propose(draft, s)
         t1 = clock()
         block, z, n, taps = verify_step(target, s, d, q)
         t2 = clock()
-        s.h, s.zq = draft.extend(s.dcache, block, taps, n)  # the draft's trunk catches up on the kept entries
+        s.dstate = draft.extend(s.dcache, block, taps, n)  # the draft's trunk catches up on the kept entries
         t_draft = (t1 - t0) + (clock() - t2)
         commit(s, block, z, n)
     if adapt is not None:
@@ -242,7 +240,7 @@ def prefill(target, draft, prompts, k: int, temperature, eos_id, max_new_tokens,
     out = target.forward_cached(x, pcache, tap_layers=taps, logits_at=lens - 1)
     pcache.rollback(lens)
     z = out.logits  # (B, V) at each row's last prompt token only: no (B, S, V) logits
-    y, _ = _sample(z, temperature, generator)
+    y, _ = sample(z, temperature, generator)
     width = max_new_tokens + 2 * (k + 1)
     s = _Decode(k, temperature, eos_id, max_new_tokens, generator,
                 toks=torch.zeros(B, width, dtype=torch.long, device=dev),
@@ -260,7 +258,7 @@ def prefill(target, draft, prompts, k: int, temperature, eos_id, max_new_tokens,
         s.tap_layers, s.dcache = draft.tap_layers, draft.new_cache(B, max_len, block=kv_block)
         nxt = torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], 1)
         nxt[rows, lens - 1] = y
-        s.h, s.zq = draft.extend(s.dcache, nxt, out.taps, lens - 1)
+        s.dstate = draft.extend(s.dcache, nxt, out.taps, lens - 1)
     return s
 
 
@@ -289,24 +287,16 @@ def compact(s: _Decode, n_done: int):
         s.generator.keep_rows(keep)
     if s.dcache is not None:
         s.dcache.keep_rows(keep)
-        s.h, s.zq = s.h[keep], s.zq[keep]
+        s.dstate = select_rows(s.dstate, keep)
         s.backlog.keep(keep)
 
 
 def propose(draft, s: _Decode):
-    """Step 1. d_j ~ q_j(. | x, d_<j), j = 1..k: k draft forwards from the state at the last verified position.
-    Returns d (b, k) and q (b, k, V) (None at tau = 0). The draft's cache is rolled back: its branch entries are
-    replaced by true trunk entries once the policy has verified them."""
-    L_d, bound = s.dcache.lengths.clone(), s.dcache.bound  # bound: the host's, restored with the lengths
-    h, zq, ds, qs = s.h, s.zq, [], []
-    for j in range(s.k):
-        dj, qj = _sample(zq, s.temperature, s.generator)
-        ds.append(dj)
-        qs.append(qj)
-        if j < s.k - 1:
-            h, zq = draft.step(s.dcache, dj, h)
-    s.dcache.rollback(L_d, bound=bound)
-    return torch.stack(ds, 1), (torch.stack(qs, 1) if s.temperature > 0 else None)
+    """Step 1. d_j ~ q_j(. | x, d_<j), j = 1..k, from the draft's state at the last verified position (drafter.py:
+    k draft forwards for a chain drafter, one for a block drafter). Returns d (b, k) and q (b, k, V), the
+    distributions the tokens were drawn from (None at tau = 0). The draft's cache is as before: its entries past the
+    verified ones are replaced by true trunk entries once the policy has verified them."""
+    return draft.propose(s.dcache, s.dstate, s.k, s.temperature, s.generator)
 
 
 def verify_step(target, s: _Decode, d, q):

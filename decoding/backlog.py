@@ -26,7 +26,8 @@ class Backlog:
         self.taps = [{key: v[rows] for key, v in t.items()} for t in self.taps]
 
     def flush(self, draft, cache):
-        """One draft.extend over the L waiting steps (every row advanced by one token in each) -> (h, zq) there."""
+        """One draft.extend over the L waiting steps (every row advanced by one token in each) -> the draft's state
+        there (drafter.py)."""
         tokens = torch.cat(self.tokens, 1)  # (b, L)
         taps = {key: torch.cat([t[key] for t in self.taps], 1) for key in self.taps[0]}
         self.tokens, self.taps = [], []

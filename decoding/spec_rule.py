@@ -10,11 +10,21 @@ from __future__ import annotations
 
 import torch
 
+from decoding.row_streams import multinomial
 from modeling.layers import at_least_f32
 
 
 def probs(logits, temperature: float):  # (..., V) -> p (..., V) at temperature tau > 0, at least fp32
     return torch.softmax(at_least_f32(logits) / temperature, dim=-1)
+
+
+def sample(logits, temperature: float, generator=None):
+    """(B, V) logits -> tokens (B,) and the probabilities they were drawn from (None at tau = 0: the argmax).
+    generator: a torch.Generator, row_streams.RowStreams (one stream per row) or None (torch's global one)."""
+    if temperature == 0:
+        return logits.argmax(-1), None
+    q = probs(logits, temperature)
+    return multinomial(q, generator), q
 
 
 def accept_prob(p_d, q_d):

@@ -231,7 +231,7 @@ def tree_greedy(z, cand, tree: Tree):
 
 # ------------------------------------------------------------------------------------------------- the engine steps
 def propose(draft, s, tree: Tree):
-    """Step 1 (tree). Level by level from the root's state (s.h, s.zq): draw each node's children, then one draft
+    """Step 1 (tree). Level by level from the root's state s.dstate = (h, zq): draw each node's children, then one draft
     forward over the new level (k - 1 forwards, as the chain), each node attending to the trunk and its ancestors.
     Returns cand (b, 1+N) the node tokens (column 0 = s.y) and q (b, I, V) the draft at the internal nodes (None at
     tau = 0). The draft's tree entries are rolled back afterwards."""
@@ -240,7 +240,7 @@ def propose(draft, s, tree: Tree):
     if t.k > 1:  # the draft's entries: the nodes at depths 1..k-1 (the root's entry is the trunk's last)
         layout = TreeLayout(t.depth[1: t.level[t.k]] - 1, t.visible[1: t.level[t.k], 1: t.level[t.k]], base,
                             s.dcache.max_len, top=top)
-    h, zq = s.h[:, None], s.zq[:, None]  # (b, 1, H), (b, 1, V): the root level
+    h, zq = (x[:, None] for x in s.dstate)  # (b, 1, H), (b, 1, V): the root level (EAGLE-3's state: h, zq)
     toks, qs = [s.y[:, None]], []
     for j, b in enumerate(t.branching, 1):
         x, q = sample_children(zq, b, s.temperature, s.generator)  # (b, n_{j-1}, b_j)

@@ -31,6 +31,7 @@ import json
 import os
 from dataclasses import dataclass
 
+from harness import drafters
 from model import ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -181,12 +182,15 @@ class DraftSpec:
     tap_layers: tuple = ()  # the policy layers the draft reads; (): model.default_tap_layers (its code is in the key)
     pass_weight: float = 0.8  # the TTT loss weighs pass d by pass_weight^(d-1)
     rows: int = 256  # prompts per generate call when sampling the pool (--rollout_batch): it shapes the samples
+    drafter: str = "eagle3"  # the draft family (harness/drafters.py)
+    drafter_opts: tuple = ()  # its construction and loss options, sorted (key, value) pairs (drafters.options)
 
     @classmethod
     def from_config(cls, cfg, tsk, policy_key: str, *, attn_fn=None, draft_attn_fn=None) -> DraftSpec:
         return cls(policy_key, tsk, cfg.draft_warmup_steps, cfg.draft_warmup_batch, cfg.draft_warmup_lr,
                    cfg.draft_warmup_pool, tsk.max_new_tokens, cfg.ttt_passes, cfg.seed, cfg.draft_vocab, attn_fn,
-                   draft_attn_fn, tuple(cfg.tap_layers), cfg.ttt_decay, cfg.rollout_batch)
+                   draft_attn_fn, tuple(cfg.tap_layers), cfg.ttt_decay, cfg.rollout_batch, cfg.drafter,
+                   tuple(sorted(drafters.options(cfg, tsk).items())))
 
     def key(self) -> str:
         return spec_key("draft", self)

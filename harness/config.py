@@ -26,8 +26,9 @@ import torch
 from harness.logger import BACKENDS, parse_backends
 from parallel.cli import flags_help, print_help, wants_help
 from parallel.cli import show_value as _show
-from harness.config_checks import (_TYPE_CHECKS, AUTO_FLAG, FLAG, _installed, _parses, _problem, _taps_ok,
-                                    _update_sizes, _writable_dir, above, at_least, one_of)
+from harness.config_checks import (_TYPE_CHECKS, AUTO_FLAG, FLAG, _block_ok, _installed, _parses, _problem,
+                                    _taps_ok, _update_sizes, _writable_dir, above, at_least, one_of)
+from harness.drafters import FAMILIES as DRAFTERS
 from harness.presets import PRESETS
 from model import PRESETS as MODEL_PRESETS
 from parallel.pp_schedule import SCHEDULES
@@ -85,6 +86,13 @@ class Config:
     ttt_decay: float = 0.8  # the TTT loss weights pass d by ttt_decay^(d-1) (EAGLE-3's 0.8)
     tap_layers: tuple = ()  # the policy layers the draft reads, --tap_layers=0,2,4; (): model.default_tap_layers
     draft_vocab: int = 0  # N > 0: the draft names only the N most frequent response tokens of its warm-up (0 = full)
+    drafter: str = "eagle3"  # the draft family (harness/drafters.py): eagle3 | dflash (a block per forward) | dspark
+    block_size: int = 8  # dflash / dspark: W slots per block; k <= W - 1 drafts per forward (dspark: k <= W)
+    anchors: int = 8  # dflash / dspark: training blocks per sequence, at seeded anchors among response positions
+    block_gamma: float = 0.0  # dflash / dspark: slot j weighs exp(-(j - 1) / gamma); 0: the rule by block size
+    draft_layers: int = 1  # dflash / dspark: the draft's decoder layers (the paper: 5 at 8B)
+    mask_token_id: int = -1  # dflash / dspark: the MASK id; -1: the tokenizer's mask token, else the task's pad id
+    markov_rank: int = 16  # dspark: the rank of the Markov head (256 at 8B)
     # RL
     steps: int = 30  # RL steps (each: rollouts, then `updates` optimisation steps)
     prompts_per_step: int = 32  # prompts per RL step, each sampled group_size times
@@ -265,9 +273,20 @@ CHECKS = {
     "ttt_passes":         at_least(1),
     "ttt_decay":          ((lambda v, c: 0 <= v <= 1), "in [0, 1] (pass d weighs ttt_decay^(d-1); 0: pass 1 only)"),
     "tap_layers":         ((lambda v, c: _taps_ok(v, c)),
-                           "'' (the default rule, model.default_tap_layers) or 3 ascending layer ids in [0, the "
+                           "'' (the family's default rule) or, for eagle3, 3 ascending layer ids in [0, the "
                            "policy's layers - 2], e.g. --tap_layers=0,2,4: the served EAGLE-3 draft (vLLM, SGLang) "
-                           "reads exactly 3 aux hidden states, none of them the last layer's output"),
+                           "reads exactly 3 aux hidden states, none of them the last layer's output; for a block "
+                           "drafter ascending ids in [0, the policy's layers - 1]"),
+    "drafter":            ((lambda v, c: v in DRAFTERS and (v == "eagle3" or _block_ok(c))),
+                           f"one of {', '.join(DRAFTERS)}; a block drafter (dflash, dspark) with a fixed "
+                           "--num_draft_tokens and --eval_draft_tokens <= block_size - 1 (dspark: block_size), and "
+                           "no --tree, --draft or --draft_vocab"),
+    "block_size":         ((lambda v, c: 2 <= v <= 64), "in [2, 64]"),
+    "anchors":            at_least(1),
+    "block_gamma":        at_least(0),
+    "draft_layers":       at_least(1),
+    "mask_token_id":      ((lambda v, c: v >= -1), ">= 0, or -1 (the tokenizer's mask token, else the task's pad)"),
+    "markov_rank":        at_least(1),
     "steps":              at_least(1),
     "prompts_per_step":   at_least(1),
     "group_size":         at_least(2),  # GRPO's advantage is relative to the group: one sample has none

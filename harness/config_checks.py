@@ -75,14 +75,25 @@ def _policy_layers(c) -> int | None:
 
 
 def _taps_ok(taps: tuple, c) -> bool:
-    """() or the served format's taps: exactly 3 ascending integer ids in [0, n - 2] (serving/export.py)."""
+    """() or the served format's taps: exactly 3 ascending integer ids in [0, n - 2] (serving/export.py); a block
+    drafter (vLLM's DFlash format reads any number): ascending ids in [0, n - 1]."""
     n = _policy_layers(c)
     if not isinstance(taps, tuple):
         return False
     if taps == () or n is None:
         return True
+    if c.drafter != "eagle3":
+        return all(type(t) is int for t in taps) and list(taps) == sorted(set(taps)) and 0 <= taps[0] <= taps[-1] < n
     return (len(taps) == 3 and all(type(t) is int for t in taps) and list(taps) == sorted(set(taps))
             and 0 <= taps[0] and taps[-1] <= n - 2)
+
+
+def _block_ok(c) -> bool:
+    """A block drafter's k: fixed, at most its trained slots (block_size - 1; dspark: block_size); a chain only."""
+    most = c.block_size - (c.drafter == "dflash")
+    k = c.num_draft_tokens
+    return (type(k) is int and k <= most and (c.eval_draft_tokens or k) <= most and not c.tree and not c.draft
+            and not c.draft_vocab)
 
 
 _TYPE_CHECKS = {

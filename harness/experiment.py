@@ -32,17 +32,18 @@ from tasks.protocol import Demonstrations, task_from_config
 from harness import warmup
 from harness.warmup import draft_spec  # what the draft warm-up reads (also the cache keys' tests)
 from harness.cache_keys import PolicySpec, hf_policy_key
-from backends.attention_padded import auto_branch_attention, auto_causal_attention
+from backends.attention_padded import auto_causal_attention
 from backends.fused_logprob import budget_rows
 from dist_step import DistCotrainer
 from draft import Eagle3Draft
+from harness import drafters
 from serving.hf_io import from_pretrained
 from harness.mesh import model_dtype
 from harness.memory_model import resolve_zero1
 from model import Transformer
 from modeling.mixed_precision import master_optimizer
 from harness.offline_arm import OfflineArm
-from rl_loop import DraftTrainer, GRPOConfig
+from rl_loop import GRPOConfig
 
 if TYPE_CHECKING:
     from harness.config import Config
@@ -56,7 +57,7 @@ class Setup:
     policy: torch.nn.Module  # the full policy this rank generates with (refitted after every update)
     ref: torch.nn.Module | None  # frozen pi_0 (the warm policy): KL log, k3 penalty, offline arm; None: not used
     drafts: dict  # arm name -> DraftTrainer ("cotrained" drives the rollouts; "cold" is evaluated only); {}: no_spec
-    frozen: Eagle3Draft | None  # the warm-up draft, never updated (--frozen_arm)
+    frozen: object  # the warm-up draft (drafter.py), never updated (--frozen_arm); None without the arm
     cotrainer: DistCotrainer  # this rank's pipeline stage + optimizer: the one update path at every world size
     eval_problems: list
     rng: random.Random  # the prompt sampler: the same stream on every rank
@@ -131,7 +132,7 @@ def watched(s: Setup) -> list:
         [("offline", s.offline.draft)] if s.offline is not None else [])
 
 
-def build_offline(cfg: Config, s: Setup, warm: Eagle3Draft) -> Setup:
+def build_offline(cfg: Config, s: Setup, warm) -> Setup:
     """The offline-extended arm (offline_arm.py) on a copy of the warm-up draft, reading the live embedding like the
     frozen copy; it samples pi_0 from the reference."""
     warm.attach(s.policy)
@@ -171,7 +172,7 @@ def build_models(cfg: Config, dev: torch.device, log=print) -> Setup:
         if cfg.arm("frozen"):
             frozen = copy.deepcopy(warm).requires_grad_(False)
             frozen.attach(policy)  # like the co-trained draft it reads the live policy's embedding; its weights stay
-        drafts = draft_arms(cfg, policy, warm)
+        drafts = draft_arms(cfg, tsk, policy, warm)
     grpo = GRPOConfig(eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta=cfg.beta, std_norm=cfg.std_norm,
                       loss_norm=cfg.loss_norm, max_len=tsk.max_new_tokens, temperature=cfg.temperature)
     r = cfg.run_seed  # the RL phase's streams; the warm-ups and the held-out prompts follow cfg.seed (shared)
@@ -194,20 +195,16 @@ def warm_draft(cfg: Config, tsk, policy, pkey: str) -> tuple:
                              log_every=max(cfg.draft_warmup_steps // 4, 1), chunk_mib=cfg.chunk_mib)
 
 
-def draft_arms(cfg: Config, policy, warm: Eagle3Draft) -> dict:
+def draft_arms(cfg: Config, tsk, policy, warm) -> dict:
     """arm name -> DraftTrainer of the drafts trained on the rollouts' taps: "cotrained" (the warm-up draft itself,
-    or with --cold_start an untrained one) and, with --cold_arm, "cold" (untrained, evaluated only)."""
+    or with --cold_start an untrained one of the same shape, warm.fresh: the same taps, vocabulary, block) and,
+    with --cold_arm, "cold" (untrained, evaluated only)."""
     def trainer(d):
         opt = master_optimizer(d.parameters(), lambda ps: torch.optim.AdamW(ps, lr=cfg.draft_lr, weight_decay=0.0))
-        return DraftTrainer(d, opt, lam=cfg.draft_lam, grad_clip=cfg.draft_grad_clip, num_passes=cfg.ttt_passes,
-                            pass_weight=cfg.ttt_decay, attn_fn=auto_branch_attention)
+        return drafters.config_trainer(cfg, tsk, d, opt)
 
     torch.manual_seed(cfg.run_seed + 7)
-    reduced = cfg.draft_vocab or warm.cfg.draft_vocab_size < warm.cfg.vocab_size  # (--draft: the export's own)
-    vocab = warm.draft_to_target if reduced else None  # every arm names the same draft tokens
-    taps = warm.tap_layers  # --tap_layers, or the default rule: every arm reads the same taps
-    drafts = {"cotrained": trainer(Eagle3Draft.from_target(policy, tap_layers=taps, draft_vocab=vocab)
-                                   if cfg.cold_start else warm)}
+    drafts = {"cotrained": trainer(warm.fresh(policy) if cfg.cold_start else warm)}
     if cfg.arm("cold"):
-        drafts["cold"] = trainer(Eagle3Draft.from_target(policy, tap_layers=taps, draft_vocab=vocab))
+        drafts["cold"] = trainer(warm.fresh(policy))
     return drafts

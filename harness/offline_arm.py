@@ -33,20 +33,20 @@ import torch
 import torch.distributed as dist
 
 import speculative
-from backends.attention_padded import auto_branch_attention, auto_causal_attention
+from backends.attention_padded import auto_causal_attention
 from backends.fused_logprob import budget_rows
 from modeling.mixed_precision import clip_grads_, master_optimizer
 from decoding.row_streams import RowStreams, row_keys
 from harness.mesh import gather_all, rank_world, row_blocks
-from rl_loop import DraftTrainer, RolloutBatch, draft_loss
+from harness import drafters
+from rl_loop import RolloutBatch, draft_loss
 
 
 class OfflineArm:
     def __init__(self, cfg, tsk, ref, draft, *, seed: int):
         self.cfg, self.task, self.ref = cfg, tsk, ref
         opt = master_optimizer(draft.parameters(), lambda ps: torch.optim.AdamW(ps, lr=cfg.draft_lr, weight_decay=0.0))
-        self.tr = DraftTrainer(draft, opt, lam=cfg.draft_lam, grad_clip=cfg.draft_grad_clip, num_passes=cfg.ttt_passes,
-                               pass_weight=cfg.ttt_decay, attn_fn=auto_branch_attention)
+        self.tr = drafters.config_trainer(cfg, tsk, draft, opt)  # the co-trained draft's family options
         dev = next(ref.parameters()).device
         self.rng = random.Random(seed + 555)  # its own prompt stream: fresh prompts, not the rollouts'
         self.seed, self.dev = seed + 556, dev  # the sample streams: row_keys(seed + 556, steps_done, prompt, sample)

@@ -31,7 +31,6 @@ Letters: T packed tokens, S sequences, V vocab.
 """
 from __future__ import annotations
 
-import dataclasses
 import glob
 import math
 import os
@@ -46,15 +45,15 @@ import torch
 import speculative
 from tasks.protocol import Demonstrations, task_from_config
 from harness.cache_keys import DraftSpec, PolicySpec, hf_policy_key
-from draft import DraftConfig, Eagle3Draft
+from harness import drafters
 from serving.export import pid_alive
 from serving.hf_io import from_pretrained, read_json, save_pretrained
 from serving.draft_vocab import select_draft_vocab
 from model import Transformer
-from backends.attention_padded import auto_branch_attention, auto_causal_attention
+from backends.attention_padded import auto_causal_attention
 from backends.fused_logprob import DEFAULT_CHUNK_MIB, budget_rows
 from parallel.cli import writing
-from rl_loop import DraftTrainer, RolloutBatch, check_finite_weights, draft_loss, pack, packed_logp
+from rl_loop import RolloutBatch, check_finite_weights, draft_loss, pack, packed_logp
 
 
 HINT = "stopping, nothing cached. Try a lower --sft_lr / --draft_warmup_lr"
@@ -166,15 +165,17 @@ def publish(path: str, save):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_draft(path: str, policy) -> Eagle3Draft:
-    """A cached draft (draft.py's save format); anything unreadable or non-finite is a ValueError naming the file."""
+def load_draft(path: str, policy):
+    """A cached draft (its family's save format, drafter.py); anything unreadable or non-finite is a ValueError naming
+    the file."""
     cfg_path, st = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
-    extra = sorted(set(read_json(cfg_path)) - {f.name for f in dataclasses.fields(DraftConfig)} - {"architectures"})
+    cls = drafters.architecture(path)
+    extra = sorted(set(read_json(cfg_path)) - drafters.config_fields(cls) - {"architectures"})
     if extra:
-        raise ValueError(f"{cfg_path}: unknown key(s) {extra} (a cached draft holds DraftConfig's fields); delete "
+        raise ValueError(f"{cfg_path}: unknown key(s) {extra} (a cached draft holds its config's fields); delete "
                          f"{path} to retrain it")
     try:
-        draft = Eagle3Draft.load(path, policy)
+        draft = cls.load(path, policy)
     except Exception as e:  # noqa: BLE001 -- SafetensorError, a missing or misshapen tensor, a bad config value
         why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
         raise ValueError(f"{st}: unreadable cached draft ({why}); truncated or not this draft? Delete {path} to "
@@ -187,33 +188,35 @@ def load_draft(path: str, policy) -> Eagle3Draft:
 
 def draft_spec(cfg, tsk, policy_key: str) -> DraftSpec:
     """What a run's draft warm-up reads (train.py and this module's command alike): the config's draft_warmup_*
-    settings, the task, the policy's key, the padded attention kernels."""
+    settings, the task, the policy's key, the attention kernels (the draft's: its family's, drafters.py)."""
     return DraftSpec.from_config(cfg, tsk, policy_key, attn_fn=auto_causal_attention,
-                                 draft_attn_fn=auto_branch_attention)
+                                 draft_attn_fn=drafters.family(cfg.drafter).attn_fn)
 
 
 def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache", log_every: int = 0,
-               chunk_mib: float = DEFAULT_CHUNK_MIB) -> tuple[Eagle3Draft, bool]:
+               chunk_mib: float = DEFAULT_CHUNK_MIB) -> tuple:
     """A draft fitted offline to the warm policy's own samples (cached). Returns (draft, loaded).
     policy: the model spec.policy_key names. Everything else that shapes the draft comes from `spec` (its key:
     spec.key()): the task (its train prompts and EOS), steps (0: an untrained draft), draft_vocab = N > 0 (the draft
     names only the N most frequent target tokens of the sampled responses, draft_vocab.py), tap_layers (the policy
-    layers it reads; (): model.default_tap_layers), pass_weight (w_d = pass_weight^(d-1) in the TTT loss), ...
+    layers it reads; (): the family's default rule), pass_weight (w_d = pass_weight^(d-1) in the TTT loss), drafter
+    and drafter_opts (the family, harness/drafters.py, and its options), ...
     chunk_mib (rounding only, not in the key): the streamed loss's chunk, its teacher's logits formed from the policy's
     final hidden chunk by chunk (0: the policy's (T, V) logits as the teacher).
 
     1. sample `pool` responses from the policy (plain sampling at temperature 1: the distribution RL starts from),
        spec.rows prompts per generate call;
-    2. each step: `batch` of them -> policy forward (no grad) for taps + final hidden -> TTT loss, streamed -> AdamW
-       step."""
+    2. each step: `batch` of them -> policy forward (no grad) for taps + final hidden -> the draft's loss (TTT for
+       EAGLE-3), streamed -> AdamW step."""
     tsk, steps, batch, lr, pool, seed, draft_vocab = (spec.task, spec.steps, spec.batch, spec.lr, spec.pool, spec.seed,
                                                       spec.draft_vocab)
     max_new_tokens, num_passes, attn_fn, draft_attn_fn = (spec.max_new_tokens, spec.num_passes, spec.attn_fn,
                                                           spec.draft_attn_fn)
     taps = spec.tap_layers or None  # None: the default rule
+    opts = dict(spec.drafter_opts)
     if steps == 0 and draft_vocab == 0:
         torch.manual_seed(seed)
-        return Eagle3Draft.from_target(policy, tap_layers=taps), False
+        return drafters.build_draft(spec.drafter, policy, opts, tap_layers=taps), False
     path = os.path.join(cache_dir, f"draft-{spec.key()}")
     clean_stale(path)
     if complete(path):  # also at steps 0 with a reduced vocabulary: its sampled responses are the cost
@@ -228,12 +231,13 @@ def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache"
                                                             eos_id=tsk.tok.eos_id, generator=g).tokens]
     torch.manual_seed(seed)
     ids = select_draft_vocab(responses, policy.cfg.vocab_size, draft_vocab) if draft_vocab else None
-    draft = Eagle3Draft.from_target(policy, tap_layers=taps, draft_vocab=ids)
+    draft = drafters.build_draft(spec.drafter, policy, opts, tap_layers=taps, draft_vocab=ids)
     if steps == 0:  # untrained, but its reduced vocabulary came from `pool` samples: cached like a trained one
         publish(path, draft.save)
         return draft, False
-    tr = DraftTrainer(draft, torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0), num_passes=num_passes,
-                      pass_weight=spec.pass_weight, attn_fn=draft_attn_fn)
+    tr = drafters.make_trainer(spec.drafter, draft, torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0),
+                               opts, num_passes=num_passes, pass_weight=spec.pass_weight)
+    tr.attn_fn = draft_attn_fn  # the spec's: its family's single-process training attention (draft_spec)
     t0, chunk = time.time(), budget_rows(policy.cfg.vocab_size, chunk_mib)
     for step in range(steps):
         for grp in tr.opt.param_groups:

@@ -101,11 +101,12 @@ class KVCache:
     def positions(self, S: int) -> torch.Tensor:  # (B, S) absolute positions of the next S tokens of each row
         return self.lengths[:, None] + torch.arange(S, device=self.lengths.device)
 
-    def begin(self, S: int, tree=None) -> torch.Tensor:
+    def begin(self, S: int, tree=None, causal: bool = True) -> torch.Tensor:
         """Start a forward that appends S entries to every row -> their positions (B, S). What every layer's write
         shares (positions, row ids) is built here once, not per layer; the causal mask is not: `visible` builds it a
         block of query rows at a time (a prefill's whole (B, S, Lk) mask would be O(L^2)).
-        tree: the S entries are tree nodes instead, a TreeNodes (begin_nodes) or (depth, visible, base) (begin_tree)."""
+        tree: the S entries are tree nodes instead, a TreeNodes (begin_nodes) or (depth, visible, base) (begin_tree).
+        causal False: the S entries form a block that sees all of itself (a block drafter's, draft_dflash.py)."""
         if tree is not None:
             return self.begin_nodes(tree) if isinstance(tree, TreeNodes) else self.begin_tree(*tree)
         self._check_room(S)
@@ -113,7 +114,8 @@ class KVCache:
         self._reserve(Lk)
         pos = self.positions(S)  # (B, S)
         rows = torch.arange(self.batch, device=pos.device)[:, None].expand(-1, S)  # (B, S)
-        self._pending = (S, pos, rows, None, Lk)  # None: the chain's causal mask, built per block by `visible`
+        self._see = pos if causal else pos[:, -1:].expand(-1, S)  # (B, S) the last slot each entry sees
+        self._pending = (S, pos, rows, None, Lk)  # None: that mask, built per block by `visible`
         return pos
 
     def begin_tree(self, depth, visible, base) -> torch.Tensor:
@@ -178,12 +180,13 @@ class KVCache:
 
     def visible(self, lo: int, hi: int) -> torch.Tensor:
         """(B, hi - lo, Lk) bool: which slots new entries lo..hi-1 of the forward in progress attend to -- a chain's
-        own slot and every slot before it (causal per row), a tree node's the row's prefix and its ancestors. Built
-        per block of rows, so a prefill never holds its (B, S, Lk) mask at once."""
+        own slot and every slot before it (causal per row), a block's every slot up to its last, a tree node's the
+        row's prefix and its ancestors. Built per block of rows, so a prefill never holds its (B, S, Lk) mask at
+        once."""
         _, pos, _, mask, Lk = self._pending
         if mask is not None:
             return mask[:, lo:hi]
-        return torch.arange(Lk, device=pos.device)[None, None, :] <= pos[:, lo:hi, None]  # (B, hi - lo, Lk)
+        return torch.arange(Lk, device=pos.device)[None, None, :] <= self._see[:, lo:hi, None]  # (B, hi - lo, Lk)
 
     @property
     def key_len(self) -> int:

@@ -190,7 +190,7 @@ def write_servables(out_dir: str, policy, draft, tokenizer_dir: str | None = Non
     try:
         if draft is None:  # a run without a draft (plain GRPO)
             raise ValueError("the run has no draft")
-        check_exportable(draft.cfg.tap_layers, draft.cfg.target_num_layers)
+        draft.check_exportable()  # drafter.py: a ValueError says why its family's format cannot hold it
         skipped = None
     except ValueError as e:
         if require_draft:
@@ -220,7 +220,7 @@ def write_servables(out_dir: str, policy, draft, tokenizer_dir: str | None = Non
     atomic_dir(os.path.join(out_dir, "policy"), write_policy)
     if skipped:
         return {"policy": os.path.join(out_dir, "policy"), "draft": None, "skipped": skipped}
-    export_draft(draft, os.path.join(out_dir, "draft"), dtype=dtype,
+    draft.export(os.path.join(out_dir, "draft"), dtype=dtype,  # its family's serving format (drafter.py)
                  max_position_embeddings=policy.cfg.max_position_embeddings, pair=pair)
     return {"policy": os.path.join(out_dir, "policy"), "draft": os.path.join(out_dir, "draft"), "skipped": None}
 

@@ -149,7 +149,7 @@ def _read(model_dir: str, name: str) -> dict:
 
 class HFTokenizer:
     """tokenizer.json behind task.Tokenizer's interface: encode (no special tokens), decode (ends at any EOS, drops
-    special tokens), bos_id / eos_id / pad_id, vocab_size (largest id + 1)."""
+    special tokens), bos_id / eos_id / pad_id / mask_id (None without one), vocab_size (largest id + 1)."""
 
     def __init__(self, model_dir: str):
         path = os.path.join(model_dir, "tokenizer.json")
@@ -165,6 +165,7 @@ class HFTokenizer:
         self.eos_id = self.eos_ids[0]  # the one id the decoders stop on; decode() stops on any of eos_ids
         self.bos_id = (self._ids("bos", files) or [None])[0]
         self.pad_id = (self._ids("pad", files) or [self.eos_id])[0]  # no pad token: pad with EOS, as HF does
+        self.mask_id = (self._ids("mask", files) or [None])[0]  # a block drafter's MASK (harness/drafters.py)
         self.add_bos = bool(files[2].get("add_bos_token", False)) and self.bos_id is not None
 
     def _ids(self, kind: str, files: list[dict]) -> list[int]:

@@ -63,7 +63,7 @@ def reads(cfg) -> tuple[set, set]:
 
 DRAFT_CHANGES = {"draft_warmup_steps": 3, "draft_warmup_batch": 5, "draft_warmup_lr": 2e-3, "draft_warmup_pool": 9,
                  "ttt_passes": 2, "draft_vocab": 6, "seed": 1, "tap_layers": (0, 1, 2), "ttt_decay": 0.5,
-                 "rollout_batch": 5}
+                 "rollout_batch": 5, "drafter": "dflash"}
 BUILTIN_CHANGES = {"model": "mini", "min_steps": 2, "max_steps": 3, "p_explicit": 0.5, "format_weight": 1.0,
                    "max_new_tokens": 7, "sft_steps": 4, "sft_batch": 9, "sft_lr": 2e-2,
                    "task": "docs.examples.parity_task:ParityTask", **DRAFT_CHANGES}
@@ -97,7 +97,7 @@ def hf(tmp_path):
              "data": write_prompts(tmp_path / "p2.jsonl", offset=1), "chat_template": str(tmp_path / "t2.jinja")}
     cfg = parse_args(["--preset=test", f"--model={write_checkpoint(tmp_path / 'llama')}",
                       f"--data={write_prompts(tmp_path / 'p.jsonl')}", f"--chat_template={tmp_path / 't.jinja'}",
-                      "--max_new_tokens=10", "--eval_fraction=0.3"])
+                      "--max_new_tokens=10", "--eval_fraction=0.3", "--mask_token_id=3"])  # (--drafter=dflash)
     return cfg, {k: other.get(k, v) for k, v in HF_CHANGES.items()}
 
 

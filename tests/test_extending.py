@@ -34,7 +34,7 @@ COMMANDS = [line for b in blocks("bash") for line in b.splitlines() if line.star
 
 def test_the_doc_shows_every_example_file_verbatim_and_each_is_small():
     shown = [b.strip() for b in blocks("python")]
-    assert len(EXAMPLES) == 2 and len(COMMANDS) == 4
+    assert len(EXAMPLES) == 2 and len(COMMANDS) == 5
     for path in EXAMPLES:
         text = open(path, encoding="utf-8").read()
         assert text.strip() in shown, f"{os.path.relpath(path, ROOT)} differs from its block in docs/EXTENDING.md"
@@ -54,6 +54,10 @@ def test_the_registered_example_normalisation_is_linear():
     assert float(L(l1)) == pytest.approx(float((l1 * mask).sum() / 3))
 
 
+def exported_architecture(out) -> str:
+    return json.load(open(out / "draft" / "config.json"))["architectures"][0]
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("cache"))
@@ -68,7 +72,9 @@ def test_each_command_of_the_doc_runs(command, cache, tmp_path, monkeypatch):
     cfg = parse_args(argv)
     s = train(cfg)
     assert s["steps"] == 1 and os.path.isfile(tmp_path / "metrics.jsonl")
-    assert set(weights) == {cfg.ttt_decay}  # warm-up, co-trained, cold, offline and watched arms alike
+    assert set(weights) == ({cfg.ttt_decay} if cfg.drafter == "eagle3" else set())  # every arm alike; TTT's only
+    assert exported_architecture(tmp_path) == {"eagle3": "LlamaForCausalLMEagle3", "dflash": "DFlashDraftModel"}[
+        cfg.drafter]
     exported = json.load(open(tmp_path / "draft" / "config.json"))
     if cfg.tap_layers:  # the export names the configured taps (vLLM: + 1; SGLang: as they are)
         assert exported["eagle_aux_hidden_state_layer_ids"] == [t + 1 for t in cfg.tap_layers]

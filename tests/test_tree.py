@@ -120,7 +120,7 @@ def test_draft_tree_levels_equal_chain_steps(pair, tree):
     assert torch.equal(s.dcache.lengths, L0) and q.shape == (3, t.level[t.k], policy.cfg.vocab_size)
     for c in range(t.level[t.k]):
         anc = [a for a in range(1, c + 1) if t.visible[c, a]]  # the node's path below the root
-        h, zq = s.h, s.zq
+        h, zq = s.dstate
         for a in anc:
             h, zq = draft.step(s.dcache, cand[:, a], h)
         s.dcache.rollback(L0)

@@ -1,0 +1,113 @@
+"""The draft families by name (`--drafter eagle3|dflash|dspark`): how the config builds, trains and reloads each one.
+
+Everything else speaks to a draft through the drafter protocol (drafter.py); this table is the one place that knows
+which class a name means, which of the config's flags its constructor and its loss take, and its single-process
+training attention. eagle3 is the default (the experiment's numbers are EAGLE-3's).
+
+    options(cfg, tsk)                                  the family's construction and loss options (a warm-up's key)
+    build_draft(name, policy, opts, tap_layers=, draft_vocab=)   a fresh draft of that family for the policy
+    make_trainer(name, draft, opt, opts, ...) / config_trainer(cfg, tsk, draft, opt)   its rl_loop.DraftTrainer
+    architecture(path)                                 the family class of a saved draft (config.json names it)
+    mask_token_id(cfg, tsk)                            the block drafters' MASK id
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from backends.attention_padded import auto_branch_attention
+from draft import DraftConfig, Eagle3Draft
+from draft_dflash import DFlashDraft
+from draft_dspark import DSparkDraft
+from drafter import check_drafter
+from rl_loop import DraftTrainer
+from serving.hf_io import read_json
+
+
+@dataclass(frozen=True)
+class Family:
+    cls: type
+    build_keys: tuple  # the options its from_target takes
+    loss_keys: tuple  # the options its loss takes (rl_loop.DraftTrainer.opts)
+    attn_fn: Optional[Callable] = None  # the single-process training attention (None: the family's default)
+
+
+BLOCK_BUILD, BLOCK_LOSS = ("mask_token_id", "block_size", "num_layers"), ("anchors", "gamma", "seed")
+FAMILIES = {
+    "eagle3": Family(Eagle3Draft, (), (), auto_branch_attention),
+    "dflash": Family(DFlashDraft, BLOCK_BUILD, BLOCK_LOSS),
+    "dspark": Family(DSparkDraft, BLOCK_BUILD + ("markov_rank",), BLOCK_LOSS),
+}
+BY_ARCHITECTURE = {"Eagle3DraftModel": Eagle3Draft, DFlashDraft.architecture: DFlashDraft,
+                   DSparkDraft.architecture: DSparkDraft}
+
+
+def family(name: str) -> Family:
+    if name not in FAMILIES:
+        raise ValueError(f"drafter={name!r}: expected one of {sorted(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def options(cfg, tsk) -> dict:
+    """The family's construction and loss options from the config ({} for eagle3, whose TTT options are the
+    trainer's num_passes / pass_weight): part of the draft warm-up's cache key."""
+    f = family(cfg.drafter)
+    read = dict(mask_token_id=lambda: mask_token_id(cfg, tsk), block_size=lambda: cfg.block_size,
+                num_layers=lambda: cfg.draft_layers, markov_rank=lambda: cfg.markov_rank, anchors=lambda: cfg.anchors,
+                gamma=lambda: cfg.block_gamma or None, seed=lambda: cfg.seed)  # only the family's own are read
+    return {k: read[k]() for k in f.build_keys + f.loss_keys}
+
+
+def mask_token_id(cfg, tsk) -> int:
+    """--mask_token_id when set (>= 0); else the tokenizer's mask token; else the task's pad id when the task never
+    emits it (the built-in task's reserved <pad>). HF mode without either: a one-line error naming the flag."""
+    if cfg.mask_token_id >= 0:
+        return cfg.mask_token_id
+    tok = tsk.tok
+    mask = getattr(tok, "mask_id", None)
+    if mask is not None:
+        return int(mask)
+    if not cfg.hf_mode:
+        return int(tok.pad_id)
+    raise ValueError(f"--drafter={cfg.drafter}: the tokenizer has no mask token; pass --mask_token_id=ID (an id the "
+                     "policy never emits)")
+
+
+def build_draft(name: str, policy, opts: dict, *, tap_layers=None, draft_vocab=None):
+    """A fresh draft of family `name` matched to `policy` (taps: tap_layers or the family's default rule)."""
+    f = family(name)
+    kw = {k: opts[k] for k in f.build_keys}
+    if draft_vocab is not None:
+        kw["draft_vocab"] = draft_vocab
+    d = f.cls.from_target(policy, tap_layers=tap_layers, **kw)
+    check_drafter(d)
+    return d
+
+
+def make_trainer(name: str, draft, opt, opts: dict, *, lam: float = 1.0, grad_clip: float = 1.0,
+                 num_passes: int = 3, pass_weight: float = 0.8) -> DraftTrainer:
+    """The draft with its optimizer, lambda, clipping and its family's loss options."""
+    f = family(name)
+    return DraftTrainer(draft, opt, lam=lam, grad_clip=grad_clip, num_passes=num_passes, pass_weight=pass_weight,
+                        attn_fn=f.attn_fn, opts={k: opts[k] for k in f.loss_keys})
+
+
+def config_trainer(cfg, tsk, draft, opt) -> DraftTrainer:
+    """make_trainer with the config's lambda, clip, TTT passes / decay and family options."""
+    return make_trainer(cfg.drafter, draft, opt, options(cfg, tsk), lam=cfg.draft_lam, grad_clip=cfg.draft_grad_clip,
+                        num_passes=cfg.ttt_passes, pass_weight=cfg.ttt_decay)
+
+
+def architecture(path: str):
+    """The family class of a saved draft (config.json's architectures; a file without one: EAGLE-3's)."""
+    arch = (read_json(os.path.join(path, "config.json")).get("architectures") or ["Eagle3DraftModel"])[0]
+    if arch not in BY_ARCHITECTURE:
+        raise ValueError(f"{path}: unknown draft architecture {arch!r}; expected one of {sorted(BY_ARCHITECTURE)}")
+    return BY_ARCHITECTURE[arch]
+
+
+def config_fields(cls) -> set:
+    """The config keys a saved draft of family class `cls` holds."""
+    return {f.name for f in dataclasses.fields(DraftConfig if cls is Eagle3Draft else cls.config_class())}

@@ -1,0 +1,96 @@
+"""serving/export_dflash.py: a DFlash draft exported in vLLM's DFlash format, and that export run through a forward
+written here from vLLM's qwen3_dflash.py facts alone (context K/V precomputed from hidden_norm(fc(taps)), k_norm, RoPE;
+then the query block [y, MASK...] attending to them and to itself, non-causal; the target's head on norm(h)) --
+plain torch over the exported tensors and config.json, no cospec module -- against the draft's own block forward.
+~3 s on 2 CPU cores."""
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from draft_dflash import DFlashDraft
+from draft_dspark import DSparkDraft
+from model import ModelConfig, Transformer
+
+
+def rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rope(x, pos, theta):  # x (L, heads, D), neox layout (rotate_half), positions (L,)
+    D = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    ang = pos.double()[:, None] * inv
+    ang = torch.cat([ang, ang], -1)[:, None]
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    x1, x2 = x.chunk(2, -1)
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def engine_forward(path, hidden_states, y, embed, head):
+    """The serving forward of one request: hidden_states {layer output id: (s, H)} of the target at positions 0..s-1,
+    y the last verified token at position s -> the draft's logits at the W block slots (W, V)."""
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    w = load_file(os.path.join(path, "model.safetensors"))
+    eps, theta, D = cfg["rms_norm_eps"], cfg["rope_theta"], cfg["head_dim"]
+    Hq, Hkv, W = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["block_size"]
+    ids = cfg["dflash_config"]["target_layer_ids"]
+    ctx = F.linear(torch.cat([hidden_states[i] for i in ids], -1), w["fc.weight"])  # combine_hidden_states
+    ctx = rms(ctx, w["hidden_norm.weight"], eps)
+    s = ctx.shape[0]
+    x = embed[torch.tensor([y] + [cfg["dflash_config"]["mask_token_id"]] * (W - 1))]
+    pos_c, pos_q = torch.arange(s), torch.arange(s, s + W)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        kc = rope(rms(F.linear(ctx, w[p + "self_attn.k_proj.weight"]).view(s, Hkv, D), w[p + "self_attn.k_norm.weight"],
+                      eps), pos_c, theta)  # precompute_and_store_context_kv
+        vc = F.linear(ctx, w[p + "self_attn.v_proj.weight"]).view(s, Hkv, D)
+        hn = rms(x, w[p + "input_layernorm.weight"], eps)
+        q = rope(rms(F.linear(hn, w[p + "self_attn.q_proj.weight"]).view(W, Hq, D), w[p + "self_attn.q_norm.weight"],
+                     eps), pos_q, theta)
+        kq = rope(rms(F.linear(hn, w[p + "self_attn.k_proj.weight"]).view(W, Hkv, D), w[p + "self_attn.k_norm.weight"],
+                      eps), pos_q, theta)
+        vq = F.linear(hn, w[p + "self_attn.v_proj.weight"]).view(W, Hkv, D)
+        K, V = torch.cat([kc, kq]).repeat_interleave(Hq // Hkv, 1), torch.cat([vc, vq]).repeat_interleave(Hq // Hkv, 1)
+        a = torch.softmax(torch.einsum("qhd,khd->hqk", q, K) / D ** 0.5, -1)  # non-causal: every key
+        x = x + F.linear(torch.einsum("hqk,khd->qhd", a, V).reshape(W, Hq * D), w[p + "self_attn.o_proj.weight"])
+        hn = rms(x, w[p + "post_attention_layernorm.weight"], eps)
+        gate, up = F.linear(hn, w[p + "mlp.gate_proj.weight"]), F.linear(hn, w[p + "mlp.up_proj.weight"])
+        x = x + F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
+    return F.linear(rms(x, w["norm.weight"], eps), head)
+
+
+def test_export_matches_engine_forward(tmp_path):
+    torch.manual_seed(0)
+    policy = Transformer(ModelConfig.preset("tiny", qk_norm=True)).double().eval()
+    draft = DFlashDraft.from_target(policy, mask_token_id=3, block_size=5, num_layers=2)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # norms and all off their init
+    draft.export(str(tmp_path / "d"), dtype=torch.float64)
+    cfg = json.load(open(tmp_path / "d" / "config.json"))
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["num_target_layers"] == 4 and cfg["block_size"] == 5
+    assert cfg["dflash_config"] == {"mask_token_id": 3, "target_layer_ids": list(draft.tap_layers), "block_size": 5}
+    names = set(load_file(str(tmp_path / "d" / "model.safetensors")))
+    assert "fc.weight" in names and "hidden_norm.weight" in names and "layers.1.self_attn.k_norm.weight" in names
+    assert not any("embed" in n or "lm_head" in n for n in names)
+    tokens = torch.randint(1, 97, (11,))
+    with torch.no_grad():
+        out = policy(tokens, torch.tensor([0, 11], dtype=torch.int32), tap_layers=draft.tap_layers)
+        s = 8  # the context is positions 0..7; y = tokens[8]
+        want = engine_forward(str(tmp_path / "d"), {i: out.taps[i][:s] for i in draft.tap_layers}, int(tokens[s]),
+                              policy.embed.weight, policy.head_weight)
+        cache = draft.new_cache(1, 16)
+        draft.extend(cache, tokens[None, 1: s + 1], {l: t[None, :s] for l, t in out.taps.items()},
+                     torch.tensor([s - 1]))
+        got = draft.logits(draft.run_block(cache, tokens[s: s + 1]))[0]
+    assert torch.allclose(got, want, atol=1e-10)
+
+
+def test_dspark_refuses_export(tmp_path):
+    policy = Transformer(ModelConfig.preset("tiny"))
+    with pytest.raises(ValueError, match="Markov head"):
+        DSparkDraft.from_target(policy, mask_token_id=0, block_size=3).export(str(tmp_path / "d"))
