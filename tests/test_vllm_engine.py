@@ -12,8 +12,8 @@ check below, started with the untrained (cold) draft:
     drafts sampled from q as cospec's are, draft_sample_method "probabilistic");
   - losslessness: the CPU build fails the check without the expand workaround and passes with it.
 Without vLLM's environment the test is skipped with the line that installs it; in CI (CI=true) that is a failure.
-Time: 12 min 48 s on the shared 2-core CPU at load average ~10 (the policy's 200-step SFT 7 min of it, the draft
-warm-up 1.5 min, each worker's start ~40 s, the checks and the RL step ~3 min); a few minutes on a quiet machine.
+Time: 12 min 48 s and 14 min 17 s (two runs) on the shared 2-core CPU at load average ~10 (the policy's 200-step
+SFT 7-8 min of it, the draft warm-up 1.5 min, each worker's start ~40 s, the checks and the RL step ~3 min).
 """
 import copy
 import json
