@@ -17,7 +17,9 @@ hidden) are built before and not counted. `rss` is the growth of the process's p
 first, as bench/bench_draft_step.py counts it), a secondary figure. Each number is the max over the cp ranks.
 
     python bench/bench_draft_families.py --families dflash,dspark --T 65536 --V 151936   # the block drafters at 64K
-    python bench/bench_draft_families.py --families eagle3 --T 8192,16384 --V 151936 --append
+    python bench/bench_draft_families.py --families eagle3 --T 65536 --V 1024 --name draft_families_eagle3
+    python bench/bench_draft_families.py --families eagle3 --T 4096,8192 --V 151936 --name draft_families_eagle3 \
+        --append                                      # EAGLE-3 at the real vocabulary, smaller T (its loss is T*V*P)
     python bench/bench_draft_families.py --quick       # ~1 min: T 1024, V 4096, cp 1 and 2, every family
     python bench/bench_draft_families.py --replot      # the table again from the JSON
 
@@ -119,8 +121,8 @@ def rank_main(rank, cp, store_path, jobs, q_out, block_size, anchors):
         torch.set_num_threads(1)  # ranks share the cores
         dist.init_process_group("gloo", store=dist.FileStore(store_path, cp), rank=rank, world_size=cp)
         group = dist.group.WORLD
-        for name in sorted({j[0] for j in jobs}):  # warm-up: imports, gloo links, caches
-            measure(build(name, 256 * cp, 512, 256 * cp, cp, rank, block_size, anchors), group)
+        for name in sorted({j[0] for j in jobs}):  # warm-up: imports, gloo links, caches (16 sequences: anchors on
+            measure(build(name, 512 * cp, 512, 32 * cp, cp, rank, block_size, anchors), group)  # every rank)
         for name, T, V, seq_len in jobs:
             x = build(name, T, V, seq_len, cp, rank, block_size, anchors)
             dist.barrier()
@@ -197,7 +199,8 @@ def ratios(rows) -> dict:
 
 def markdown(rows, cmds, machine) -> str:
     lines = [f"{machine}; " + "; ".join(f"`{c}`" for c in cmds), "",
-             "| family | T | V | cp | live MiB / rank | transient MiB | grads MiB | RSS growth MiB | seconds | status |",
+             "| family | T | V | cp | live MiB / rank | transient MiB | grads MiB | RSS growth MiB | seconds | "
+             "status |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in sorted(rows, key=lambda r: (r["family"], r["V"], r["T"], r["cp"])):
         lines.append(f"| {r['family']} | {r['T']} | {r['V']} | {r['cp']} | {r['live_mib']} | {r['transient_mib']} | "
@@ -216,6 +219,7 @@ def parse(argv):
     ap.add_argument("--anchors", type=int, default=8, help="dflash / dspark: blocks per sequence")
     ap.add_argument("--quick", action="store_true", help="T 1024, V 4096, cp 1 and 2, seq_len 512 (~1 min)")
     ap.add_argument("--append", action="store_true", help="merge the new rows into the JSON")
+    ap.add_argument("--name", default="", help="bench/results/<name>.{json,md} (default: draft_families[_quick])")
     ap.add_argument("--replot", action="store_true", help="only the table again, from the JSON")
     a = ap.parse_args(argv)
     if a.quick:
@@ -235,7 +239,7 @@ def parse(argv):
 
 def main(argv):
     a = parse(argv)
-    name = "draft_families_quick" if a.quick else "draft_families"
+    name = a.name or ("draft_families_quick" if a.quick else "draft_families")
     path = os.path.join(RESULTS, name + ".json")
     machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, gloo CPU processes"
     old = json.load(open(path)) if (a.append or a.replot) and os.path.isfile(path) else dict(rows=[], cmds=[])

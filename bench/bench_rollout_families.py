@@ -13,7 +13,7 @@ chains alone are compared (trees and the auto row are off here). At temperature 
 the autoregressive ones (greedy_exact).
 
     python bench/bench_rollout_families.py                      # the full table (a quiet machine: ~30 min)
-    python bench/bench_rollout_families.py --quick              # ~3 min: a small check that every family runs end to end
+    python bench/bench_rollout_families.py --quick              # minutes: every family end to end (its JSON written)
     python bench/bench_rollout_families.py --drafters=eagle3,dflash --ks=3 --repeats=5 --batches=1,8
 
 Flags: --drafters (comma-separated families), --block_size, --anchors (the block drafters' W and blocks per sequence),
