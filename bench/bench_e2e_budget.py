@@ -24,7 +24,7 @@ Runs go to runs/budget/<drafter>_<every>_s<seed>; writes bench/results/families.
     python bench/bench_e2e_budget.py --drafters eagle3,dflash,dspark --seeds 0,1,2 --budgets 2 --parallel 1 \
         --runs runs/families                # the family table (a quiet machine: each run alone)
     python bench/bench_e2e_budget.py --drafters eagle3,dflash,dspark --seeds 0 --budgets 1 --runs runs/fam_test \
-        --name families_test -- --preset test                 # seconds: every column filled for every family
+        --name families_test -- --preset test   # ~10 min on 2 shared cores: every column filled for every family
 """
 from __future__ import annotations
 
