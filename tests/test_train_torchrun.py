@@ -1,10 +1,15 @@
 """End to end under torchrun: `--preset smoke` on a 4-process gloo mesh (pp = 2, cp = 2) from an empty cache, the
 suite's end-to-end check: its summary shows the effects -- the rollout reward rises, the co-trained draft accepts at
-least as much as the frozen one, nothing is NaN. ~2.5 min on 2 cores; one test with a hard timeout (a hang fails)."""
+least as much as the frozen one, nothing is NaN. ~2.5-5 min on 2 cores; one test with a hard timeout (a hang fails).
+Marked slow: `pytest -q -m slow` runs it, and CI does."""
 import json
 import math
 
+import pytest
+
 from dist_util import run_torchrun, why
+
+pytestmark = pytest.mark.slow  # pytest -q -m slow (CI runs it after the rest)
 
 
 def test_smoke_under_torchrun_pp2_cp2(tmp_path):

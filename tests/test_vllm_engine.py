@@ -14,6 +14,7 @@ check below, started with the untrained (cold) draft:
 Without vLLM's environment the test is skipped with the line that installs it; in CI (CI=true) that is a failure.
 Time: 12 min 48 s and 14 min 17 s (two runs) on the shared 2-core CPU at load average ~10 (the policy's 200-step
 SFT 7-8 min of it, the draft warm-up 1.5 min, each worker's start ~40 s, the checks and the RL step ~3 min).
+Marked slow: `pytest -q -m slow` runs it, and CI does.
 """
 import copy
 import json
@@ -28,6 +29,8 @@ from harness.config import parse_args
 from serving.engine_check import StaleDraft, checked_engine, lossless_check, verify_refit
 from serving.hf_io import from_pretrained
 from serving.vllm_engine import INSTALL, VllmEngine, vllm_python
+
+pytestmark = pytest.mark.slow  # pytest -q -m slow (CI runs it after the rest)
 from speculative import generate
 from tasks import task
 from train import train
