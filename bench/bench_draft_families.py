@@ -45,6 +45,7 @@ import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # its sibling bench_draft_step, however it is run
 from bench_draft_step import _status, reset_peak  # noqa: E402
 from branch_mask import cu_seqlens_from_lengths, zigzag_shard  # noqa: E402
 from harness.drafters import FAMILIES, build_draft  # noqa: E402
@@ -265,4 +266,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from parallel.cli import run_main  # an error: one line, exit 1 (COSPEC_TRACEBACK=1: the traceback)
+    run_main(main, __file__, sys.argv[1:])

@@ -33,6 +33,7 @@ from dataclasses import asdict, replace
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # its sibling bench_rollout, however it is run
 import bench_rollout as br  # noqa: E402
 from harness.drafters import FAMILIES, architecture, build_draft  # noqa: E402
 from parallel.cli import wants_help  # noqa: E402
@@ -191,4 +192,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from parallel.cli import run_main  # an error: one line, exit 1 (COSPEC_TRACEBACK=1: the traceback)
+    run_main(main, __file__, sys.argv[1:])

@@ -59,7 +59,8 @@ BAD_VALUE = {
     "ttt_decay": "1.5", "tap_layers": "0,1", "dtype": "fp16", "max_draft_tokens": "0",
     "frozen_arm": "maybe", "cold_arm": "yes", "offline_arm": "on", "log_kl": "2", "draft_every": "0",
     "zero1": "maybe",
-    "rollout_engine": "sglang", "drafter": "medusa", "block_size": "1", "anchors": "0", "block_gamma": "-1", "draft_layers": "0",
+    "rollout_engine": "sglang",
+    "drafter": "medusa", "block_size": "1", "anchors": "0", "block_gamma": "-1", "draft_layers": "0",
     "mask_token_id": "-2", "markov_rank": "0",
 }
 FIELDS = {f.name: f.type for f in dataclasses.fields(Config)}

@@ -52,7 +52,7 @@ def test_config_checks_for_hf_mode(hf_files, tmp_path):
         parse_args(hf_argv(hf_files, tmp_path) + ["--task=docs.examples.parity_task:ParityTask"])
     assert parse_args(["--tap_layers=0,1,2"]).tap_layers == (0, 1, 2)  # the 6-layer mini policy can feed them
     assert json.load(open(os.path.join(model, "config.json")))["num_hidden_layers"] == 2  # this one cannot
-    with pytest.raises(ValueError, match=r"--tap_layers=0,1,2: expected '' \(the default rule"):
+    with pytest.raises(ValueError, match=r"--tap_layers=0,1,2: expected '' \(the family's default rule"):
         parse_args(hf_argv(hf_files, tmp_path) + ["--tap_layers=0,1,2"])
 
 
