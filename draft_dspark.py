@@ -94,7 +94,7 @@ class DSparkDraft(DFlashDraft):
         anchors (N = 0) still returns a zero on the graph of h, so under CP it joins the ring's backward.
         Returns (loss, stats (W, 5) this rank's sums: ce, agree, agree & all earlier agreed, all earlier, alpha)."""
         N = h.shape[0]
-        loss, stats = h.sum() * 0, []  # () a zero attached to the block's graph, whatever N
+        loss, stats = h[:0].sum(), []  # () an exact zero attached to the block's graph, whatever N
         agree_prev = torch.ones(N, dtype=torch.bool, device=h.device)
         for j, k in enumerate(self.trained_slots):
             x = self.norm(h[:, k])  # (N, H)
@@ -172,7 +172,7 @@ class StreamingMarkovLoss(torch.autograd.Function):
             b = min(a + ctx.chunk, x.shape[0])
             q = _markov_z(x[a:b], m[a:b], Wh, W2).sub_(norms[0, a:b, None]).exp_()  # (c, V) q, recomputed
             p = ctx.teacher.logits(src[a:b]).sub_(norms[1, a:b, None]).exp_()  # (c, V) p
-            s = torch.sign(q - p)  # (c, V)
+            s = (q - p).sign_()  # (c, V) s
             sq = torch.linalg.vecdot(s, q)  # (c,) <s, q>
             g = s.sub_(sq[:, None]).mul_(q).mul_(0.9)  # (c, V) the L1 term's 0.9 q (s - <s, q>)
             g.add_(q.sub_(p), alpha=0.1)  # + the CE term's 0.1 (q - p): dL/dz per unit coef
