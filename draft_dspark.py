@@ -5,7 +5,7 @@ keys and values), with every slot shifted one token on: slot k, at position s+k,
 draft (k <= W). The Markov head makes the block semi-autoregressive at the price of V-sized logits only:
 
     z_k  = W_head norm(h_k) + W2 W1[prev_k],       prev_0 = y,  prev_k = the token drafted at slot k-1     (rank r)
-         = [W_head | W2] [norm(h_k) ; W1[prev_k]]      (one linear head over stacked features, how it is computed)
+         = [W_head | W2] [norm(h_k) ; W1[prev_k]]      (the same as one stacked head: the tests' dense reference)
     c_k  = sigmoid(w_c . norm(h_k) + b_c)          the confidence head: the expected acceptance of slot k's token
 
 Drafting: after the one backbone pass, d_{k+1} ~ softmax(z_k / tau) with prev_k = d_k, k = 0..K-1, left to right; the
@@ -14,8 +14,10 @@ anchors and targets; teacher-forced prev_k = x_{a+k}):
 
     L = sum_k exp(-k / gamma) mean_a [0.1 CE(p, q_k) + 0.9 ||q_k - p||_1 + BCE(c_k, alpha_k)],   p = p_{a+k}
 
-with alpha_k = sum_v min(p_v, q_{k,v}) (detached), computed over chunks of anchors under activation checkpointing (the
-(chunk, V) logits are recomputed in backward: no (anchors, V) tensor is kept).
+with alpha_k = sum_v min(p_v, q_{k,v}) (detached). The two logit terms are computed apart and streamed over chunks of
+anchors (`StreamingMarkovLoss`, draft_loss.StreamingSoftCE's scheme with the L1 term): backward recomputes each
+chunk's (chunk, V) logits, no (anchors, V) tensor is kept, the (V, H + r) stacked head is never built, and the
+policy's LM head (shared, detached) gets no gradient: the only vocabulary-sized gradient is W2's (V, r), once.
 
     python draft_dspark.py     # a DSpark draft on the tiny policy: its loss and one proposed block
 
@@ -29,7 +31,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from decoding.spec_rule import sample
 from draft_dflash import DFlashConfig, DFlashDraft
@@ -69,62 +70,45 @@ class DSparkDraft(DFlashDraft):
     def config_class(cls):
         return DSparkConfig
 
-    def features(self, h, prev):  # h (..., H), prev (...) -> [norm(h); W1[prev]] (..., H + r)
-        return torch.cat([self.norm(h), self.markov_in(prev).to(h.dtype)], -1)
+    def markov_logits(self, h, prev):  # h (..., H), prev (...) -> z (..., V) = W_head norm(h) + W2 W1[prev]
+        return self.logits(h) + self.markov_out(self.markov_in(prev).to(h.dtype))
 
-    def head(self):  # [W_head | W2] (V, H + r): the policy's head held detached, W2 trained
+    def head(self):
+        """[W_head | W2] (V, H + r), the stacked form z = [W_head | W2] [norm(h); W1[prev]]: the dense reference's
+        (tests). Training and drafting never build it; they add the two terms (markov_logits, StreamingMarkovLoss)."""
         return torch.cat([self.head_weight.to(self.markov_out.weight.dtype), self.markov_out.weight], 1)
 
     def propose(self, cache: KVCache, state, k: int, temperature: float, generator=None):
         """drafter.py: one backbone forward, then slots 0..k-1 sampled left to right through the Markov head, each
         from the q it returns -> d (B, k), q (B, k, V) (None at tau = 0). The cache is unchanged."""
         h = self.run_block(cache, state[0])  # (B, W, H)
-        W, prev, ds, qs = self.head(), state[0], [], []
+        prev, ds, qs = state[0], [], []
         for j in range(k):
-            prev, q = sample(F.linear(self.features(h[:, j], prev), W), temperature, generator)
+            prev, q = sample(self.markov_logits(h[:, j], prev), temperature, generator)
             ds.append(prev)
             qs.append(q)
         return torch.stack(ds, 1), (torch.stack(qs, 1) if temperature > 0 else None)
 
     def block_loss(self, h, teacher, valid, src, count, *, gamma: float, chunk: int, slot_tokens=None):
-        """The DSpark loss over the W slots (module docstring), `chunk` anchors at a time under checkpointing.
+        """The DSpark loss over the W slots (module docstring), streamed `chunk` anchors at a time. A rank without
+        anchors (N = 0) still returns a zero on the graph of h, so under CP it joins the ring's backward.
         Returns (loss, stats (W, 5) this rank's sums: ce, agree, agree & all earlier agreed, all earlier, alpha)."""
-        N, W = h.shape[0], self.head()
-        loss, stats = 0.0, []
+        N = h.shape[0]
+        loss, stats = h[:0].sum(), []  # () an exact zero attached to the block's graph, whatever N
         agree_prev = torch.ones(N, dtype=torch.bool, device=h.device)
         for j, k in enumerate(self.trained_slots):
-            x, prev, v, sj = h[:, k], slot_tokens(k), valid[j], src[j]
-            coef = (math.exp(-j / gamma) / count[j].clamp_min(1)) * v.to(at_least_f32(h).dtype)  # (N,)
-            s = torch.zeros(5, dtype=torch.float64, device=h.device)
-            agree = torch.zeros(N, dtype=torch.bool, device=h.device)
-            for a in range(0, N, max(chunk, 1)):
-                b = min(a + chunk, N)
-                l, ag, st = checkpoint(self._chunk_loss, x[a:b], prev[a:b], W, sj[a:b], coef[a:b], v[a:b],
-                                       agree_prev[a:b], teacher, use_reentrant=False)
-                loss, s, agree[a:b] = loss + l, s + st, ag
+            x = self.norm(h[:, k])  # (N, H)
+            v, dt = valid[j], at_least_f32(x).dtype
+            coef = (math.exp(-j / gamma) / count[j].clamp_min(1)).to(dt) * v.to(dt)  # (N,)
+            m = self.markov_in(slot_tokens(k)).to(x.dtype)  # (N, r) W1[prev], prev = x_{a+k} (teacher-forced)
+            l, alpha, s, agree = StreamingMarkovLoss.apply(x, m, self.head_weight, self.markov_out.weight, coef, v,
+                                                           src[j], agree_prev, teacher, max(chunk, 1))
+            conf = at_least_f32(self.confidence(x).squeeze(-1))  # (N,) c_k's logit
+            bce = F.binary_cross_entropy_with_logits(conf, alpha.to(conf.dtype), reduction="none")
+            loss = loss + l + (torch.where(v, bce, 0) * coef).sum()
             agree_prev = agree_prev & agree
             stats.append(s)
         return loss, torch.stack(stats)
-
-    def _chunk_loss(self, x, prev, W, src, coef, valid, agree_prev, teacher):
-        """One chunk of anchors at one slot: sum coef * [0.1 CE + 0.9 L1 + BCE], agree (c,), stats (5,)."""
-        z = at_least_f32(F.linear(self.features(x, prev), W))  # (c, V)
-        logq = torch.log_softmax(z, -1)
-        q = logq.exp()
-        t = teacher.logits(src)  # (c, V) the policy's logits at a + k
-        p = torch.softmax(t, -1)
-        ce = -(p * logq).sum(-1)
-        alpha = torch.minimum(p, q).sum(-1)
-        conf = self.confidence(self.norm(x)).squeeze(-1)
-        bce = F.binary_cross_entropy_with_logits(at_least_f32(conf), alpha.detach(), reduction="none")
-        rows = 0.1 * ce + 0.9 * (q - p).abs().sum(-1) + bce
-        loss = (torch.where(valid, rows, 0) * coef).sum()
-        with torch.no_grad():
-            agree = z.argmax(-1) == t.argmax(-1)
-            m = valid.double()
-            st = torch.stack([(ce.double() * m).sum(), (agree * m).sum(), ((agree & agree_prev) * m).sum(),
-                              (agree_prev * m).sum(), (alpha.double() * m).sum()])
-        return loss, agree, st
 
     def check_exportable(self):  # drafter.py
         raise ValueError("a DSpark draft has no serving format here (vLLM's DFlash loader has no Markov head); "
@@ -132,6 +116,79 @@ class DSparkDraft(DFlashDraft):
 
     def export(self, path: str, **kw):
         self.check_exportable()
+
+
+# --------------------------------------------------------------------------------------------- the streamed function
+class StreamingMarkovLoss(torch.autograd.Function):
+    """sum_a coef_a [0.1 CE(p_a, q_a) + 0.9 ||q_a - p_a||_1] for one slot, `chunk` anchors at a time, z = x W_head^T +
+    m W2^T (never [W_head | W2]); backward recomputes each chunk's (c, V) logits and applies
+
+        dL/dz = coef [0.1 (q - p) + 0.9 q (s - <s, q>)],   s = sign(q - p)   (the L1 term through the softmax)
+        dL/dx = dL/dz W_head,   dL/dm = dL/dz W2,   dL/dW2 = dL/dz^T m        (W_head the policy's: no gradient)
+
+    x (N, H) = norm(h_k), m (N, r) = W1[prev_k], Wh (V, H), W2 (V, r), coef / valid / src / agree_prev (N,).
+    Returns loss (), alpha (N,) = sum_v min(p, q) (detached: the confidence head's target), stats (5,) fp64 [ce,
+    agree, agree & agree_prev, agree_prev, alpha] over valid rows, agree (N,) bool. Saved: x, m and two (N,)
+    normalisers (lse z, lse of the teacher logits); the teacher's rows are read again."""
+
+    @staticmethod
+    def forward(ctx, x, m, Wh, W2, coef, valid, src, agree_prev, teacher, chunk):
+        N = x.shape[0]
+        dt = torch.promote_types(x.dtype, torch.float32)
+        loss = torch.zeros((), dtype=torch.float64, device=x.device)
+        stats = torch.zeros(5, dtype=torch.float64, device=x.device)
+        alpha, agree = torch.zeros(N, dtype=dt, device=x.device), torch.zeros_like(valid)
+        norms = torch.zeros(2, N, dtype=dt, device=x.device)  # (2, N) [lse z, lse t]
+        for a in range(0, N, chunk):
+            b = min(a + chunk, N)
+            z = _markov_z(x[a:b], m[a:b], Wh, W2)  # (c, V)
+            t = teacher.logits(src[a:b])  # (c, V) the policy's logits at a + k
+            norms[0, a:b], norms[1, a:b] = z.logsumexp(-1), t.logsumexp(-1)
+            ag = z.argmax(-1) == t.argmax(-1)
+            p = t.sub_(norms[1, a:b, None]).exp_()  # (c, V) softmax(t), in place
+            ce = norms[0, a:b] * p.sum(-1) - torch.linalg.vecdot(p, z)  # -sum_v p_v log q_v
+            q = z.sub_(norms[0, a:b, None]).exp_()  # (c, V) softmax(z), in place
+            alpha[a:b] = torch.minimum(p, q).sum(-1)
+            rows = 0.1 * ce + 0.9 * (q - p).abs_().sum(-1)
+            v = valid[a:b]
+            md, ce_d, al_d = v.double(), torch.where(v, ce, 0).double(), torch.where(v, alpha[a:b], 0).double()
+            loss += (torch.where(v, rows, 0).double() * coef[a:b].double()).sum()
+            stats += torch.stack([(ce_d * md).sum(), (ag * md).sum(), ((ag & agree_prev[a:b]) * md).sum(),
+                                  (agree_prev[a:b] * md).sum(), (al_d * md).sum()])
+            agree[a:b] = ag
+        ctx.save_for_backward(x, m, Wh, W2, coef, valid, src, norms)
+        ctx.teacher, ctx.chunk = teacher, chunk
+        ctx.mark_non_differentiable(alpha, stats, agree)
+        return loss.to(dt), alpha, stats, agree
+
+    @staticmethod
+    def backward(ctx, grad_loss, _alpha, _stats, _agree):
+        x, m, Wh, W2, coef, valid, src, norms = ctx.saved_tensors
+        Wh = Wh.to(x.dtype)
+        dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None  # (N, H)
+        dm = torch.empty_like(m) if ctx.needs_input_grad[1] else None  # (N, r)
+        dW2 = torch.zeros(W2.shape, dtype=norms.dtype, device=W2.device) if ctx.needs_input_grad[3] else None  # (V, r)
+        for a in range(0, x.shape[0], ctx.chunk):
+            b = min(a + ctx.chunk, x.shape[0])
+            q = _markov_z(x[a:b], m[a:b], Wh, W2).sub_(norms[0, a:b, None]).exp_()  # (c, V) q, recomputed
+            p = ctx.teacher.logits(src[a:b]).sub_(norms[1, a:b, None]).exp_()  # (c, V) p
+            s = (q - p).sign_()  # (c, V) s
+            sq = torch.linalg.vecdot(s, q)  # (c,) <s, q>
+            g = s.sub_(sq[:, None]).mul_(q).mul_(0.9)  # (c, V) the L1 term's 0.9 q (s - <s, q>)
+            g.add_(q.sub_(p), alpha=0.1)  # + the CE term's 0.1 (q - p): dL/dz per unit coef
+            g.mul_((coef[a:b] * grad_loss).to(g.dtype)[:, None]).masked_fill_(~valid[a:b, None], 0)
+            if dx is not None:
+                dx[a:b] = (g.to(Wh.dtype) @ Wh).to(x.dtype)
+            if dm is not None:
+                dm[a:b] = (g.to(W2.dtype) @ W2).to(m.dtype)
+            if dW2 is not None:
+                dW2 += g.T @ at_least_f32(m[a:b]).to(dW2.dtype)
+        return dx, dm, None, None if dW2 is None else dW2.to(W2.dtype), None, None, None, None, None, None
+
+
+def _markov_z(x, m, Wh, W2):  # x (c, H), m (c, r) -> z (c, V) = x Wh^T + m W2^T, fp32 at least
+    z = at_least_f32(F.linear(x, Wh.to(x.dtype)))
+    return z.add_(F.linear(m.to(W2.dtype), W2))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import torch
 from branch_mask import cu_seqlens_from_lengths, pad_for_cp, zigzag_shard
 from draft_block import default_gamma, sample_anchors
 from draft_dflash import DFlashDraft, default_dflash_taps
+from draft_dspark import DSparkDraft
 from model import ModelConfig, Transformer, greedy_generate
 from parallel.ring import as_ring, run_ranks
 from block_cases import oracle
@@ -219,3 +220,18 @@ def test_no_anchor_is_a_zero_loss(pair):
     assert float(loss.detach()) == 0 and m["count"] == [0, 0, 0]
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in draft.parameters())
     draft.zero_grad()
+
+
+def test_dspark_no_anchor_is_a_zero_loss_on_the_graph(pair):
+    """DSpark likewise: its loss without anchors is a zero attached to the block's graph (backward runs), not a
+    float, so a CP rank without anchors still joins the ring's backward (test_dflash_cp.py)."""
+    policy = pair[0]
+    draft = DSparkDraft.from_target(policy, mask_token_id=0, block_size=3, markov_rank=4)
+    tokens, cu = packed([torch.randint(1, 97, (n,)) for n in (6, 8)])
+    with torch.no_grad():
+        out = policy(tokens, cu, tap_layers=draft.tap_layers)
+    loss, m = draft.loss(out.taps, tokens, cu, out.logits, loss_mask=torch.zeros(14, dtype=torch.bool), anchors=3)
+    assert isinstance(loss, torch.Tensor) and loss.requires_grad
+    loss.backward()
+    assert float(loss.detach()) == 0 and m["count"] == [0, 0, 0]
+    assert all(p.grad is None or (p.grad == 0).all() for p in draft.parameters())
