@@ -319,6 +319,27 @@ class DFlashDraft(nn.Module):
         draft.attach(policy)
         return draft
 
+    @classmethod
+    def from_export(cls, path: str, policy) -> "DFlashDraft":
+        """A draft from its DFlash serving export (`export`; e.g. <out>/draft of a run) for `policy`, in the policy's
+        dtype (a bf16 export is cast up, as an engine serving it in fp32 casts it). A path that is no DFlash export,
+        or weights that do not fit the policy, are a ValueError naming the path."""
+        from serving.export_dflash import ARCHITECTURE
+        cfg_path = os.path.join(path, "config.json")
+        c = json.load(open(cfg_path)) if os.path.isfile(cfg_path) else {}
+        if c.get("architectures") != [ARCHITECTURE]:
+            raise ValueError(f"path={path!r}: expected a DFlash export (config.json with {ARCHITECTURE})")
+        d = c["dflash_config"]
+        draft = cls.from_target(policy, mask_token_id=d["mask_token_id"], tap_layers=d["target_layer_ids"],
+                                block_size=c["block_size"], num_layers=c["num_hidden_layers"],
+                                intermediate_size=c["intermediate_size"])
+        try:
+            draft.load_state_dict({k: v.to(next(policy.parameters()).dtype)
+                                   for k, v in load_file(os.path.join(path, "model.safetensors")).items()})
+        except RuntimeError as e:
+            raise ValueError(f"path={path!r}: the export does not fit the policy: {e}") from None
+        return draft
+
     def export(self, path: str, *, dtype=torch.bfloat16, **kw):
         """vLLM's DFlash serving format (serving/export_dflash.py); kw: max_position_embeddings, pair."""
         from serving.export_dflash import export_dflash

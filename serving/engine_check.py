@@ -83,9 +83,9 @@ def verify_refit(engine, draft, engine_sum: str | None = None) -> str:
     """The engine's weight_sum (as returned by its refit, else asked now) against the trainer's draft's; raises
     StaleDraft in one line when they differ. -> the sum."""
     import torch
-    from serving.export import eagle3_state_dict
+    from serving.export_dflash import served_state_dict
     from serving.weight_sum import weight_sum
-    want = weight_sum(eagle3_state_dict(draft, dtype=torch.float32).items())
+    want = weight_sum(served_state_dict(draft, dtype=torch.float32).items())
     got = engine_sum if engine_sum is not None else engine.draft_sum()
     if got != want:
         raise StaleDraft(f"stale draft: the engine's draft weight_sum {got} != the trainer's {want} (the refit was "

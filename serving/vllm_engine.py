@@ -33,6 +33,22 @@ def vllm_python() -> str | None:
     return p if os.path.isfile(p) and os.access(p, os.X_OK) else None
 
 
+def served_method(draft_dir: str, k: int) -> str:
+    """vLLM's speculative method for the export in draft_dir: "dflash" for serving/export_dflash.py's architecture,
+    else "eagle3". A DFlash block of W slots drafts k <= W - 1 tokens: vLLM 0.32 reads no block size (it runs
+    1 + num_speculative_tokens query slots, v1/spec_decode/dflash.py, DFlashProposer.set_inputs_first_pass), so a
+    larger k would silently propose from slots the draft never trained; refused here."""
+    from serving.export_dflash import ARCHITECTURE
+    with open(os.path.join(draft_dir, "config.json")) as f:
+        cfg = json.load(f)
+    if ARCHITECTURE not in cfg.get("architectures", []):
+        return "eagle3"
+    if not 1 <= k <= cfg["block_size"] - 1:
+        raise ValueError(f"k: a DFlash draft of block_size {cfg['block_size']} drafts 1..{cfg['block_size'] - 1} "
+                         f"tokens per block, got {k}")
+    return "dflash"
+
+
 @dataclass
 class EngineOutput:
     tokens: list  # per prompt, per sample (n): the generated ids
@@ -46,7 +62,8 @@ class EngineOutput:
 
 
 class VllmEngine:
-    """Two vLLM engines over one policy, `spec` (EAGLE-3 draft, k tokens) and `plain`, in one worker process.
+    """Two vLLM engines over one policy, `spec` (the draft, k tokens: EAGLE-3 or DFlash, as its export says) and
+    `plain`, in one worker process.
     draft_sample: "probabilistic" (drafts sampled from q, accepted with min(1, p / q): cospec's rule, so the two
     engines' acceptance compare at T > 0) or vLLM's default "greedy" (argmax q, accepted with p(x))."""
 
@@ -62,9 +79,10 @@ class VllmEngine:
         self._err = open(self.log, "w")
         self.proc = subprocess.Popen([python, os.path.join(ROOT, "serving", "vllm_worker.py")], cwd=ROOT, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True)
-        self.k = k
+        self.k, self.method = k, served_method(draft_dir, k)
         self.started = self.call("start", policy=os.path.abspath(policy_dir), draft=os.path.abspath(draft_dir), k=k,
-                                 dtype=dtype, max_model_len=max_model_len, draft_sample=draft_sample)
+                                 dtype=dtype, max_model_len=max_model_len, draft_sample=draft_sample,
+                                 method=self.method)
 
     def call(self, op: str, **kw) -> dict:
         self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
@@ -92,11 +110,11 @@ class VllmEngine:
         return self.call("draft_sum")["draft_sum"]
 
     def refit_draft(self, draft) -> str:
-        """Stream `draft`'s weights (serving/export.py's names, floats in fp32) into the running engine's drafter.
+        """Stream `draft`'s weights (its export's names, floats in fp32) into the running engine's drafter.
         -> the engine's weight_sum after the load."""
-        from serving.export import eagle3_state_dict
+        from serving.export_dflash import served_state_dict
         import torch
-        return self._refit("draft", eagle3_state_dict(draft, dtype=torch.float32))
+        return self._refit("draft", served_state_dict(draft, dtype=torch.float32))
 
     def refit_policy(self, policy) -> str:
         """Stream the policy's weights (HF names) into both engines' target models."""

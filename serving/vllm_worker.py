@@ -1,12 +1,13 @@
 """The vLLM side of serving/vllm_engine.py: one process of vLLM's own environment holding two engines over one policy,
-`spec` (EAGLE-3 with the exported draft) and `plain` (no speculation), driven by JSON lines on stdin / stdout.
+`spec` (the exported draft: EAGLE-3, or DFlash with "method": "dflash") and `plain` (no speculation), driven by JSON
+lines on stdin / stdout.
 
 vLLM's dependencies pin other versions than the project's test extra (transformers among them), so vLLM lives in its
 own virtual environment (`.ci/vllm_env.sh`) and this file is the only one that imports it; it runs there and
 imports nothing of the project but serving/weight_sum.py (plain torch). Requests, one JSON object per line:
 
     {"op": "start", "policy": DIR, "draft": DIR, "k": 3, "dtype": "float32", "max_model_len": 512,
-     "draft_sample": "probabilistic"|"greedy"}
+     "draft_sample": "probabilistic"|"greedy", "method": "eagle3"|"dflash"}
     {"op": "generate", "engine": "spec"|"plain", "prompts": [[ids]], "temperature": T, "max_tokens": N,
      "stop": [eos], "n": 1, "seed": s}        -> {"tokens": [[ids] per prompt x n], "drafts", "accepted"}
     {"op": "expand_workaround", "on": bool}    the CPU build's expand, in torch (below)
@@ -54,7 +55,8 @@ def expand_workaround(on: bool):
     return {"on": on}
 
 
-def start(policy, draft, k=3, dtype="float32", max_model_len=512, max_num_seqs=64, draft_sample="probabilistic"):
+def start(policy, draft, k=3, dtype="float32", max_model_len=512, max_num_seqs=64, draft_sample="probabilistic",
+          method="eagle3"):
     from vllm import LLM
     common = dict(model=policy, skip_tokenizer_init=True, dtype=dtype, max_model_len=max_model_len,
                   enforce_eager=True, max_num_seqs=max_num_seqs, disable_log_stats=False, seed=0)
@@ -63,7 +65,7 @@ def start(policy, draft, k=3, dtype="float32", max_model_len=512, max_num_seqs=6
     t1 = time.time()
     # draft_sample "probabilistic": drafts sampled from q and accepted with min(1, p / q), cospec's rule; vLLM's
     # default "greedy" proposes argmax q and accepts with p(x) (also exact, a lower acceptance at T > 0)
-    ENGINES["spec"] = LLM(**common, speculative_config={"method": "eagle3", "model": draft,
+    ENGINES["spec"] = LLM(**common, speculative_config={"method": method, "model": draft,
                                                         "num_speculative_tokens": int(k),
                                                         "draft_sample_method": draft_sample})
     t2 = time.time()
@@ -105,6 +107,8 @@ def _draft_sum_rpc(worker):
     m = _drafter(worker)
     vd = m.config.draft_vocab_size  # the LM head's rows past it are vLLM's padding
     named = [(k, v[:vd] if k.startswith("lm_head") else v) for k, v in m.named_parameters()]
+    if hasattr(m.model, "_build_fused_kv_buffers"):  # DFlash: the head is the policy's, mask_embedding unused (zeros)
+        named = [(k, v) for k, v in named if not k.startswith("lm_head") and k != "model.mask_embedding"]
     return weight_sum(named, engine_names=True), {k: list(v.shape) for k, v in named}
 
 
@@ -154,8 +158,18 @@ def _refit_rpc(worker, what, path):
     from serving.weight_sum import engine_layout
     sd = load_file(path)
     if what == "draft":
-        untie_lm_head(worker)
-        return set_weights(_drafter(worker), engine_layout(sd.items()))
+        m = _drafter(worker)
+        fused = getattr(m.model, "_build_fused_kv_buffers", None)  # DFlash (below)
+        if fused is None:
+            untie_lm_head(worker)  # EAGLE-3; a DFlash draft has no head of its own: it keeps the policy's
+        missing = set_weights(m, engine_layout(sd.items()))
+        if fused is not None:
+            # qwen3_dflash.py, DFlashQwen3Model._build_fused_kv_buffers: precompute_and_store_context_kv projects the
+            # context with a torch.cat COPY of every layer's k/v rows (_fused_kv_weight) and a stacked copy of the
+            # k_norm weights, built once at load time. Weights written in place miss those copies: rebuilt here, or
+            # the context K/V keeps the old draft's (a stale draft with no error)
+            fused()
+        return missing
     return set_weights(worker.model_runner.model, engine_layout(sd.items(), prefix=""))
 
 

@@ -2,7 +2,7 @@
 written here from vLLM's qwen3_dflash.py facts alone (context K/V precomputed from hidden_norm(fc(taps)), k_norm, RoPE;
 then the query block [y, MASK...] attending to them and to itself, non-causal; the target's head on norm(h)) --
 plain torch over the exported tensors and config.json, no cospec module -- against the draft's own block forward.
-~3 s on 2 CPU cores."""
+~4 s on 2 CPU cores."""
 import json
 import os
 
@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from draft_dflash import DFlashDraft
 from draft_dspark import DSparkDraft
-from model import ModelConfig, Transformer
+from model import EMBED_TAP, ModelConfig, Transformer
 
 
 def rms(x, w, eps):
@@ -31,14 +31,16 @@ def rope(x, pos, theta):  # x (L, heads, D), neox layout (rotate_half), position
 
 
 def engine_forward(path, hidden_states, y, embed, head):
-    """The serving forward of one request: hidden_states {layer output id: (s, H)} of the target at positions 0..s-1,
-    y the last verified token at position s -> the draft's logits at the W block slots (W, V)."""
+    """The serving forward of one request: hidden_states [aux id] (s, H) of the target at positions 0..s-1 (aux id 0
+    the embeddings, aux id L the pre-norm state after layer L - 1: what vLLM's LlamaModel.forward records through
+    _maybe_add_hidden_state), y the last verified token at position s -> the draft's logits at the W block slots."""
     cfg = json.load(open(os.path.join(path, "config.json")))
     w = load_file(os.path.join(path, "model.safetensors"))
     eps, theta, D = cfg["rms_norm_eps"], cfg["rope_theta"], cfg["head_dim"]
     Hq, Hkv, W = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["block_size"]
-    ids = cfg["dflash_config"]["target_layer_ids"]
-    ctx = F.linear(torch.cat([hidden_states[i] for i in ids], -1), w["fc.weight"])  # combine_hidden_states
+    # eagle3_utils.get_eagle3_aux_layers_from_config: "Add 1 to convert DFlash's aux layer id semantics"
+    aux = sorted(i + 1 for i in cfg["dflash_config"]["target_layer_ids"])  # concatenated in layer order
+    ctx = F.linear(torch.cat([hidden_states[a] for a in aux], -1), w["fc.weight"])  # combine_hidden_states
     ctx = rms(ctx, w["hidden_norm.weight"], eps)
     s = ctx.shape[0]
     x = embed[torch.tensor([y] + [cfg["dflash_config"]["mask_token_id"]] * (W - 1))]
@@ -79,10 +81,14 @@ def test_export_matches_engine_forward(tmp_path):
     assert not any("embed" in n or "lm_head" in n for n in names)
     tokens = torch.randint(1, 97, (11,))
     with torch.no_grad():
-        out = policy(tokens, torch.tensor([0, 11], dtype=torch.int32), tap_layers=draft.tap_layers)
+        n = policy.cfg.num_hidden_layers
+        out = policy(tokens, torch.tensor([0, 11], dtype=torch.int32), tap_layers=(EMBED_TAP,) + tuple(range(n)))
         s = 8  # the context is positions 0..7; y = tokens[8]
-        want = engine_forward(str(tmp_path / "d"), {i: out.taps[i][:s] for i in draft.tap_layers}, int(tokens[s]),
-                              policy.embed.weight, policy.head_weight)
+        aux = [out.taps[i][:s] for i in (EMBED_TAP,) + tuple(range(n))]  # aux id a = tap a - 1
+        # the last layer's tap is vLLM's: pre-norm (hidden_states + residual), the head reads its final norm
+        assert torch.allclose(F.linear(rms(out.taps[n - 1], policy.model.norm.weight, policy.cfg.rms_norm_eps),
+                                       policy.head_weight), out.logits, atol=1e-10)
+        want = engine_forward(str(tmp_path / "d"), aux, int(tokens[s]), policy.embed.weight, policy.head_weight)
         cache = draft.new_cache(1, 16)
         draft.extend(cache, tokens[None, 1: s + 1], {l: t[None, :s] for l, t in out.taps.items()},
                      torch.tensor([s - 1]))
@@ -94,3 +100,19 @@ def test_dspark_refuses_export(tmp_path):
     policy = Transformer(ModelConfig.preset("tiny"))
     with pytest.raises(ValueError, match="Markov head"):
         DSparkDraft.from_target(policy, mask_token_id=0, block_size=3).export(str(tmp_path / "d"))
+
+
+def test_from_export_round_trip_and_served_method(tmp_path):
+    from serving.vllm_engine import served_method
+    torch.manual_seed(0)
+    policy = Transformer(ModelConfig.preset("tiny", qk_norm=True)).eval()
+    draft = DFlashDraft.from_target(policy, mask_token_id=3, block_size=4, tap_layers=(0, 2))
+    draft.export(str(tmp_path / "d"), dtype=torch.float32)
+    back = DFlashDraft.from_export(str(tmp_path / "d"), policy)
+    assert back.tap_layers == (0, 2) and back.block_size == 4 and back.cfg.mask_token_id == 3
+    assert all(torch.equal(a, b) for a, b in zip(draft.state_dict().values(), back.state_dict().values()))
+    assert served_method(str(tmp_path / "d"), 3) == "dflash"
+    with pytest.raises(ValueError, match="k: a DFlash draft of block_size 4 drafts 1..3"):
+        served_method(str(tmp_path / "d"), 4)  # vLLM would run a 5th slot the draft never trained
+    with pytest.raises(ValueError, match="expected a DFlash export"):
+        DFlashDraft.from_export(str(tmp_path), policy)
