@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # its sibling bench_rollout, however it is run
 import bench_rollout as br  # noqa: E402
 from harness.drafters import FAMILIES, architecture, build_draft  # noqa: E402
-from parallel.cli import wants_help  # noqa: E402
+from parallel.cli import describe, wants_help  # noqa: E402
 from serving.hf_io import from_pretrained, save_pretrained  # noqa: E402
 from speculative import generate  # noqa: E402
 
@@ -49,7 +49,8 @@ QUICK = ["--policy_steps=30", "--draft_steps=30", "--draft_rollouts=16", "--batc
 def parse(argv):
     """(bench_rollout.BenchConfig with trees and auto off, drafters, block_size, anchors); bad values: SystemExit."""
     if wants_help(argv):
-        print(__doc__)
+        print(describe(__doc__, __file__) + "\n\nits own flags: " + " ".join(f"--{k}={v}" for k, v in OWN.items())
+              + " --quick; then bench_rollout.py's:\n")
         br.parse_args(["--help"])
     own, rest = dict(OWN), []
     for arg in argv:
