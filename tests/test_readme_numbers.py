@@ -68,6 +68,16 @@ def _tapchannel():
             d["paired_overhead"]["piggyback"]]
 
 
+def _families():
+    rows = _load("bench/results/draft_families.json")["rows"]
+    out = []
+    for fam in ("dflash", "dspark"):
+        mib = {r["cp"]: r["live_mib"] for r in rows
+               if r["family"] == fam and r["T"] == 65536 and r["V"] == 151936}
+        out += [mib[1], mib[4], mib[1] / mib[4]]
+    return out
+
+
 SOURCES = {
     "co-trained draft vs the frozen": ("json", "bench/results/e2e_default.json", _e2e),
     "the same with the policy held still": ("commit", "a1a5b93"),
@@ -77,6 +87,8 @@ SOURCES = {
     "memory plan vs the tensors": ("test", ["tests/test_memory_plan.py"]),
     "Qwen3-8B at 32K tokens": ("test", []),
     "Qwen3-8B, 8K-token responses": ("test", []),
+    "a draft family's whole training step": ("json", "bench/results/draft_families.json", _families,
+                                             ("151936", "1", "4")),
     "ring + branch attention, peak MiB": ("json", "bench/results/attention.json", _attention),
     "speculative rollouts vs autoregressive": ("json", "bench/results/rollout_auto.json", _rollout, ("3",)),
     "the exports served and refit by a real engine": ("test", ["tests/test_vllm_engine.py"]),
