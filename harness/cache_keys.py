@@ -16,7 +16,8 @@ as they never run in a warm-up). That is the SFT and draft training code, the mo
 sampler, the attention the warm-ups call and the checkpoint format: an edit to any of them retrains the warm-ups,
 while an edit to the RL harness (config, experiment, dist_step, pipeline, train.py) does not. Whole files rather
 than single functions: a helper a warm-up calls cannot be left out, at the price of retraining after an unrelated
-edit to one of these files.
+edit to one of these files. So that this is no silent trap, each entry records its settings-only hash and its
+files' hashes (code.json), and a miss names the files changed since an entry of the same settings (stale_line).
 
 Left out on purpose: the device, the thread count and --chunk_mib (a warm-up trained on a CPU serves a GPU run; they
 change rounding, not what is trained), where the cache lives, and how often progress is logged.
@@ -142,6 +143,64 @@ def spec_key(kind: str, spec) -> str:
     """The cache key of a warm-up spec: every field by name, and the code of the warm-up and of the spec's task."""
     fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
     return cache_key(kind, fields, code_fingerprint(WARMUP_MODULES + (type(spec.task).__module__,)))
+
+
+# ------------------------------------------------------------------------------ why a warm-up missed its cache
+CODE_RECORD = "code.json"  # beside a cached entry's files: {"settings": settings hash, "code": {path: sha256}}
+
+
+def code_hashes(spec) -> dict:
+    """{checkout-relative path: sha256 of its source} over the code a spec's key hashes."""
+    return {rel: hashlib.sha256(module_source(os.path.join(ROOT, rel)).encode()).hexdigest()
+            for rel in code_files(WARMUP_MODULES + (type(spec.task).__module__,))}
+
+
+def settings_key(kind: str, spec, cache_dir: str) -> str:
+    """The key of a spec's settings without its code. A draft's policy_key (which holds the policy's code) enters as
+    the policy entry's own settings hash when that entry records one."""
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+    if "policy_key" in fields:
+        rec = read_record(os.path.join(cache_dir, f"policy-{fields['policy_key']}"))
+        fields["policy_key"] = rec["settings"] if rec else fields["policy_key"]
+    return cache_key(kind, fields)
+
+
+def code_record(kind: str, spec, cache_dir: str) -> dict:
+    """What an entry records of how it was built (written beside it as CODE_RECORD)."""
+    return {"settings": settings_key(kind, spec, cache_dir), "code": code_hashes(spec)}
+
+
+def write_record(entry: str, rec: dict):
+    """Write an entry's CODE_RECORD (into the entry's temporary directory, before it is published)."""
+    with open(os.path.join(entry, CODE_RECORD), "w", encoding="utf-8") as f:
+        json.dump(rec, f, sort_keys=True, indent=1)
+
+
+def read_record(entry: str) -> dict | None:
+    """An entry's CODE_RECORD, or None (an entry cached before records were kept, or an unreadable one)."""
+    try:
+        with open(os.path.join(entry, CODE_RECORD), encoding="utf-8") as f:
+            rec = json.load(f)
+        return rec if isinstance(rec.get("settings"), str) and isinstance(rec.get("code"), dict) else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def stale_line(label: str, kind: str, spec, cache_dir: str) -> str | None:
+    """On a cache miss: one line naming the source files changed since a cached entry of the same settings, e.g.
+    "policy SFT warm-up: retraining: model.py, draft.py changed since cache/policy-<key>"; None when no entry of
+    these settings records its code (the settings changed, or the entry predates the records)."""
+    want, now = settings_key(kind, spec, cache_dir), code_hashes(spec)
+    best = None
+    for name in sorted(os.listdir(cache_dir)) if os.path.isdir(cache_dir) else ():
+        rec = read_record(os.path.join(cache_dir, name)) if name.startswith(f"{kind}-") and "." not in name else None
+        if rec and rec["settings"] == want:
+            diff = sorted(p for p in set(now) | set(rec["code"]) if now.get(p) != rec["code"].get(p))
+            if diff and (best is None or len(diff) < len(best[1])):
+                best = (name, diff)
+    if best is None:
+        return None
+    return f"{label}: retraining: {', '.join(best[1])} changed since {os.path.join(cache_dir, best[0])}"
 
 
 # ----------------------------------------------------------------------------------------------------- the specs

@@ -44,7 +44,7 @@ import torch
 
 import speculative
 from tasks.protocol import Demonstrations, task_from_config
-from harness.cache_keys import DraftSpec, PolicySpec, hf_policy_key
+from harness.cache_keys import DraftSpec, PolicySpec, code_record, hf_policy_key, stale_line, write_record
 from harness import drafters
 from serving.export import pid_alive
 from serving.hf_io import from_pretrained, read_json, save_pretrained
@@ -124,12 +124,13 @@ def warm_policy(spec: PolicySpec, *, cache_dir: str = "cache", log_every: int = 
     clean_stale(path)
     if complete(path):
         return from_pretrained(path).to(device), key, True  # names the file of any unreadable or non-finite weight
+    missed(path, "policy SFT warm-up", "policy", spec)
     torch.manual_seed(spec.seed)
     policy = Transformer(spec.model).to(device)  # initialised on the CPU: the same weights on every device
     sft_policy(policy, spec.task, steps=spec.steps, batch=spec.batch, lr=spec.lr, seed=spec.seed,
                log_every=log_every, chunk_mib=chunk_mib)
     policy.zero_grad(set_to_none=True)  # the last SFT step's gradients would stay on the rollout copy (4 B/parameter)
-    publish(path, lambda tmp: save_pretrained(policy, tmp))
+    publish(path, lambda tmp: save_pretrained(policy, tmp), code_record("policy", spec, cache_dir))
     return policy, key, False
 
 
@@ -146,13 +147,23 @@ def clean_stale(path: str):
             shutil.rmtree(p, ignore_errors=True)
 
 
-def publish(path: str, save):
-    """save(tmp) into `path`.tmp<pid>, then into place: an incomplete entry at `path` is replaced (renamed away
-    first), a complete one (a concurrent run's) kept. The temporary is deleted whatever happens."""
+def missed(path: str, label: str, kind: str, spec):
+    """A cache miss: print one line naming the source files changed since an entry of the same settings, if any."""
+    line = stale_line(label, kind, spec, os.path.dirname(path))
+    if line:
+        print(line, flush=True)
+
+
+def publish(path: str, save, record: dict | None = None):
+    """save(tmp) into `path`.tmp<pid> (with `record`, cache_keys.code_record, beside it), then into place: an
+    incomplete entry at `path` is replaced (renamed away first), a complete one (a concurrent run's) kept. The
+    temporary is deleted whatever happens."""
     tmp, old = f"{path}.tmp{os.getpid()}", f"{path}.old{os.getpid()}"
     try:
         with writing(path):  # a full disk: one error naming the entry (safetensors' SafetensorError too)
             save(tmp)
+            if record is not None:
+                write_record(tmp, record)
         if os.path.isdir(path) and not complete(path):
             os.replace(path, old)
             shutil.rmtree(old)
@@ -221,6 +232,8 @@ def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache"
     clean_stale(path)
     if complete(path):  # also at steps 0 with a reduced vocabulary: its sampled responses are the cost
         return load_draft(path, policy), True
+    missed(path, "draft warm-up", "draft", spec)
+    record = code_record("draft", spec, cache_dir)
     dev = next(policy.parameters()).device
     rng, g = random.Random(seed + 1), torch.Generator(device=dev).manual_seed(seed + 1)
     prompts = [tsk.encode_prompt(p) for p in tsk.sample(pool, rng, "train")]
@@ -233,7 +246,7 @@ def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache"
     ids = select_draft_vocab(responses, policy.cfg.vocab_size, draft_vocab) if draft_vocab else None
     draft = drafters.build_draft(spec.drafter, policy, opts, tap_layers=taps, draft_vocab=ids)
     if steps == 0:  # untrained, but its reduced vocabulary came from `pool` samples: cached like a trained one
-        publish(path, draft.save)
+        publish(path, draft.save, record)
         return draft, False
     tr = drafters.make_trainer(spec.drafter, draft, torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0),
                                opts, num_passes=num_passes, pass_weight=spec.pass_weight)
@@ -260,7 +273,7 @@ def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache"
                   f"{time.time() - t0:5.1f}s", flush=True)
     check_finite_weights(draft, f"draft warm-up, after {steps} steps, the draft", HINT)
     draft.zero_grad(set_to_none=True)  # the last step's gradients would stay on this rank (a draft's size in fp32)
-    publish(path, draft.save)
+    publish(path, draft.save, record)
     return draft, False
 
 
