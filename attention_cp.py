@@ -56,8 +56,8 @@ kernel, called once per backward before the ring loop: work that depends on the 
 needs) goes there, not into every ring step. No kernel reads the device inside a ring step: host-side tables are
 cached per layout (host_to_device).
 
-    python attention_cp.py                                      # cp = 1..4 as threads in one process, vs dense
-    torchrun --standalone --nproc_per_node=4 attention_cp.py    # the same over real gloo processes
+    python attention_cp.py    # the chunks each step of a cp = 2 ring sees, then cp = 1..4 as threads vs dense
+    torchrun --standalone --nproc_per_node=4 attention_cp.py    # the error figures over real gloo processes
 
 References: ring attention (Liu et al. 2023), zigzag load balancing (zhuzilin/ring-flash-attention; Llama 3 §3.3.2),
 FlashAttention-2's lse backward, EAGLE-3 training-time test (Li et al. 2025), DFlash block drafts (arXiv 2602.06036).
@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import bisect
 import importlib
+import itertools
 import math
 import os
 
@@ -346,6 +347,37 @@ def reference_anchor_attention(q, k, v, cu_seqlens, anchors, branch_k=None, bran
 
 
 # ------------------------------------------------------------------------------------------------------------- demo
+def ring_schedule(cp: int, C: int = 2) -> dict:
+    """What step_segments gives one sequence of 2cp chunks of C rows: {(rank, step): {my query chunk: {key chunk:
+    "all" | "causal" (its lower triangle, the diagonal chunk) | pairs seen}}}, chunks by global index (zigzag: local
+    rows [0, C) are chunk r, [C, 2C) chunk 2cp-1-r, and alike for the K/V of src = rank - step)."""
+    out = {}
+    for rank, step in itertools.product(range(cp), range(cp)):
+        chunk = lambda who, row: who if row < C else 2 * cp - 1 - who  # noqa: E731  (local row -> global chunk)
+        seen = {chunk(rank, 0): {}, chunk(rank, C): {}}
+        for s in step_segments([0, 2 * C], step, rank, cp):
+            for i in range(s.q0, s.q1):  # query row i sees key rows [k0, k1), or up to the aligned diagonal
+                for j in range(s.k0, min(s.k1, s.k0 + i - s.q0 + 1) if s.causal else s.k1):
+                    q, k = seen[chunk(rank, i)], chunk((rank - step) % cp, j)
+                    q[k] = q.get(k, 0) + 1
+        out[rank, step] = {q: {k: {C * C: "all", C * (C + 1) // 2: "causal"}.get(n, n) for k, n in ks.items()}
+                           for q, ks in seen.items()}
+    return out
+
+
+def print_ring(cp: int = 2, C: int = 2):
+    """The ring_schedule of one sequence, rank by rank and step by step."""
+    print(f"zigzag ring, cp={cp}: one sequence of {2 * cp * C} rows in {2 * cp} chunks of {C}; rank r holds chunks r "
+          f"and {2 * cp - 1}-r and receives the K/V of rank r - t at step t (step_segments)")
+    for (rank, step), qs in ring_schedule(cp, C).items():
+        src = (rank - step) % cp
+        head = f"  rank {rank} (chunks {rank}, {2 * cp - 1 - rank})" if step == 0 else " " * 24
+        what = "its own K/V" if step == 0 else f"rank {src}'s chunks {src}, {2 * cp - 1 - src}"
+        sees = "; ".join(f"q chunk {q} sees " + (", ".join(f"{k} ({n})" for k, n in sorted(ks.items())) or "nothing")
+                         for q, ks in sorted(qs.items()))
+        print(f"{head}  step {step}, {what}: {sees}")
+
+
 def _demo_case(rank, cp, group):
     """Same seeded batch on every rank; returns max |error| of out, lse and all grads of this rank's shard."""
     from branch_mask import cu_seqlens_from_lengths, pad_for_cp, zigzag_shard
@@ -406,6 +438,7 @@ if __name__ == "__main__":
         dist.destroy_process_group()
     else:
         from parallel.ring import run_ranks
+        print_ring(2)
         for cp in (1, 2, 3, 4):
             errs = run_ranks(cp, lambda ring: _demo_case(ring.rank, ring.size, ring))
             blocks = run_ranks(cp, lambda ring: _demo_blocks(ring.rank, ring.size, ring))
