@@ -1,4 +1,4 @@
-"""attention_cp's ring demo table (ring_schedule / print_ring, derived from step_segments) against the dense causal rule.
+"""attention_cp's ring demo table (ring_schedule / print_ring, from step_segments) against the dense causal rule.
 
 Over the cp steps of the zigzag ring, query chunk a of one sequence must see every key chunk b < a whole, its own
 chunk as its lower triangle, no b > a, and each chunk at exactly one step; step 0 is the rank's own K/V. The printed
