@@ -1,8 +1,11 @@
 """serving/export_dflash.py: a DFlash draft exported in vLLM's DFlash format, and that export run through a forward
-written here from vLLM's qwen3_dflash.py facts alone (context K/V precomputed from hidden_norm(fc(taps)), k_norm, RoPE;
+written here from vLLM 0.32's source alone (the target's aux states at target_layer_ids + 1, as
+get_eagle3_aux_layers_from_config offsets them: aux id 0 the embeddings, aux id L the pre-norm state after layer L - 1;
+context K/V precomputed from hidden_norm(fc(concat)), k_norm, RoPE;
 then the query block [y, MASK...] attending to them and to itself, non-causal; the target's head on norm(h)) --
 plain torch over the exported tensors and config.json, no cospec module -- against the draft's own block forward.
-~4 s on 2 CPU cores."""
+Also DFlashDraft.from_export's round trip and the served k <= block_size - 1. ~4 s on 2 CPU cores. The export served
+by vLLM itself: tests/test_vllm_engine.py."""
 import json
 import os
 

@@ -14,11 +14,13 @@ check below, started with the untrained (cold) draft:
 DFlash (`--drafter dflash --block_size 4`, the same cached policy, a 400-step draft warm-up; one more worker with
 "method": "dflash", started with a random draft): refit of the trained draft (checksum; the fused context-K/V buffers
 rebuilt), greedy vLLM with it = without it = cospec, acceptance within 0.2 of cospec's at T = 0 and T = 1. Measured:
-vLLM 1.70 / cospec 1.58 (T = 0), 2.00 / 1.91 (T = 1); the same export with target_layer_ids one layer early (as if
-vLLM did not add 1) 1.50 / 1.73.
+vLLM 1.75 / cospec 1.67 (T = 0), 2.05 / 1.93 (T = 1), random draft 1.13 (docs/serving.md: the same export with
+target_layer_ids one layer early, as if vLLM did not add 1, loses 0.2-0.3).
 Without vLLM's environment the test is skipped with the line that installs it; in CI (CI=true) that is a failure.
 Time: 12 min 48 s and 14 min 17 s (two runs) on the shared 2-core CPU at load average ~10 (the policy's 200-step
-SFT 7-8 min of it, the draft warm-up 1.5 min, each worker's start ~40 s, the checks and the RL step ~3 min).
+SFT 7-8 min of it, the draft warm-up 1.5 min, each worker's start ~40 s, the checks and the RL step ~3 min), before
+the DFlash part; with it, 7 min 19 s at load average ~4.5 (the DFlash part ~2.5 min of it: its 400-step warm-up and
+one RL step ~2 min, its worker and checks ~30 s).
 Marked slow: `pytest -q -m slow` runs it, and CI does.
 """
 import copy
