@@ -12,15 +12,18 @@ check below, started with the untrained (cold) draft:
     drafts sampled from q as cospec's are, draft_sample_method "probabilistic");
   - losslessness: the CPU build fails the check without the expand workaround and passes with it.
 DFlash (`--drafter dflash --block_size 4`, the same cached policy, a 400-step draft warm-up; one more worker with
-"method": "dflash", started with a random draft): refit of the trained draft (checksum; the fused context-K/V buffers
+"method": "dflash", started with a random draft; the run's one RL step takes its rollouts from vLLM with the DFlash
+draft, --rollout_engine vllm): refit of the trained draft (checksum; the fused context-K/V buffers
 rebuilt), greedy vLLM with it = without it = cospec, acceptance within 0.2 of cospec's at T = 0 and T = 1. Measured:
-vLLM 1.75 / cospec 1.67 (T = 0), 2.05 / 1.93 (T = 1), random draft 1.13 (docs/serving.md: the same export with
+vLLM 1.75 / cospec 1.67 (T = 0), 2.05 / 1.93 (T = 1), random draft 1.13; with the vLLM-rollout step 1.65 / 1.59 and
+2.05 / 1.89 (docs/serving.md: the same export with
 target_layer_ids one layer early, as if vLLM did not add 1, loses 0.2-0.3).
 Without vLLM's environment the test is skipped with the line that installs it; in CI (CI=true) that is a failure.
 Time: 12 min 48 s and 14 min 17 s (two runs) on the shared 2-core CPU at load average ~10 (the policy's 200-step
 SFT 7-8 min of it, the draft warm-up 1.5 min, each worker's start ~40 s, the checks and the RL step ~3 min), before
 the DFlash part; with it, 7 min 19 s at load average ~4.5 (the DFlash part ~2.5 min of it: its 400-step warm-up and
-one RL step ~2 min, its worker and checks ~30 s).
+one RL step ~2 min, its worker and checks ~30 s), and 13 min 46 s with the DFlash run's step on vLLM, at load ~4
+(the DFlash part ~6.5 min of it).
 Marked slow: `pytest -q -m slow` runs it, and CI does.
 """
 import copy
@@ -72,7 +75,7 @@ def served_dflash(served):
     tmp = served["tmp"]
     out = tmp / "dflash"
     train(parse_args(ARGS + ["--drafter=dflash", "--block_size=4", "--draft_warmup_steps=400", "--steps=1",
-                             f"--cache_dir={tmp / 'cache'}", "--out", str(out)]))
+                             "--rollout_engine=vllm", f"--cache_dir={tmp / 'cache'}", "--out", str(out)]))
     policy = from_pretrained(str(out / "policy")).eval()
     trained = DFlashDraft.from_export(str(out / "draft"), policy).eval()
     cold = DFlashDraft.from_export(str(out / "draft"), policy).eval()
@@ -183,3 +186,6 @@ def test_dflash_export_served_refit_greedy_and_acceptance(served_dflash):
           f"T = 1 {got.acceptance_length:.3f} / {want:.3f}")
     assert spec.acceptance_length > cold + 0.3 and abs(spec.acceptance_length - ours_spec) <= 0.2
     assert abs(got.acceptance_length - want) <= 0.2
+    rows = [json.loads(line) for line in open(s["tmp"] / "dflash" / "metrics.jsonl")]  # the run's vLLM-rollout step
+    step = [r for r in rows if r["kind"] == "train"][0]
+    assert len(step["engine_sum"]) == 16 and step["engine_accept"] > 1.2 and step["engine_gap"] is None
