@@ -273,7 +273,7 @@ def run_group(L, cp, methods, heads, cfg):
 
 # ------------------------------------------------------------------------------------------------------- reporting
 def claims(rows):
-    """The three numbers the issue asks for, from the ours / gathered rows (None where a row is missing)."""
+    """The three headline numbers, from the ours / gathered rows (None where a row is missing)."""
     ok = {(r["method"], r["L"], r["cp"], r["Hq"]): r["peak_bytes_per_rank"] for r in rows if r["status"] == "ok"}
     out = {"ours_mem_cp1_over_cp4": {}, "ours_over_gathered_cp4": {}}
     for (m, L, cp, H), b in ok.items():

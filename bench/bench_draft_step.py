@@ -275,7 +275,7 @@ def markdown(rows, cmd, machine):
 
 
 def claims(rows):
-    """The numbers the issue asks for (None where a row is missing)."""
+    """The headline numbers the docs quote (None where a row is missing)."""
     def g(method, T, V, cp, key="growth_mib"):
         return next((r[key] for r in rows if (r["method"], r["T"], r["V"], r["cp"]) == (method, T, V, cp)
                      and r[key] is not None), None)
