@@ -2,13 +2,15 @@
 # What a first real run does, on a lent GPU node, within 10 minutes (the stage limits below add up to 590 s):
 #   1. the numerical tests first: tests/test_attention_gpu.py, the triton and flash kernels inside ring_branch_attention
 #      against dense fp64 attention at Qwen3-8B's head shape (D = 128, G = 4), lengths past one tile and with
-#      causal-skipped tiles, forward and backward, within twice the error of dense bf16 attention;
+#      causal-skipped tiles, forward and backward, within twice the error of dense bf16 attention; and
+#      tests/test_anchor_attention_triton.py, the block drafters' anchor kernels (per-row key ends) against fp64;
 #   2. a random Qwen3 checkpoint at the real vocabulary (151,936 ids; a word-level tokenizer of that size, nothing
 #      downloaded);
 #   3. train.py in HF mode under torchrun over the node's GPUs -- pp x cp where there are several (NCCL: the pipeline,
 #      TapChannel, the zigzag ring) -- for 2 RL steps, bf16, with --attn_backend=triton and --activation_checkpointing
-#      (as the 8B plan runs), then with flash; each run's summary.json checked (finite numbers; a field may be null
-#      only where the run legitimately has none: kl_last without a reference model).
+#      (as the 8B plan runs), then the block drafter (--drafter=dflash: the anchor kernels) on triton, then the
+#      EAGLE-3 run with flash; each run's summary.json checked (finite numbers; a field may be null only where the run
+#      legitimately has none: kl_last without a reference model).
 # One line per stage on stdout; a failure names its stage, a stage that runs out of time says so; flash-attn missing
 # makes its stages "skipped", never "ok". The last line counts the stages ok / skipped / failed; the exit status is 0
 # iff none failed. The output tails go to bench/results/gpu_smoke.md.
@@ -29,9 +31,12 @@ WORK=${SMOKE_WORK:-/tmp/cospec_gpu_smoke}
 DEVICE=${SMOKE_DEVICE:-cuda}
 VOCAB=${SMOKE_VOCAB:-151936}  # Qwen3's
 BACKENDS=${SMOKE_BACKENDS:-triton flash}
-# stage limits (s): versions, numerical tests, checkpoint, then per backend a training run and its summary
-L_VERSIONS=25 L_NUMERICS=145 L_CKPT=60 L_TRAIN=170 L_SUMMARY=10
-TOTAL_S=$(( L_VERSIONS + L_NUMERICS + L_CKPT + $(wc -w <<<"$BACKENDS") * (L_TRAIN + L_SUMMARY) ))
+DRAFTERS=${SMOKE_DRAFTERS:-eagle3 dflash}  # with the first backend; the others train eagle3 only
+# stage limits (s): versions, numerical tests, checkpoint, then per training run (the first one compiles the
+# kernels, a longer limit) the run and its summary
+L_VERSIONS=20 L_NUMERICS=150 L_CKPT=45 L_TRAIN_FIRST=150 L_TRAIN=100 L_SUMMARY=10
+N_RUNS=$(( $(wc -w <<<"$DRAFTERS") + $(wc -w <<<"$BACKENDS") - 1 ))
+TOTAL_S=$(( L_VERSIONS + L_NUMERICS + L_CKPT + L_TRAIN_FIRST - L_TRAIN + N_RUNS * (L_TRAIN + L_SUMMARY) ))
 mkdir -p "$(dirname "$OUT")" "$WORK"
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 unset TRITON_INTERPRET  # compiled kernels, not the CPU interpreter
@@ -92,7 +97,7 @@ for m in ('triton', 'flash_attn', 'transformers', 'tokenizers'):
 # ------------------------------------------------------------------------------------------- the numerical tests
 # The kernels against dense fp64 attention before anything trains on them: a wrong but finite kernel fails here.
 if [ "$DEVICE" = cuda ]; then
-  NUM_TESTS=(tests/test_attention_gpu.py)
+  NUM_TESTS=(tests/test_attention_gpu.py tests/test_anchor_attention_triton.py)
 else  # the GPU tests skip without CUDA: the torch kernel's fp32 and bf16 checks against fp64 instead
   NUM_TESTS=(tests/test_attention_cp.py -k "fp32_matches_dense_fp64 or bf16_runs_and_is_close")
 fi
@@ -136,7 +141,7 @@ import torch, transformers
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 work, V = sys.argv[1], int(sys.argv[2])
 words = "What is + ? 0 1 2 3 4 5 6 7 8 9".split()
-specials = ["<pad>", "<s>", "</s>", "<unk>"]
+specials = ["<pad>", "<s>", "</s>", "<unk>", "<mask>"]  # <mask>: the block drafter's MASK
 vocab = {w: i for i, w in enumerate(specials + words + [f"w{i}" for i in range(V - len(specials) - len(words))])}
 assert len(vocab) == V, (len(vocab), V)
 tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -147,7 +152,8 @@ path = os.path.join(work, "qwen3")
 os.makedirs(path, exist_ok=True)
 tk.save(os.path.join(path, "tokenizer.json"))
 with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-    json.dump({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "add_bos_token": True}, f)
+    json.dump({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "mask_token": "<mask>",
+               "add_bos_token": True}, f)
 torch.manual_seed(0)
 cfg = transformers.Qwen3Config(vocab_size=V, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                                num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=4096,
@@ -176,29 +182,36 @@ bad = [k for k in keys if not (s[k] is None and k in nullable) and not (s[k] is 
 assert s["steps"] == 2 and not bad, ("steps", s["steps"], "null or not finite", bad)
 print({k: s[k] for k in ("steps",) + keys}, "(null allowed: %s)" % (sorted(nullable) or "none"))'
 
-train_stage() {  # train_stage BACKEND [FLAGS...]: 2 RL steps in HF mode under torchrun, then its summary
-  local backend=$1
-  shift
+train_stage() {  # train_stage BACKEND DRAFTER LIMIT [FLAGS...]: 2 RL steps in HF mode under torchrun, then its summary
+  local backend=$1 drafter=$2 limit=$3
+  shift 3
   if [ "$backend" = flash ] && { [ "$DEVICE" != cuda ] || ! python -c "import flash_attn" >/dev/null 2>&1; }; then
     skipped "train, --attn_backend=flash" "flash-attn is not installed (or no CUDA); README: GPUs"
     return 0
   fi
   if [ $CKPT_OK -ne 0 ]; then
-    note "[train, --attn_backend=$backend] FAILED: no checkpoint (its stage failed)"
+    note "[train, --attn_backend=$backend --drafter=$drafter] FAILED: no checkpoint (its stage failed)"
     FAILED=$((FAILED + 1))
     return 1
   fi
-  stage "train, torchrun x$NPROC $MESH, --attn_backend=$backend $*, 2 RL steps" "$L_TRAIN" \
+  local run="$WORK/run_${backend}_$drafter"
+  stage "train, torchrun x$NPROC $MESH, --attn_backend=$backend --drafter=$drafter${*:+ $*}, 2 RL steps" "$limit" \
     python -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train.py --preset=test \
       --model="$WORK/qwen3" --data="$WORK/prompts.jsonl" --max_new_tokens=32 --eval_fraction=0.2 --steps=2 \
-      --device="$DEVICE" --attn_backend="$backend" $MESH "${DTYPE[@]}" "$@" \
-      --cache_dir="$WORK/cache_$backend" --out="$WORK/run_$backend" --overwrite \
-  && stage "summary of the $backend run" "$L_SUMMARY" python -c "$SUMMARY_CHECK" "$WORK/run_$backend"
+      --device="$DEVICE" --attn_backend="$backend" --drafter="$drafter" $MESH "${DTYPE[@]}" "$@" \
+      --cache_dir="$WORK/cache_$backend" --out="$run" --overwrite \
+  && stage "summary of the $backend $drafter run" "$L_SUMMARY" python -c "$SUMMARY_CHECK" "$run"
 }
+# The first run with activation checkpointing (the 8B plan's setting) and the longer limit (it compiles the kernels);
+# the first backend trains every drafter, the others eagle3.
 FIRST=1
-for backend in $BACKENDS; do  # the first run with activation checkpointing (the 8B plan's setting), the others without
-  if [ $FIRST -eq 1 ]; then train_stage "$backend" --activation_checkpointing=true; else train_stage "$backend"; fi
-  FIRST=0
+for backend in $BACKENDS; do
+  for drafter in $DRAFTERS; do
+    if [ $FIRST -eq 1 ]; then train_stage "$backend" "$drafter" "$L_TRAIN_FIRST" --activation_checkpointing=true
+    else train_stage "$backend" "$drafter" "$L_TRAIN"; fi
+    FIRST=0
+  done
+  DRAFTERS=eagle3
 done
 
 note "stages: $OK ok, $SKIPPED skipped, $FAILED failed"
