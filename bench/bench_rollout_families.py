@@ -157,7 +157,8 @@ def main(argv):
     cfg, names, W, anchors = parse(argv)
     torch.set_num_threads(cfg.threads)
     lang = br.PhraseLanguage(64, cfg.phrases, cfg.seed)
-    policy, key = policy_of(cfg, lang)
+    policy, key = policy_of(cfg, lang)  # trained (or loaded) on the CPU, timed on cfg.device
+    policy = policy.to(cfg.device)
     opts = dict(mask_token_id=mask_id(lang, policy.cfg.vocab_size), block_size=W, num_layers=1, markov_rank=16,
                 anchors=anchors, gamma=None, seed=cfg.seed)
     g = torch.Generator().manual_seed(cfg.seed + 3)
@@ -168,10 +169,12 @@ def main(argv):
     for name in names:
         print(f"{name}: training (or loading) the draft ...")
         draft, metrics, train_s = cached_family(cfg, policy, lang, name, opts, key)
+        draft = draft.to(cfg.device)
+        draft.attach(policy)  # the shared embedding / head: `to` copied the draft's reference to them
         greedy = lambda B, k: [a.tolist() for a in generate(policy, draft if k else None, prompts[:B],  # noqa: E731
                                                             max_new_tokens=cfg.max_new_tokens, num_draft_tokens=k,
                                                             temperature=0.0).tokens]
-        exact = all(greedy(B, 0) == greedy(B, k) for B in cfg.batches[:2] for k in cfg.ks)
+        exact = all(greedy(B, 0) == greedy(B, k) for B in cfg.batches[:2] for k in cfg.ks)  # also the warm-up
         rows = []
         for B in cfg.batches:
             rows += br.measure(cfg, policy, draft, prompts, B, cfg.temperature)
