@@ -170,8 +170,8 @@ class DistCotrainer:
         and, after the step, `watch.take()` -> ({(chunk, j): metrics}, wall seconds, CPU seconds) of its reads."""
         cfg = policy.cfg
         if watch is not None and not (callable(watch) and hasattr(watch, "drafts") and hasattr(watch, "take")):
-            raise TypeError(f"watch={watch!r}: expected None or an observer with .drafts, __call__(chunk, read) and "
-                            f"take() (harness/watch.py's DraftWatch)")
+            raise TypeError(f"watch: got a {type(watch).__name__}; expected None or an observer with .drafts, "
+                            f"__call__(chunk, read) and take() (harness/watch.py's DraftWatch)")
         self.grid, self.drafts, self.grad_clip, self.watch = grid, list(drafts), grad_clip, watch
         self.attn_backend, self.logprob_chunk = attn_backend, int(logprob_chunk)
         if self.logprob_chunk < 0:
