@@ -1,5 +1,9 @@
 """One GRPO + draft co-training update, distributed: PP stages (pipeline.py) with CP inside each stage and DP across
-replicas -- the same optimisation step as the single-process rl_loop.cotrain_step, to fp64 round-off.
+replicas -- the same optimisation step as the single-process rl_loop.cotrain_step, to fp64 round-off. This is the step
+train.py runs at every world size (one process: the 1 x 1 x 1 grid, no process group); cotrain_step is the readable
+reference it is tested against. Its draft hook (on the last stage, after each forward) computes every trained draft's
+loss on the taps; the experiment's watched control arms attach to it through `watch` (harness/watch.py), and the
+step's sums travel as one named record (StepTotals).
 
 Why the split of the work does not change the step (rl_loop's module docstring has the math):
   1. Policy. Every normalisation of rl_loop.aggregate is LINEAR in the per-token losses l_t, so the minibatch loss is
