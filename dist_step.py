@@ -247,7 +247,7 @@ class DistCotrainer:
             for tr in self.drafts if hook is not None else ():
                 clip_grads_(list(tr.draft.parameters()), tr.grad_clip)
                 tr.opt.step()
-        own = self._split_times(tot, res, metrics)
+        own = self._take_watch(tot, res, metrics)
         tot = tot.all_reduced()  # world sum: only last-stage ranks hold non-zeros, each its CP / DP share
         if dist.is_initialized() and dist.get_world_size() > 1:
             everyone = [None] * dist.get_world_size()
@@ -279,10 +279,10 @@ class DistCotrainer:
                               **draft.loss_options(tr), **backend, **teacher)
         return read
 
-    def _split_times(self, tot: StepTotals, res, metrics: dict) -> tuple:
-        """The hook's time (the pipeline's draft_seconds: the drafts, their backward and the watched arms) split into
-        the drafts' and the watched arms' (those the watch measured itself) into `tot`, and the watch's metrics into
-        `metrics` after the drafts'. Returns this process's own CPU seconds (drafts, watched arms)."""
+    def _take_watch(self, tot: StepTotals, res, metrics: dict) -> tuple:
+        """The watch's reads of this step: its metrics into `metrics` (after the drafts'), and the hook's time (the
+        pipeline's draft_seconds: the drafts, their backward and the watched arms) split into the drafts' and the
+        watched arms' (as the watch timed itself) in `tot`. Returns this process's own CPU seconds (drafts, watch)."""
         watched, w, c = self.watch.take() if self.watch is not None else ({}, 0.0, 0.0)
         metrics.update({(chunk, len(self.drafts) + j): m for (chunk, j), m in watched.items()})
         if self.last:  # the last stage's mean over its CP x DP ranks, once summed by all_reduced
