@@ -1,6 +1,6 @@
 """The watched arms (harness/watch.py's DraftWatch) ride the update's draft hook: a watched draft is read from the same
 taps, teacher and loss options as the trained drafts, forward only, and its time is reported apart from theirs.
-One process, fp64, the 1 x 1 x 1 grid (tests/test_dist_step.py runs the step itself on 4 gloo ranks). ~4 s on 2 cores."""
+One process, fp64, the 1 x 1 x 1 grid (tests/test_dist_step.py runs the step on 4 gloo ranks). ~4 s on 2 cores."""
 import copy
 
 import pytest
