@@ -1,5 +1,9 @@
 """One GRPO + draft co-training update, distributed: PP stages (pipeline.py) with CP inside each stage and DP across
-replicas -- the same optimisation step as the single-process rl_loop.cotrain_step, to fp64 round-off.
+replicas -- the same optimisation step as the single-process rl_loop.cotrain_step, to fp64 round-off. This is the step
+train.py runs at every world size (one process: the 1 x 1 x 1 grid, no process group); cotrain_step is the readable
+reference it is tested against. Its draft hook (on the last stage, after each forward) computes every trained draft's
+loss on the taps; the experiment's watched control arms attach to it through `watch` (harness/watch.py), and the
+step's sums travel as one named record (StepTotals).
 
 Why the split of the work does not change the step (rl_loop's module docstring has the math):
   1. Policy. Every normalisation of rl_loop.aggregate is LINEAR in the per-token losses l_t, so the minibatch loss is
@@ -28,7 +32,7 @@ Letters: T packed tokens (this rank's shard under CP), S sequences, M micro-batc
 from __future__ import annotations
 
 import functools
-import time
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
@@ -43,7 +47,7 @@ from modeling.mixed_precision import clip_grads_, grads_of, master_optimizer
 from parallel.pp_schedule import split_layers
 from pipeline import Microbatch, PipelineSchedule, shard_for_cp
 from draft_ttt import merge_metrics
-from rl_loop import (DraftTrainer, GRPOConfig, RolloutBatch, aggregate, draft_mask, micro_chunks, per_prediction,
+from rl_loop import (GRPOConfig, RolloutBatch, aggregate, draft_mask, micro_chunks, per_prediction,
                      seq_ids, token_logp, token_losses)
 
 
@@ -104,6 +108,40 @@ def _pad_even(mb: Microbatch) -> Microbatch:
     return Microbatch(pad.pad(mb.tokens), pad.cu_seqlens, position_ids(pad.cu_seqlens), extra)
 
 
+# ------------------------------------------------------------------------------------------------------ the record
+@dataclass
+class StepTotals:
+    """What one update sums, by name: fp64 tensors on the stage's device, added to by the loss and the draft hook with
+    no host sync, then summed over the world in ONE all-reduce (`all_reduced`). Only last-stage ranks add anything;
+    each adds its CP / DP share (the times: its own divided by cp * dp, so the sum is the last stage's mean)."""
+    clipped: torch.Tensor  # () sum_t m_t [rho_t clipped]      m_t = 1 on a trained response token (per prediction)
+    ratio: torch.Tensor  # () sum_t m_t rho_t
+    k3: torch.Tensor  # () sum_t m_t k3_t
+    tokens: torch.Tensor  # () sum_t m_t
+    draft_seconds: torch.Tensor  # () wall seconds in the draft hook and its backward, the watched arms' excluded
+    watch_seconds: torch.Tensor  # () wall seconds of the watched arms (DistCotrainer's `watch`)
+    draft_cpu_seconds: torch.Tensor  # () the same two in CPU seconds
+    watch_cpu_seconds: torch.Tensor
+    loss_draft: torch.Tensor  # (K,) each trained draft's loss, averaged over the micro-batches
+
+    @classmethod
+    def zeros(cls, n_drafts: int, device) -> "StepTotals":
+        return cls(*(torch.zeros(() if f.name != "loss_draft" else (n_drafts,), dtype=torch.float64, device=device)
+                     for f in fields(cls)))
+
+    def all_reduced(self) -> "StepTotals":
+        """The world's sum, from one all-reduce of the fields packed in order (one process: the same values)."""
+        parts = [getattr(self, f.name) for f in fields(self)]
+        flat = torch.cat([t.reshape(-1) for t in parts])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flat)
+        return StepTotals(*(t.view_as(p) for t, p in zip(flat.split([p.numel() for p in parts]), parts)))
+
+    def mean(self, name: str) -> float:
+        """A policy statistic's mean over the step's trained tokens (clip_frac, ratio, k3)."""
+        return float(getattr(self, name)) / max(float(self.tokens), 1.0)
+
+
 # ------------------------------------------------------------------------------------------------------ the update
 class DistCotrainer:
     """This rank's share of the policy update: its stage of the policy with its optimizer, and (used on the last stage)
@@ -119,7 +157,7 @@ class DistCotrainer:
 
     def __init__(self, policy, drafts: list, grid: Grid, make_opt, *, grad_clip: float = 1.0, schedule: str = "1f1b",
                  attn_fn=None, attn_backend=None, logprob_chunk: int = 0, activation_checkpointing: bool = False,
-                 watch: tuple = (), zero1: bool = False):
+                 watch=None, zero1: bool = False):
         """attn_backend None: the policy uses attn_fn at cp = 1 (the ring otherwise) and each draft its trainer's
         attn_fn; "torch" / "triton" / "flash": every attention of the step, at any cp (a ring of one at cp = 1), is
         attention_cp.ring_branch_attention with that block kernel. logprob_chunk > 0: no (T, V) logits on the last
@@ -128,12 +166,17 @@ class DistCotrainer:
         (0: draft_loss.chunk_rows's default). zero1: the stage's optimizer state sharded over its
         DP x CP ranks (parallel/zero1.py), the same update. The drafts read e(x_{i+d}) from the embedding tap
         (stage 0's, through TapChannel), never from the full policy copy, which serves the rollouts only.
-        activation_checkpointing: each decoder layer of the stage is recomputed in backward. watch: drafts
-        (drafter.py) NOT trained on the rollouts whose teacher-forced acceptance on them is measured in the same draft
-        hook, forward only (the frozen and offline-extended arms): no extra policy forward, no gradient; they must read
-        the trained drafts' taps."""
+        activation_checkpointing: each decoder layer of the stage is recomputed in backward.
+        watch: None, or the experiment's observer of drafts NOT trained on the rollouts (harness/watch.py's DraftWatch:
+        the frozen and offline-extended control arms), read in the same draft hook from the same taps, forward only --
+        no extra policy forward, no gradient. What the hook asks of it: `watch.drafts` (their taps are formed too),
+        `watch(chunk, read)` once per micro-batch (read(draft, trainer) -> (loss, metrics), the hook's own draft loss)
+        and, after the step, `watch.take()` -> ({(chunk, j): metrics}, wall seconds, CPU seconds) of its reads."""
         cfg = policy.cfg
-        self.grid, self.drafts, self.grad_clip, self.watch = grid, list(drafts), grad_clip, list(watch)
+        if watch is not None and not (callable(watch) and hasattr(watch, "drafts") and hasattr(watch, "take")):
+            raise TypeError(f"watch: got a {type(watch).__name__}; expected None or an observer with .drafts, "
+                            f"__call__(chunk, read) and take() (harness/watch.py's DraftWatch)")
+        self.grid, self.drafts, self.grad_clip, self.watch = grid, list(drafts), grad_clip, watch
         self.attn_backend, self.logprob_chunk = attn_backend, int(logprob_chunk)
         if self.logprob_chunk < 0:
             raise ValueError(f"logprob_chunk={logprob_chunk}: expected 0 (unfused) or >= 1 rows")
@@ -150,7 +193,7 @@ class DistCotrainer:
         self._reattach(policy, embed)
         self.last = self.stage.is_last
         taps = sorted({l for tr in self.drafts for l in tr.draft.tap_layers}
-                      | {l for d in self.watch for l in d.tap_layers})
+                      | {l for d in self._watched() for l in d.tap_layers})
         if taps:  # the embedding tap: e(x_{i+d}) for the drafts from stage 0's forward, not from a full policy copy
             taps = [EMBED_TAP] + taps
         dparams = [p for tr in self.drafts for p in tr.draft.parameters()] if self.last else ()
@@ -169,8 +212,7 @@ class DistCotrainer:
                           None if mb.position_ids is None else mb.position_ids.to(dev),
                           {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in mb.extra.items()})
                for mb in mbs]
-        acc = torch.zeros(8 + K, dtype=torch.float64, device=dev)  # clip ratio k3 tokens, draft/watch s, cpu s, losses
-        metrics = {}
+        tot, metrics = StepTotals.zeros(K, dev), {}  # metrics: (micro-batch, draft) -> its draft_ttt metrics
 
         def loss_fn(z, mb):  # logits (T, V), or the final hidden (T, H) when fused -> dp * this rank's share of L
             e = mb.extra
@@ -179,62 +221,77 @@ class DistCotrainer:
             l, clipped, kl = token_losses(logp, old, e["adv"], e["ref"], cfg)
             with torch.no_grad():
                 m = e["resp"].double()
-                acc[:4] += torch.stack([(clipped.double() * m).sum(), (torch.exp(logp - old).double() * m).sum(),
-                                        (kl.double() * m).sum(), m.sum()])
+                tot.clipped += (clipped.double() * m).sum()
+                tot.ratio += (torch.exp(logp - old).double() * m).sum()
+                tot.k3 += (kl.double() * m).sum()
+                tot.tokens += m.sum()
             return (l * e["w"]).sum() * g.dp
 
         def draft_hook(d):  # last stage, after F(m): every draft's loss (drafter.py) on the detached taps
-            mb, total = d.mb, 0.0
-            teacher = self._teacher(d, cfg.temperature)  # softmax(z / tau): the rollout's temperature
-            backend = dict(backend=self.attn_backend or "torch", group=g.cp_group,
-                           chunk=self.logprob_chunk or None)  # the draft loss's chunk: the log-probs' rows
+            read, total = self._draft_loss_on(d, cfg.temperature), 0.0
             for k, tr in enumerate(self.drafts):
-                L, met = tr.draft.loss(d.taps, mb.tokens, mb.cu_seqlens, loss_mask=mb.extra["dmask"],
-                                       position_ids=mb.position_ids, attn_fn=self._draft_attn(tr.attn_fn),
-                                       **tr.draft.loss_options(tr), **backend, **teacher)
-                acc[8 + k] += L.detach().double() / micro_batches
-                metrics[(mb.extra["chunk"], k)] = met
+                L, met = read(tr.draft, tr)
+                metrics[(d.mb.extra["chunk"], k)] = met
+                tot.loss_draft[k] += L.detach().double() / micro_batches
                 total = total + tr.lam * L / micro_batches * g.dp
-            t0, c0 = time.perf_counter(), time.process_time()
-            with torch.no_grad():  # watched arms: the same taps and teacher, forward only
-                for k, dr in enumerate(self.watch):  # read with the trained drafts' options (a default trainer's)
-                    tr = self.drafts[0] if self.drafts else DraftTrainer(dr, None)
-                    metrics[(mb.extra["chunk"], K + k)] = dr.loss(
-                        d.taps, mb.tokens, mb.cu_seqlens, loss_mask=mb.extra["dmask"], position_ids=mb.position_ids,
-                        attn_fn=self._draft_attn(tr.attn_fn), **dr.loss_options(tr), **backend, **teacher)[1]
-            acc[5] += time.perf_counter() - t0
-            acc[7] += time.process_time() - c0
+            if self.watch is not None:
+                self.watch(d.mb.extra["chunk"], read)  # the harness's watched arms: forward only, on the same taps
             return total if self.drafts else None
 
         self.opt.zero_grad(set_to_none=True)
-        res = self.sched.step(mbs, loss_fn, hook := draft_hook if (self.drafts or self.watch) and train_drafts
-                              else None)
+        hook = draft_hook if (self.drafts or self.watch is not None) and train_drafts else None
+        res = self.sched.step(mbs, loss_fn, hook)
         grad_norm = self._clip_policy_grads()
         self.opt.step()
-        own = (res.draft_cpu_seconds - float(acc[7]), float(acc[7]))  # this process's own: drafts, watched arms
         if self.last:
             for tr in self.drafts if hook is not None else ():
                 clip_grads_(list(tr.draft.parameters()), tr.grad_clip)
                 tr.opt.step()
-            w, c = float(acc[5]), float(acc[7])  # the watched arms' share of the hook: the rest is the drafts'
-            acc[4:8] = torch.tensor([res.draft_seconds - w, w, res.draft_cpu_seconds - c, c], dtype=acc.dtype,
-                                    device=dev) / (g.cp * g.dp)  # summed below: the mean over the last stage
+        own = self._take_watch(tot, res, metrics)
+        tot = tot.all_reduced()  # world sum: only last-stage ranks hold non-zeros, each its CP / DP share
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(acc)  # world sum: only last-stage ranks hold non-zeros, each its CP / DP share
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, metrics if (self.last and g.cp_rank == 0) else {})
             metrics = {k: v for part in everyone for k, v in part.items()}
         pooled = [merge_metrics([metrics[key] for key in sorted(metrics) if key[1] == k])  # count-weighted, as
-                  for k in range(K + len(self.watch))]  # cotrain_step pools every micro-batch's metrics
-        n = max(float(acc[3]), 1.0)
-        draft_losses = [float(x) for x in acc[8:]]
+                  for k in range(K + len(self._watched()))]  # cotrain_step pools every micro-batch's metrics
+        draft_losses = tot.loss_draft.tolist()
         return {"loss_policy": res.loss, "loss_draft": draft_losses,
                 "draft_metrics": pooled[:K], "watch_metrics": pooled[K:],
-                "watch_seconds": float(acc[5]), "watch_cpu_seconds": float(acc[7]), "own_cpu_seconds": own,
-                "clip_frac": float(acc[0]) / n, "ratio": float(acc[1]) / n, "k3": float(acc[2]) / n,
-                "grad_norm": grad_norm, "p2p_bytes": res.p2p_bytes, "tap_bytes": res.tap_bytes,
-                "draft_seconds": float(acc[4]), "draft_cpu_seconds": float(acc[6]),
+                "watch_seconds": float(tot.watch_seconds), "watch_cpu_seconds": float(tot.watch_cpu_seconds),
+                "own_cpu_seconds": own, "clip_frac": tot.mean("clipped"), "ratio": tot.mean("ratio"),
+                "k3": tot.mean("k3"), "grad_norm": grad_norm, "p2p_bytes": res.p2p_bytes, "tap_bytes": res.tap_bytes,
+                "draft_seconds": float(tot.draft_seconds), "draft_cpu_seconds": float(tot.draft_cpu_seconds),
                 "loss_total": res.loss + sum(tr.lam * x for tr, x in zip(self.drafts, draft_losses))}
+
+    def _draft_loss_on(self, d, tau: float):
+        """read(draft, trainer) -> (loss, metrics): `draft`'s loss (drafter.py; EAGLE-3: TTT) on micro-batch d's
+        detached taps, with the policy's softmax(z / tau) as teacher and `trainer`'s options -- the hook's one draft
+        loss, for the trained drafts and the watched ones alike. Under CP the loss is this rank's share (group=)."""
+        mb = d.mb
+        teacher = self._teacher(d, tau)  # softmax(z / tau): the rollout's temperature
+        backend = dict(backend=self.attn_backend or "torch", group=self.grid.cp_group,
+                       chunk=self.logprob_chunk or None)  # the draft loss's chunk: the log-probs' rows
+
+        def read(draft, tr):
+            return draft.loss(d.taps, mb.tokens, mb.cu_seqlens, loss_mask=mb.extra["dmask"],
+                              position_ids=mb.position_ids, attn_fn=self._draft_attn(tr.attn_fn),
+                              **draft.loss_options(tr), **backend, **teacher)
+        return read
+
+    def _take_watch(self, tot: StepTotals, res, metrics: dict) -> tuple:
+        """The watch's reads of this step: its metrics into `metrics` (after the drafts'), and the hook's time (the
+        pipeline's draft_seconds: the drafts, their backward and the watched arms) split into the drafts' and the
+        watched arms' (as the watch timed itself) in `tot`. Returns this process's own CPU seconds (drafts, watch)."""
+        watched, w, c = self.watch.take() if self.watch is not None else ({}, 0.0, 0.0)
+        metrics.update({(chunk, len(self.drafts) + j): m for (chunk, j), m in watched.items()})
+        if self.last:  # the last stage's mean over its CP x DP ranks, once summed by all_reduced
+            n = self.grid.cp * self.grid.dp
+            tot.draft_seconds.fill_((res.draft_seconds - w) / n)
+            tot.watch_seconds.fill_(w / n)
+            tot.draft_cpu_seconds.fill_((res.draft_cpu_seconds - c) / n)
+            tot.watch_cpu_seconds.fill_(c / n)
+        return res.draft_cpu_seconds - c, c
 
     def _token_logp(self, z, targets, tau: float):
         """(T,) log p_tau(targets): from the logits z (T, V), or -- logprob_chunk > 0 -- from the final hidden z (T, H)
@@ -249,6 +306,9 @@ class DistCotrainer:
             w = self.stage.head_weight
             return dict(teacher_hidden=d.hidden, teacher_head=w if tau == 1.0 else w / tau)
         return dict(teacher_logits=d.logits if tau == 1.0 else d.logits / tau)
+
+    def _watched(self) -> list:  # the watch's drafts (none without one)
+        return list(self.watch.drafts) if self.watch is not None else []
 
     def _draft_attn(self, attn_fn):  # a draft's own single-process kernel, used only at cp = 1 without a backend
         return attn_fn if self.grid.cp == 1 and self.attn_backend is None else None
@@ -278,7 +338,7 @@ class DistCotrainer:
         `watch` must call attach(policy) itself after this constructor."""
         if policy.embed.weight.data_ptr() == embed:
             return
-        for d in [tr.draft for tr in self.drafts] + self.watch:
+        for d in [tr.draft for tr in self.drafts] + self._watched():
             e = getattr(d, "embed_weight", None)
             if e is not None and e.data_ptr() == embed:
                 d.attach(policy)

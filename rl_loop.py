@@ -27,8 +27,13 @@ For each prompt, G responses o_1..o_G are sampled (speculatively, exactly from p
      each has its own optimizer, learning rate and gradient clipping.
 
 Everything works on a `RolloutBatch`: S prompt+response sequences packed into T tokens, so a micro-batch is just a
-subset of sequences (`select`). The loop that uses these pieces is train.py (`python train.py`); the tests are
-tests/test_rl_loop.py.
+subset of sequences (`select`). `cotrain_step` is the whole step in one process, written to be read: the reference.
+What train.py runs is dist_step.DistCotrainer.step, at every world size (one process: the 1 x 1 x 1 grid) -- the same
+step through the pipeline stages with CP and DP, built from this file's pieces (the batch, the GRPO losses and their
+normalisations, draft_mask, DraftTrainer) and equal to cotrain_step to fp64 round-off:
+
+    python -m pytest -q tests/test_rl_loop.py       # the math: advantages, clipping, k3, the normalisations
+    python -m pytest -q tests/test_dist_step.py     # DistCotrainer.step == cotrain_step, one process and 4 gloo ranks
 
 Indexing, one rule for every packed (T,) array: entry t is about tokens[t], the token itself. resp_mask[t] says
 it is a response token; old_logp[t], ref_logp[t] and next_token_logp(...)[t] are log p(tokens[t] | the tokens before
@@ -321,7 +326,9 @@ def micro_chunks(num_seqs: int, micro_batches: int) -> list:
 def cotrain_step(policy, policy_opt, batch: RolloutBatch, cfg: GRPOConfig, drafts: list, *, micro_batches: int = 1,
                  policy_grad_clip: float = 1.0, attn_fn=None, timer: Optional[dict] = None,
                  on_policy: bool = False) -> dict:
-    """One optimisation step of the policy (GRPO) and of every draft (TTT) from ONE policy forward per micro-batch.
+    """One optimisation step of the policy (GRPO) and of every draft (TTT) from ONE policy forward per micro-batch:
+    the single-process reference. train.py runs dist_step.DistCotrainer.step, which equals it (fp64 within 1e-8,
+    tests/test_dist_step.py), through the pipeline's draft hook instead of the loop below.
     on_policy: the policy has not moved since it sampled the batch (an RL step's first update), so pi_old is this
     forward's own log-probs, detached (ratio exactly 1; TRL's GRPO does the same), not batch.old_logp.
 

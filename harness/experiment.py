@@ -43,6 +43,7 @@ from harness.memory_model import resolve_zero1
 from model import Transformer
 from modeling.mixed_precision import master_optimizer
 from harness.offline_arm import OfflineArm
+from harness.watch import DraftWatch
 from rl_loop import GRPOConfig
 
 if TYPE_CHECKING:
@@ -122,8 +123,15 @@ def build(cfg: Config, mesh: Mesh, log=print) -> Setup:
         logprob_chunk=budget_rows(s.policy.cfg.vocab_size, cfg.chunk_mib),
         activation_checkpointing=cfg.activation_checkpointing,
         zero1=resolve_zero1(cfg, s.policy.cfg, mesh.grid, mesh.device, s.task.max_new_tokens),  # --zero1=auto: the plan
-        watch=[d for _, d in watched(s)])  # frozen / offline-extended: teacher-forced acceptance, forward only
+        watch=draft_watch(s))
     return s
+
+
+def draft_watch(s: Setup) -> DraftWatch | None:
+    """The update's observer of the watched arms (frozen / offline-extended): their teacher-forced acceptance on the
+    rollouts, forward only, read with the co-trained draft's options; None when the run holds neither."""
+    arms = [d for _, d in watched(s)]
+    return DraftWatch(arms, options=next(iter(s.drafts.values()), None)) if arms else None
 
 
 def watched(s: Setup) -> list:

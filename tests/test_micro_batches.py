@@ -15,6 +15,7 @@ import torch
 from dist_step import DistCotrainer
 from draft import Eagle3Draft
 from harness.config import parse_args
+from harness.watch import DraftWatch
 from model import ModelConfig, Transformer
 from parallel.grid import Grid
 from rl_loop import DraftTrainer, GRPOConfig, RolloutBatch, cotrain_step, draft_loss, group_advantages
@@ -102,7 +103,8 @@ def test_the_step_reports_every_update_merged():
     policy, tr = _models()
     frozen = Eagle3Draft.from_target(policy).double()
     seen = []
-    ct = DistCotrainer(policy, [tr], Grid(), lambda ps: torch.optim.SGD(ps, lr=0.1), grad_clip=1e9, watch=(frozen,))
+    ct = DistCotrainer(policy, [tr], Grid(), lambda ps: torch.optim.SGD(ps, lr=0.1), grad_clip=1e9,
+                       watch=DraftWatch([frozen], options=tr))
     real = ct.step
     ct.step = lambda *a, **k: seen.append(real(*a, **k)) or seen[-1]
     cfg = SimpleNamespace(updates=2, micro_batches=2, trains_drafts=lambda u: True)  # every update trains the drafts
