@@ -12,7 +12,8 @@ CE(p_{i+d}, q^d_i), streamed by draft_loss.py; metrics per pass and the predicte
 Inference (speculative.py): `extend` appends trunk entries (token after position j, taps at j) to the draft's own KV
 cache and returns the pass-1 state at a chosen anchor; each `step` is one more pass (one cache entry on the branch).
 
-    python draft.py            # builds a draft for the `tiny` policy, prints its TTT loss and metrics, proposes tokens
+    python draft.py            # TTT learning (~10 s): a draft trained on a tiny policy's own samples, its predicted
+                               # acceptance length tau_hat before and after, then its proposals
 
 Letters: T packed tokens, S sequences, B batch rows, N new entries per row, H hidden, K taps, Hq/Hkv heads, D head dim,
 V target vocab, Vd draft vocab, P branch entries.
@@ -344,29 +345,5 @@ def draft_device(embed) -> torch.device:  # where a draft sharing `embed` (see E
 if __name__ == "__main__":
     from parallel.cli import answer_help
     answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
-    torch.manual_seed(0)
-    target = Transformer(ModelConfig.preset("tiny")).eval()
-    draft = Eagle3Draft.from_target(target)
-    cu = torch.tensor([0, 9, 16, 30], dtype=torch.int32)
-    tokens = torch.randint(target.cfg.vocab_size, (30,))
-    with torch.no_grad():
-        out = target(tokens, cu, tap_layers=draft.tap_layers)
-    loss, m = draft.ttt_loss(out.taps, tokens, cu, out.logits, num_passes=3)
-    loss.backward()
-    print(f"draft taps {draft.tap_layers}, {sum(p.numel() for p in draft.parameters()):,} parameters")
-    print(f"TTT loss {loss.item():.4f}; per pass acc {[round(a, 3) for a in m['acc']]}, "
-          f"alpha {[round(a, 3) for a in m['alpha']]}, tau_hat {m['tau_hat']:.2f}")
-    top = float(out.logits.softmax(-1).max(-1).values.mean())  # the policy's mean top-token probability
-    print(f"  acc and tau_hat measure different things: acc is top-1 agreement (what greedy decoding, tau = 0, "
-          f"accepts),\n  alpha = sum min(p, q) and tau_hat the acceptance when sampling at tau = 1; this random policy "
-          f"is nearly flat\n  (mean top-token p {top:.3f}, uniform {1 / target.cfg.vocab_size:.3f}), so the untrained "
-          f"draft's flat q overlaps it while its top-1 matches by chance")
-    cache = draft.new_cache(1, 32)
-    with torch.no_grad():
-        h, z = draft.extend(cache, tokens[None, 1:9], {l: t[None, :8] for l, t in out.taps.items()},
-                            torch.tensor([7]))
-        props = [int(z.argmax(-1))]
-        for _ in range(3):
-            h, z = draft.step(cache, torch.tensor(props[-1:]), h)
-            props.append(int(z.argmax(-1)))
-    print(f"greedy proposals after the first 9 tokens of sequence 0: {props}")
+    from drafter import demo
+    demo("EAGLE-3 (TTT, 3 passes)", Eagle3Draft.from_target, k=3, num_passes=3)

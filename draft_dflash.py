@@ -17,7 +17,7 @@ distribution at a+k-1, weighted exp(-(k-1)/gamma).
 
 Taps (`default_dflash_taps`): 5 layers from layer 1 to layer n-3, evenly spread (Qwen3-8B: 1, 9, 17, 25, 33 of 36).
 
-    python draft_dflash.py     # a DFlash draft on the tiny policy: its loss, metrics and one proposed block
+    python draft_dflash.py     # a DFlash draft learning (~5 s): tau_hat before and after, then one proposed block
 
 Letters: T packed tokens, S sequences, N anchors, W block size, B batch rows, H hidden, K taps, V vocab.
 """
@@ -352,20 +352,6 @@ class DFlashDraft(nn.Module):
 if __name__ == "__main__":
     from parallel.cli import answer_help
     answer_help(__doc__, __file__)
-    torch.manual_seed(0)
-    target = Transformer(ModelConfig.preset("tiny")).eval()
-    draft = DFlashDraft.from_target(target, mask_token_id=0, block_size=4)
-    cu = torch.tensor([0, 9, 16, 30], dtype=torch.int32)
-    tokens = torch.randint(1, target.cfg.vocab_size, (30,))
-    with torch.no_grad():
-        out = target(tokens, cu, tap_layers=draft.tap_layers)
-    loss, m = draft.loss(out.taps, tokens, cu, out.logits, anchors=3)
-    loss.backward()
-    print(f"DFlash taps {draft.tap_layers}, {sum(p.numel() for p in draft.parameters()):,} parameters; loss "
-          f"{loss.item():.4f}, alpha per slot {[round(a, 3) for a in m['alpha']]}, tau_hat {m['tau_hat']:.2f}")
-    cache = draft.new_cache(1, 32)
-    with torch.no_grad():
-        state = draft.extend(cache, tokens[None, 1:9], {l: t[None, :8] for l, t in out.taps.items()},
-                             torch.tensor([7]))
-        d, _ = draft.propose(cache, state, 3, 0.0)
-    print(f"one block after the first 9 tokens of sequence 0: {d[0].tolist()}")
+    from drafter import demo
+    demo("DFlash (blocks of 4)", lambda p: DFlashDraft.from_target(p, mask_token_id=0, block_size=4), k=3,
+         anchors=4)
