@@ -20,18 +20,16 @@ V target vocab, Vd draft vocab, P branch entries.
 """
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
 import draft_ttt
 from drafter import propose_chain
+from serving.draft_checkpoint import read_draft, write_draft
 from serving.draft_vocab import maps as draft_vocab_maps
 from model import EMBED_TAP, ModelConfig, Transformer, check_tap_layers, default_tap_layers
 from modeling.kv_cache import KVCache
@@ -260,14 +258,8 @@ class Eagle3Draft(nn.Module):
     # -- checkpoints -----------------------------------------------------------------------------------------------
     def save(self, path: str):
         """config.json + model.safetensors (fc, midlayer.*, norm, lm_head, d2t, t2d; not the shared embedding)."""
-        os.makedirs(path, exist_ok=True)
-        sd = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
-        cfg = dict(asdict(self.cfg), tap_layers=list(self.cfg.tap_layers), architectures=["Eagle3DraftModel"])
-        for name, write in (("model.safetensors", lambda f: save_file(sd, f, metadata={"format": "pt"})),
-                            ("config.json", lambda f: open(f, "w").write(json.dumps(cfg, indent=2)))):
-            tmp = os.path.join(path, f".{name}.tmp")
-            write(tmp)
-            os.replace(tmp, os.path.join(path, name))  # each file lands atomically
+        write_draft(path, dict(asdict(self.cfg), tap_layers=list(self.cfg.tap_layers),
+                               architectures=["Eagle3DraftModel"]), self.state_dict())
 
     def export(self, path: str, *, dtype=torch.bfloat16, **kw):
         """The serving format vLLM's and SGLang's LlamaForCausalLMEagle3 load (export.py): config.json +
@@ -283,15 +275,8 @@ class Eagle3Draft(nn.Module):
     @classmethod
     def load(cls, path: str, embed) -> "Eagle3Draft":
         """Load a draft saved by `save`; `embed` is the policy (or its embedding) whose embedding the draft shares."""
-        cfg_path = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg_path):
-            raise ValueError(f"path={path!r}: expected a draft directory with config.json")
-        with open(cfg_path) as f:
-            raw = json.load(f)
-        raw.pop("architectures", None)
-        cfg = DraftConfig(**raw)
-        sd = load_file(os.path.join(path, "model.safetensors"))
-        draft = cls(cfg, embed).to(device=draft_device(embed), dtype=sd["fc.weight"].dtype)  # the policy's device
+        raw, sd = read_draft(path)
+        draft = cls(DraftConfig(**raw), embed).to(device=draft_device(embed), dtype=sd["fc.weight"].dtype)
         draft.load_state_dict(sd)
         draft.attach(embed)
         return draft

@@ -23,7 +23,6 @@ Letters: T packed tokens, S sequences, N anchors, W block size, B batch rows, H 
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass
@@ -31,7 +30,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import draft_block
 from attention_cp import anchor_branch_attention
@@ -42,6 +41,8 @@ from model import EMBED_TAP, ModelConfig, Transformer, check_tap_layers
 from modeling.kv_cache import KVCache
 from modeling.layers import DecoderLayer, RMSNorm, apply_rope, rope_cos_sin
 from parallel.ring import as_ring
+from serving.draft_checkpoint import read_draft, write_draft
+from serving.hf_io import read_json
 
 
 def default_dflash_taps(n_layers: int, count: int = 5) -> tuple:
@@ -287,14 +288,7 @@ class DFlashDraft(nn.Module):
 
     def save(self, path: str):
         """config.json + model.safetensors (not the shared embedding and head), each written atomically."""
-        os.makedirs(path, exist_ok=True)
-        sd = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
-        cfg = dict(self.config_dict(), architectures=[self.architecture])
-        for name, write in (("model.safetensors", lambda f: save_file(sd, f, metadata={"format": "pt"})),
-                            ("config.json", lambda f: open(f, "w").write(json.dumps(cfg, indent=2)))):
-            tmp = os.path.join(path, f".{name}.tmp")
-            write(tmp)
-            os.replace(tmp, os.path.join(path, name))
+        write_draft(path, dict(self.config_dict(), architectures=[self.architecture]), self.state_dict())
 
     def config_dict(self) -> dict:
         return dict(asdict(self.cfg), tap_layers=list(self.cfg.tap_layers))
@@ -306,14 +300,7 @@ class DFlashDraft(nn.Module):
     @classmethod
     def load(cls, path: str, policy) -> "DFlashDraft":
         """A draft saved by `save`, sharing `policy`'s embedding and LM head."""
-        cfg_path = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg_path):
-            raise ValueError(f"path={path!r}: expected a draft directory with config.json")
-        with open(cfg_path) as f:
-            raw = json.load(f)
-        if raw.pop("architectures", [None]) != [cls.architecture]:
-            raise ValueError(f"path={path!r}: not a {cls.architecture} checkpoint")
-        sd = load_file(os.path.join(path, "model.safetensors"))
+        raw, sd = read_draft(path, cls.architecture)
         draft = cls(cls.config_class()(**raw), policy).to(device=draft_device(policy), dtype=sd["fc.weight"].dtype)
         draft.load_state_dict(sd)
         draft.attach(policy)
@@ -326,7 +313,7 @@ class DFlashDraft(nn.Module):
         or weights that do not fit the policy, are a ValueError naming the path."""
         from serving.export_dflash import ARCHITECTURE
         cfg_path = os.path.join(path, "config.json")
-        c = json.load(open(cfg_path)) if os.path.isfile(cfg_path) else {}
+        c = read_json(cfg_path) if os.path.isfile(cfg_path) else {}
         if c.get("architectures") != [ARCHITECTURE]:
             raise ValueError(f"path={path!r}: expected a DFlash export (config.json with {ARCHITECTURE})")
         d = c["dflash_config"]

@@ -10,6 +10,7 @@ its commands) and a config dataclass's field comments (what each flag means), so
     print_help(text)                       print on rank 0 only (under torchrun every rank parses the same argv)
     run_main(main, __file__, argv)         an entry point's end: an error is one line naming what was wrong, exit 1
     writing(path)                          a storage error inside (a full disk, SafetensorError too) names `path`
+    read_json(path)                        a JSON object from a file; a bad file is a ValueError naming it
 
 The docstring's commands are its indented lines that start with `python`, `torchrun` or `VAR=value python` and name
 the file itself; its summary is its first paragraph. A field's meaning is the `# ...` comment on its line; a block of
@@ -28,6 +29,7 @@ import dataclasses
 import errno
 import inspect
 import io
+import json
 import os
 import re
 import sys
@@ -251,3 +253,17 @@ def writing(path: str):
                                                  if s in text), errno.EIO)
         raise OSError(code, f"{getattr(e, 'strerror', None) or os.strerror(code)} (while writing; {text})"
                       if code == errno.EIO else (getattr(e, "strerror", None) or os.strerror(code)), path) from None
+
+
+def read_json(path: str, what: str = "") -> dict:
+    """A JSON object from `path`; errors name the file (and the line and column of a syntax error), then `what`."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except json.JSONDecodeError as e:  # the parser's message names no file
+        raise ValueError(f"{path}: invalid JSON ({e.msg} at line {e.lineno}, column {e.colno}){what}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: cannot be read ({type(e).__name__}: {e}){what}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(obj).__name__}{what}")
+    return obj
