@@ -12,7 +12,7 @@ CE(p_{i+d}, q^d_i), streamed by draft_loss.py; metrics per pass and the predicte
 Inference (speculative.py): `extend` appends trunk entries (token after position j, taps at j) to the draft's own KV
 cache and returns the pass-1 state at a chosen anchor; each `step` is one more pass (one cache entry on the branch).
 
-    python draft.py            # TTT learning (~10 s): a draft trained on a tiny policy's own samples, its predicted
+    python draft.py            # TTT learning (~15 s): a draft trained on a tiny policy's own samples, its predicted
                                # acceptance length tau_hat before and after, then its proposals
 
 Letters: T packed tokens, S sequences, B batch rows, N new entries per row, H hidden, K taps, Hq/Hkv heads, D head dim,

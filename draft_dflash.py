@@ -17,7 +17,7 @@ distribution at a+k-1, weighted exp(-(k-1)/gamma).
 
 Taps (`default_dflash_taps`): 5 layers from layer 1 to layer n-3, evenly spread (Qwen3-8B: 1, 9, 17, 25, 33 of 36).
 
-    python draft_dflash.py     # a DFlash draft learning (~5 s): tau_hat before and after, then one proposed block
+    python draft_dflash.py     # a DFlash draft learning (~15 s): tau_hat before and after, then one proposed block
 
 Letters: T packed tokens, S sequences, N anchors, W block size, B batch rows, H hidden, K taps, V vocab.
 """

@@ -19,7 +19,7 @@ anchors (`StreamingMarkovLoss`, draft_loss.StreamingSoftCE's scheme with the L1 
 chunk's (chunk, V) logits, no (anchors, V) tensor is kept, the (V, H + r) stacked head is never built, and the
 policy's LM head (shared, detached) gets no gradient: the only vocabulary-sized gradient is W2's (V, r), once.
 
-    python draft_dspark.py     # a DSpark draft learning (~7 s): tau_hat before and after, then one sampled block
+    python draft_dspark.py     # a DSpark draft learning (~15 s): tau_hat before and after, then one sampled block
 
 Letters: N anchors, W block size, B batch rows, H hidden, r Markov rank, V vocab.
 """

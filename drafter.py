@@ -102,7 +102,7 @@ def policy_samples(policy, n: int, length: int, seed: int):
     return x.flatten(), torch.arange(0, n * length + 1, length, dtype=torch.int32)
 
 
-def teach(draft, policy, *, steps: int = 200, batch: int = 8, length: int = 32, pool: int = 256, held_out: int = 32,
+def teach(draft, policy, *, steps: int = 300, batch: int = 8, length: int = 32, pool: int = 256, held_out: int = 32,
           lr: float = 1e-2, seed: int = 0, **loss_kw) -> tuple:
     """Train `draft` by its family's `loss` alone on `policy`'s own samples -- the taps and the teacher logits of one
     policy forward, as co-training gets them -- for `steps` AdamW steps of `batch` sequences drawn in turn from a
