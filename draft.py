@@ -12,25 +12,24 @@ CE(p_{i+d}, q^d_i), streamed by draft_loss.py; metrics per pass and the predicte
 Inference (speculative.py): `extend` appends trunk entries (token after position j, taps at j) to the draft's own KV
 cache and returns the pass-1 state at a chosen anchor; each `step` is one more pass (one cache entry on the branch).
 
-    python draft.py            # builds a draft for the `tiny` policy, prints its TTT loss and metrics, proposes tokens
+    python draft.py            # TTT learning (~15 s): a draft trained on a tiny policy's own samples, its predicted
+                               # acceptance length tau_hat before and after, then its proposals
 
 Letters: T packed tokens, S sequences, B batch rows, N new entries per row, H hidden, K taps, Hq/Hkv heads, D head dim,
 V target vocab, Vd draft vocab, P branch entries.
 """
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
 import draft_ttt
 from drafter import propose_chain
+from serving.draft_checkpoint import read_draft, write_draft
 from serving.draft_vocab import maps as draft_vocab_maps
 from model import EMBED_TAP, ModelConfig, Transformer, check_tap_layers, default_tap_layers
 from modeling.kv_cache import KVCache
@@ -259,14 +258,8 @@ class Eagle3Draft(nn.Module):
     # -- checkpoints -----------------------------------------------------------------------------------------------
     def save(self, path: str):
         """config.json + model.safetensors (fc, midlayer.*, norm, lm_head, d2t, t2d; not the shared embedding)."""
-        os.makedirs(path, exist_ok=True)
-        sd = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
-        cfg = dict(asdict(self.cfg), tap_layers=list(self.cfg.tap_layers), architectures=["Eagle3DraftModel"])
-        for name, write in (("model.safetensors", lambda f: save_file(sd, f, metadata={"format": "pt"})),
-                            ("config.json", lambda f: open(f, "w").write(json.dumps(cfg, indent=2)))):
-            tmp = os.path.join(path, f".{name}.tmp")
-            write(tmp)
-            os.replace(tmp, os.path.join(path, name))  # each file lands atomically
+        write_draft(path, dict(asdict(self.cfg), tap_layers=list(self.cfg.tap_layers),
+                               architectures=["Eagle3DraftModel"]), self.state_dict())
 
     def export(self, path: str, *, dtype=torch.bfloat16, **kw):
         """The serving format vLLM's and SGLang's LlamaForCausalLMEagle3 load (export.py): config.json +
@@ -282,15 +275,8 @@ class Eagle3Draft(nn.Module):
     @classmethod
     def load(cls, path: str, embed) -> "Eagle3Draft":
         """Load a draft saved by `save`; `embed` is the policy (or its embedding) whose embedding the draft shares."""
-        cfg_path = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg_path):
-            raise ValueError(f"path={path!r}: expected a draft directory with config.json")
-        with open(cfg_path) as f:
-            raw = json.load(f)
-        raw.pop("architectures", None)
-        cfg = DraftConfig(**raw)
-        sd = load_file(os.path.join(path, "model.safetensors"))
-        draft = cls(cfg, embed).to(device=draft_device(embed), dtype=sd["fc.weight"].dtype)  # the policy's device
+        raw, sd = read_draft(path)
+        draft = cls(DraftConfig(**raw), embed).to(device=draft_device(embed), dtype=sd["fc.weight"].dtype)
         draft.load_state_dict(sd)
         draft.attach(embed)
         return draft
@@ -344,29 +330,5 @@ def draft_device(embed) -> torch.device:  # where a draft sharing `embed` (see E
 if __name__ == "__main__":
     from parallel.cli import answer_help
     answer_help(__doc__, __file__)  # -h / --help: usage and summary from the docstring, exit 0
-    torch.manual_seed(0)
-    target = Transformer(ModelConfig.preset("tiny")).eval()
-    draft = Eagle3Draft.from_target(target)
-    cu = torch.tensor([0, 9, 16, 30], dtype=torch.int32)
-    tokens = torch.randint(target.cfg.vocab_size, (30,))
-    with torch.no_grad():
-        out = target(tokens, cu, tap_layers=draft.tap_layers)
-    loss, m = draft.ttt_loss(out.taps, tokens, cu, out.logits, num_passes=3)
-    loss.backward()
-    print(f"draft taps {draft.tap_layers}, {sum(p.numel() for p in draft.parameters()):,} parameters")
-    print(f"TTT loss {loss.item():.4f}; per pass acc {[round(a, 3) for a in m['acc']]}, "
-          f"alpha {[round(a, 3) for a in m['alpha']]}, tau_hat {m['tau_hat']:.2f}")
-    top = float(out.logits.softmax(-1).max(-1).values.mean())  # the policy's mean top-token probability
-    print(f"  acc and tau_hat measure different things: acc is top-1 agreement (what greedy decoding, tau = 0, "
-          f"accepts),\n  alpha = sum min(p, q) and tau_hat the acceptance when sampling at tau = 1; this random policy "
-          f"is nearly flat\n  (mean top-token p {top:.3f}, uniform {1 / target.cfg.vocab_size:.3f}), so the untrained "
-          f"draft's flat q overlaps it while its top-1 matches by chance")
-    cache = draft.new_cache(1, 32)
-    with torch.no_grad():
-        h, z = draft.extend(cache, tokens[None, 1:9], {l: t[None, :8] for l, t in out.taps.items()},
-                            torch.tensor([7]))
-        props = [int(z.argmax(-1))]
-        for _ in range(3):
-            h, z = draft.step(cache, torch.tensor(props[-1:]), h)
-            props.append(int(z.argmax(-1)))
-    print(f"greedy proposals after the first 9 tokens of sequence 0: {props}")
+    from drafter import demo
+    demo("EAGLE-3 (TTT, 3 passes)", Eagle3Draft.from_target, k=3, num_passes=3)

@@ -17,13 +17,12 @@ distribution at a+k-1, weighted exp(-(k-1)/gamma).
 
 Taps (`default_dflash_taps`): 5 layers from layer 1 to layer n-3, evenly spread (Qwen3-8B: 1, 9, 17, 25, 33 of 36).
 
-    python draft_dflash.py     # a DFlash draft on the tiny policy: its loss, metrics and one proposed block
+    python draft_dflash.py     # a DFlash draft learning (~15 s): tau_hat before and after, then one proposed block
 
 Letters: T packed tokens, S sequences, N anchors, W block size, B batch rows, H hidden, K taps, V vocab.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass
@@ -31,7 +30,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import draft_block
 from attention_cp import anchor_branch_attention
@@ -42,6 +41,8 @@ from model import EMBED_TAP, ModelConfig, Transformer, check_tap_layers
 from modeling.kv_cache import KVCache
 from modeling.layers import DecoderLayer, RMSNorm, apply_rope, rope_cos_sin
 from parallel.ring import as_ring
+from serving.draft_checkpoint import read_draft, write_draft
+from serving.hf_io import read_json
 
 
 def default_dflash_taps(n_layers: int, count: int = 5) -> tuple:
@@ -287,14 +288,7 @@ class DFlashDraft(nn.Module):
 
     def save(self, path: str):
         """config.json + model.safetensors (not the shared embedding and head), each written atomically."""
-        os.makedirs(path, exist_ok=True)
-        sd = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
-        cfg = dict(self.config_dict(), architectures=[self.architecture])
-        for name, write in (("model.safetensors", lambda f: save_file(sd, f, metadata={"format": "pt"})),
-                            ("config.json", lambda f: open(f, "w").write(json.dumps(cfg, indent=2)))):
-            tmp = os.path.join(path, f".{name}.tmp")
-            write(tmp)
-            os.replace(tmp, os.path.join(path, name))
+        write_draft(path, dict(self.config_dict(), architectures=[self.architecture]), self.state_dict())
 
     def config_dict(self) -> dict:
         return dict(asdict(self.cfg), tap_layers=list(self.cfg.tap_layers))
@@ -306,14 +300,7 @@ class DFlashDraft(nn.Module):
     @classmethod
     def load(cls, path: str, policy) -> "DFlashDraft":
         """A draft saved by `save`, sharing `policy`'s embedding and LM head."""
-        cfg_path = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg_path):
-            raise ValueError(f"path={path!r}: expected a draft directory with config.json")
-        with open(cfg_path) as f:
-            raw = json.load(f)
-        if raw.pop("architectures", [None]) != [cls.architecture]:
-            raise ValueError(f"path={path!r}: not a {cls.architecture} checkpoint")
-        sd = load_file(os.path.join(path, "model.safetensors"))
+        raw, sd = read_draft(path, cls.architecture)
         draft = cls(cls.config_class()(**raw), policy).to(device=draft_device(policy), dtype=sd["fc.weight"].dtype)
         draft.load_state_dict(sd)
         draft.attach(policy)
@@ -326,7 +313,7 @@ class DFlashDraft(nn.Module):
         or weights that do not fit the policy, are a ValueError naming the path."""
         from serving.export_dflash import ARCHITECTURE
         cfg_path = os.path.join(path, "config.json")
-        c = json.load(open(cfg_path)) if os.path.isfile(cfg_path) else {}
+        c = read_json(cfg_path) if os.path.isfile(cfg_path) else {}
         if c.get("architectures") != [ARCHITECTURE]:
             raise ValueError(f"path={path!r}: expected a DFlash export (config.json with {ARCHITECTURE})")
         d = c["dflash_config"]
@@ -352,20 +339,6 @@ class DFlashDraft(nn.Module):
 if __name__ == "__main__":
     from parallel.cli import answer_help
     answer_help(__doc__, __file__)
-    torch.manual_seed(0)
-    target = Transformer(ModelConfig.preset("tiny")).eval()
-    draft = DFlashDraft.from_target(target, mask_token_id=0, block_size=4)
-    cu = torch.tensor([0, 9, 16, 30], dtype=torch.int32)
-    tokens = torch.randint(1, target.cfg.vocab_size, (30,))
-    with torch.no_grad():
-        out = target(tokens, cu, tap_layers=draft.tap_layers)
-    loss, m = draft.loss(out.taps, tokens, cu, out.logits, anchors=3)
-    loss.backward()
-    print(f"DFlash taps {draft.tap_layers}, {sum(p.numel() for p in draft.parameters()):,} parameters; loss "
-          f"{loss.item():.4f}, alpha per slot {[round(a, 3) for a in m['alpha']]}, tau_hat {m['tau_hat']:.2f}")
-    cache = draft.new_cache(1, 32)
-    with torch.no_grad():
-        state = draft.extend(cache, tokens[None, 1:9], {l: t[None, :8] for l, t in out.taps.items()},
-                             torch.tensor([7]))
-        d, _ = draft.propose(cache, state, 3, 0.0)
-    print(f"one block after the first 9 tokens of sequence 0: {d[0].tolist()}")
+    from drafter import demo
+    demo("DFlash (blocks of 4)", lambda p: DFlashDraft.from_target(p, mask_token_id=0, block_size=4), k=3,
+         anchors=4)

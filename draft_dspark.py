@@ -19,7 +19,7 @@ anchors (`StreamingMarkovLoss`, draft_loss.StreamingSoftCE's scheme with the L1 
 chunk's (chunk, V) logits, no (anchors, V) tensor is kept, the (V, H + r) stacked head is never built, and the
 policy's LM head (shared, detached) gets no gradient: the only vocabulary-sized gradient is W2's (V, r), once.
 
-    python draft_dspark.py     # a DSpark draft on the tiny policy: its loss and one proposed block
+    python draft_dspark.py     # a DSpark draft learning (~15 s): tau_hat before and after, then one sampled block
 
 Letters: N anchors, W block size, B batch rows, H hidden, r Markov rank, V vocab.
 """
@@ -34,7 +34,6 @@ import torch.nn.functional as F
 
 from decoding.spec_rule import sample
 from draft_dflash import DFlashConfig, DFlashDraft
-from model import ModelConfig, Transformer
 from modeling.kv_cache import KVCache
 from modeling.layers import at_least_f32
 
@@ -194,20 +193,6 @@ def _markov_z(x, m, Wh, W2):  # x (c, H), m (c, r) -> z (c, V) = x Wh^T + m W2^T
 if __name__ == "__main__":
     from parallel.cli import answer_help
     answer_help(__doc__, __file__)
-    torch.manual_seed(0)
-    target = Transformer(ModelConfig.preset("tiny")).eval()
-    draft = DSparkDraft.from_target(target, mask_token_id=0, block_size=4, markov_rank=8)
-    cu = torch.tensor([0, 9, 16, 30], dtype=torch.int32)
-    tokens = torch.randint(1, target.cfg.vocab_size, (30,))
-    with torch.no_grad():
-        out = target(tokens, cu, tap_layers=draft.tap_layers)
-    loss, m = draft.loss(out.taps, tokens, cu, out.logits, anchors=3)
-    loss.backward()
-    print(f"DSpark: {sum(p.numel() for p in draft.parameters()):,} parameters; loss {loss.item():.4f}, alpha per "
-          f"slot {[round(a, 3) for a in m['alpha']]}, tau_hat {m['tau_hat']:.2f}")
-    cache = draft.new_cache(1, 32)
-    with torch.no_grad():
-        state = draft.extend(cache, tokens[None, 1:9], {l: t[None, :8] for l, t in out.taps.items()},
-                             torch.tensor([7]))
-        d, _ = draft.propose(cache, state, 4, 1.0, torch.Generator().manual_seed(0))
-    print(f"one block sampled through the Markov head after the first 9 tokens of sequence 0: {d[0].tolist()}")
+    from drafter import demo  # the block sampled left to right through the Markov head (tau = 1)
+    demo("DSpark (blocks of 4)", lambda p: DSparkDraft.from_target(p, mask_token_id=0, block_size=4, markov_rank=8),
+         k=4, temperature=1.0, anchors=4)

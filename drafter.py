@@ -30,13 +30,20 @@ DistCotrainer (dist_step.py), rl_loop's draft loss, the warm-up, the control arm
 `select_rows(state, rows)` compacts a state with the batch (every family's state is rows-first). The registry that
 maps `--drafter eagle3|dflash|dspark` to a family is harness/drafters.py.
 
+A family in miniature (`demo`, each family file's `__main__`): `teach(draft, policy)` trains a fresh draft through
+`loss` alone on a confident tiny policy's own samples (`demo_policy`, `policy_samples`) and returns its metrics on
+held-out samples before and after -- the predicted acceptance length tau_hat rises as the draft learns;
+`demo_proposal` then drafts k tokens through `extend` and `propose`.
+
     python drafter.py --help
+    python draft.py            # EAGLE-3's TTT learning: acceptance before and after (also draft_dflash.py, ...)
 """
 from __future__ import annotations
 
 import torch
 
 from decoding.spec_rule import sample
+from model import ModelConfig, Transformer
 
 PROTOCOL = ("tap_layers", "max_draft_tokens", "attach", "fresh", "loss", "loss_options", "new_cache", "extend",
             "propose", "save", "load", "check_exportable", "export")
@@ -65,6 +72,97 @@ def propose_chain(step, h, zq, k: int, temperature: float, generator):
         if j < k - 1:
             h, zq = step(dj, h)
     return torch.stack(ds, 1), (torch.stack(qs, 1) if temperature > 0 else None)
+
+
+# ---- a family in miniature: the demos of draft.py, draft_dflash.py and draft_dspark.py ----------------------------
+
+def demo_policy(seed: int = 0, sharpness: float = 16.0) -> Transformer:
+    """The `tiny` policy, seeded, its final norm scaled by `sharpness` (every logit times sharpness): a random policy is
+    nearly flat, so any flat q overlaps it and a draft has little to learn. At x16 its top token has p ~ 0.23 on
+    average (uniform: 1/97)."""
+    torch.manual_seed(seed)
+    policy = Transformer(ModelConfig.preset("tiny")).eval()
+    with torch.no_grad():
+        policy.model.norm.weight.mul_(sharpness)
+    return policy
+
+
+@torch.no_grad()
+def policy_samples(policy, n: int, length: int, seed: int):
+    """n sequences of `length` tokens sampled from the policy at tau = 1 (the rollouts a draft co-trains on), from a
+    random first token; token 0 never (the block drafters' MASK in the demos). Returns tokens (n * length,) and
+    cu_seqlens (n + 1,) int32."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(1, policy.cfg.vocab_size, (n, 1), generator=g)  # (n, 1)
+    cache = policy.new_cache(n, length)
+    for _ in range(length - 1):
+        z = policy.forward_cached(x[:, -1:], cache).logits[:, -1].float()  # (n, V)
+        z[:, 0] = -float("inf")
+        x = torch.cat([x, torch.multinomial(z.softmax(-1), 1, generator=g)], 1)
+    return x.flatten(), torch.arange(0, n * length + 1, length, dtype=torch.int32)
+
+
+def teach(draft, policy, *, steps: int = 300, batch: int = 8, length: int = 32, pool: int = 256, held_out: int = 32,
+          lr: float = 1e-2, seed: int = 0, **loss_kw) -> tuple:
+    """Train `draft` by its family's `loss` alone on `policy`'s own samples -- the taps and the teacher logits of one
+    policy forward, as co-training gets them -- for `steps` AdamW steps of `batch` sequences drawn in turn from a
+    pool of `pool`. Returns (before, after): the loss's metrics on `held_out` other samples (tau_hat, the predicted
+    acceptance length at tau = 1; alpha and acc per draft position)."""
+    def forward(n, s):  # n sampled sequences -> (taps {layer: (T, H)}, tokens (T,), cu_seqlens, teacher logits (T, V))
+        tokens, cu = policy_samples(policy, n, length, s)
+        with torch.no_grad():
+            out = policy(tokens, cu, tap_layers=draft.tap_layers)
+        return out.taps, tokens, cu, out.logits
+
+    def metrics(data):
+        with torch.no_grad():
+            return draft.loss(*data, **loss_kw)[1]
+
+    taps, tokens, _, logits = forward(pool, seed)
+    held = forward(held_out, seed + 1)
+    cu = torch.arange(0, batch * length + 1, length, dtype=torch.int32)  # every sequence is `length` long
+    opt = torch.optim.AdamW(draft.parameters(), lr=lr)
+    before = metrics(held)
+    for step in range(steps):
+        first = (step * batch) % (pool - batch + 1)  # the pool in turn
+        rows = slice(first * length, (first + batch) * length)
+        loss, _ = draft.loss({l: t[rows] for l, t in taps.items()}, tokens[rows], cu, logits[rows], **loss_kw)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return before, metrics(held)
+
+
+@torch.no_grad()
+def demo_proposal(draft, policy, tokens, k: int, temperature: float = 0.0, seed: int = 0) -> list:
+    """k tokens the draft proposes after `tokens` (1-D, the policy's taps computed here): `extend` over the prefix,
+    then one `propose`."""
+    n = tokens.numel()
+    out = policy(tokens, torch.tensor([0, n], dtype=torch.int32), tap_layers=draft.tap_layers)
+    cache = draft.new_cache(1, n + k + 1)
+    state = draft.extend(cache, tokens[None, 1:], {l: t[None, :-1] for l, t in out.taps.items()},
+                         torch.tensor([n - 2]))
+    return draft.propose(cache, state, k, temperature, torch.Generator().manual_seed(seed))[0][0].tolist()
+
+
+def demo(name: str, make, *, k: int, temperature: float = 0.0, steps: int = 300, **loss_kw) -> tuple:
+    """A family's demo: make(policy) -> a fresh draft on demo_policy(); teach it `steps` steps and print tau_hat,
+    alpha and top-1 agreement per draft position before and after, then k proposed tokens. Returns (before, after)."""
+    torch.set_num_threads(1)  # tensors this small gain nothing from a second thread, which spin-waits on a busy core
+    policy = demo_policy()
+    draft = make(policy)
+    print(f"{name} draft on the tiny policy (its logits sharpened): taps {draft.tap_layers}, "
+          f"{sum(p.numel() for p in draft.parameters()):,} parameters;\n{steps} steps of its loss on the policy's own "
+          f"samples (tau = 1): taps and teacher from one policy forward, as in co-training")
+    before, after = teach(draft, policy, steps=steps, **loss_kw)
+    for tag, m in (("before", before), ("after", after)):
+        print(f"  {tag:>6}: tau_hat {m['tau_hat']:.2f} | per position alpha {[round(a, 2) for a in m['alpha']]}, "
+              f"top-1 agreement {[round(a, 2) for a in m['acc']]}")
+    print("  (on held-out samples; tau_hat = 1 + sum_k prod_{j<=k} alpha_j is the predicted acceptance length at "
+          "tau = 1,\n  alpha_j = E sum_x min(p, q) at draft position j; 1.00 would be no speedup)")
+    prefix = policy_samples(policy, 1, 9, seed=7)[0]
+    print(f"  {k} tokens proposed after {prefix.tolist()}: {demo_proposal(draft, policy, prefix, k, temperature)}")
+    return before, after
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
     Config()                      the default experiment (a dataclass: every field has its default and a comment)
     PRESETS[name]                 named overrides (harness/presets.py): "default", "small", "smoke", "test"
     parse_args(argv) -> Config    --preset NAME, --flag, --key=value or --key value; type-checked, unknown keys rejected
-    help_text(usage) -> str       what --help / -h prints: the presets, then every flag with its default, its CHECKS
-                                  row and its field comment (generated: the text cannot drift from the checks)
+    help_text(usage) -> str       what --help_all prints: the presets, then every flag by topic (flag_groups.py, the
+                                  paper's knobs first) with its default, its CHECKS row and its field comment
+                                  (generated: the text cannot drift from the checks); brief=True: what --help prints
 
     python train.py --preset smoke --steps=10 --lr 1e-4
 
@@ -24,11 +25,12 @@ from dataclasses import dataclass
 import torch
 
 from harness.logger import BACKENDS, parse_backends
-from parallel.cli import flags_help, print_help, wants_help
+from parallel.cli import HELP_ALL, grouped_help, print_help, wants_help
 from parallel.cli import show_value as _show
 from harness.config_checks import (_TYPE_CHECKS, AUTO_FLAG, FLAG, _block_ok, _installed, _parses, _problem,
                                     _taps_ok, _update_sizes, _writable_dir, above, at_least, one_of)
 from harness.drafters import FAMILIES as DRAFTERS
+from harness.flag_groups import GROUPS
 from harness.presets import PRESETS
 from model import PRESETS as MODEL_PRESETS
 from parallel.pp_schedule import SCHEDULES
@@ -343,26 +345,29 @@ CHECKS = {
 USAGE = "usage: python train.py [--preset NAME] [--key=value | --key value | --flag] ..."
 
 
-def help_text(usage: str = USAGE) -> str:
-    """usage, the presets, then every Config field: type, default, expectation (CHECKS) and meaning (its comment)."""
+def help_text(usage: str = USAGE, brief: bool = False) -> str:
+    """usage, the presets, then every Config field by topic (flag_groups.GROUPS, the paper's knobs first): type,
+    default, expectation (CHECKS) and meaning (its comment). brief (--help): the main groups' flags one line each,
+    the other groups by name, and how to see them all (--help_all)."""
     expect = {k: rule[1].format(**vars(Config())) for k, rule in CHECKS.items()}
     pad = " " * (max(map(len, PRESETS)) + 4)
     presets = [textwrap.fill(" ".join(f"{k}={_show(v)}" for k, v in kv.items()) or "the defaults below", 118,
                              initial_indent=f"  {n:<{len(pad) - 4}}  ", subsequent_indent=pad)
                for n, kv in PRESETS.items()]
+    more = (["", f"{HELP_ALL}: every flag with its default, what it expects and its whole meaning."] if brief else [])
     return "\n".join([usage, "", "--preset NAME: named overrides, applied first (flags given with it override them):",
                       *presets, "", "flags: --key=value or --key value; a bool also as --key alone (= true). A value "
                       "outside what is expected", "stops the run before it starts. Every error is one line naming the "
                       "flag or file (exit 1;", "COSPEC_TRACEBACK=1: the traceback too); Ctrl-C names the last "
-                      "checkpoint, to continue with --resume.", "",
-                      flags_help(Config, expect)])
+                      "checkpoint, to continue with --resume.", *more, "",
+                      grouped_help(Config, GROUPS, expect, brief=brief), *more])
 
 
 def parse_args(argv: list, usage: str = USAGE) -> Config:
     """--preset NAME, --flag (a bool set to true), and --key=value or --key value for any Config field (type-checked).
-    -h / --help: print help_text(usage) (rank 0 only) and exit 0."""
-    if wants_help(argv):
-        print_help(help_text(usage))
+    -h / --help: print help_text(usage, brief=True) (rank 0 only) and exit 0; --help_all: help_text(usage)."""
+    if wants_help(argv) or HELP_ALL in argv:
+        print_help(help_text(usage, brief=HELP_ALL not in argv))
         raise SystemExit(0)
     kv, i, preset = {}, 0, "default"
     types = {f.name: f.type for f in dataclasses.fields(Config)}

@@ -4,10 +4,13 @@ its commands) and a config dataclass's field comments (what each flag means), so
     answer_help(__doc__, __file__)         a demo without flags: on -h / --help print usage + summary, exit 0
     parser(__doc__, __file__)              an argparse.ArgumentParser whose --help shows the same summary and commands
     flags_help(Config, expect)             one entry per dataclass field: default, what is expected, its comment
+    grouped_help(Config, groups, expect)   the same by topic; brief=True: the main groups' flags in one line each,
+                                           the rest by name (--help; --help_all is the full form)
     show_value(v)                          a value as it is typed on the command line: true, '', 2,2,1
     print_help(text)                       print on rank 0 only (under torchrun every rank parses the same argv)
     run_main(main, __file__, argv)         an entry point's end: an error is one line naming what was wrong, exit 1
     writing(path)                          a storage error inside (a full disk, SafetensorError too) names `path`
+    read_json(path)                        a JSON object from a file; a bad file is a ValueError naming it
 
 The docstring's commands are its indented lines that start with `python`, `torchrun` or `VAR=value python` and name
 the file itself; its summary is its first paragraph. A field's meaning is the `# ...` comment on its line; a block of
@@ -26,6 +29,7 @@ import dataclasses
 import errno
 import inspect
 import io
+import json
 import os
 import re
 import sys
@@ -37,6 +41,7 @@ from safetensors import SafetensorError
 from parallel.waits import WaitFailed
 
 HELP_FLAGS = ("-h", "--help")
+HELP_ALL = "--help_all"  # every flag in full where --help is brief (train.py's Config)
 TRACEBACK = "COSPEC_TRACEBACK"  # =1: an entry point's error shows its traceback, not one line
 # what a user can cause and fix: the message is the whole story (anything else is a bug: its type is shown too)
 USER_ERRORS = (ValueError, OSError, FloatingPointError, ImportError, MemoryError, SafetensorError, WaitFailed)
@@ -151,20 +156,49 @@ def show_value(v) -> str:
     return r[:-2] if isinstance(v, float) and r.endswith(".0") else r
 
 
+def _entry(name: str, typ: str, default, expect: str | None, comment: str) -> list:
+    """One flag as `--name TYPE  default: D; expected: E`, its comment beneath (the facts on a line of their own when
+    the name is long)."""
+    head = f"  --{name} {typ.upper()}"
+    facts = f"default: {show_value(default)}" + (f"; expected: {expect}" if expect is not None else "")
+    out = [f"{head:<30} {facts}"] if len(head) < 30 else [head, f"{'':<30} {facts}"]
+    return out + ([f"{'':<6}{comment}"] if comment else [])
+
+
+def _types(cls) -> dict:
+    return {f.name: f.type if isinstance(f.type, str) else f.type.__name__ for f in dataclasses.fields(cls)}
+
+
 def flags_help(cls, expect: dict | None = None, default_title: str = "general") -> str:
     """Every field of the dataclass `cls` as `--name TYPE  default: D; expected: E` with its comment beneath, grouped
     by section (fields before any section comment under default_title). expect: field -> what a value must be."""
-    expect, obj = expect or {}, cls()
-    types = {f.name: f.type if isinstance(f.type, str) else f.type.__name__ for f in dataclasses.fields(cls)}
+    expect, obj, types = expect or {}, cls(), _types(cls)
     out = []
     for title, fields in field_docs(cls):
         out += [""] + textwrap.wrap(f"{title or default_title}:", 116, subsequent_indent="  ")
         for name, comment in fields:
-            head = f"  --{name} {types[name].upper()}"
-            facts = f"default: {show_value(getattr(obj, name))}"
-            facts += f"; expected: {expect[name]}" if name in expect else ""
-            out += [f"{head:<30} {facts}"] if len(head) < 30 else [head, f"{'':<30} {facts}"]
-            out += [f"{'':<6}{comment}"] if comment else []
+            out += _entry(name, types[name], getattr(obj, name), expect.get(name), comment)
+    return "\n".join(out[1:])
+
+
+def grouped_help(cls, groups, expect: dict | None = None, brief: bool = False) -> str:
+    """The fields of `cls` by topic: groups = ((title, main, (field, ...)), ...), every field in one group. In full,
+    each field as flags_help shows it; brief: a main group's fields one line each (`--name=default  meaning`, cut to
+    120 columns), the other groups' field names only."""
+    expect, obj, types = expect or {}, cls(), _types(cls)
+    comment = {name: c for _, fields in field_docs(cls) for name, c in fields}
+    out = []
+    for title, main, names in groups:
+        out += [""] + textwrap.wrap(f"{title}:", 116, subsequent_indent="  ")
+        for name in names if main or not brief else ():
+            if not brief:
+                out += _entry(name, types[name], getattr(obj, name), expect.get(name), comment[name])
+                continue
+            head = f"  --{name}={show_value(getattr(obj, name))}"
+            out.append(f"{head:<30} {textwrap.shorten(comment[name], 119 - max(30, len(head)), placeholder=' ...')}"
+                       .rstrip())
+        if brief and not main:
+            out += textwrap.wrap(" ".join(f"--{n}" for n in names), 118, initial_indent="  ", subsequent_indent="  ")
     return "\n".join(out[1:])
 
 
@@ -219,3 +253,17 @@ def writing(path: str):
                                                  if s in text), errno.EIO)
         raise OSError(code, f"{getattr(e, 'strerror', None) or os.strerror(code)} (while writing; {text})"
                       if code == errno.EIO else (getattr(e, "strerror", None) or os.strerror(code)), path) from None
+
+
+def read_json(path: str, what: str = "") -> dict:
+    """A JSON object from `path`; errors name the file (and the line and column of a syntax error), then `what`."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except json.JSONDecodeError as e:  # the parser's message names no file
+        raise ValueError(f"{path}: invalid JSON ({e.msg} at line {e.lineno}, column {e.colno}){what}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: cannot be read ({type(e).__name__}: {e}){what}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(obj).__name__}{what}")
+    return obj

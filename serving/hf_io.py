@@ -19,23 +19,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from model import ARCHITECTURES, ModelConfig, Transformer
-from parallel.cli import writing
+from parallel.cli import read_json, writing  # read_json: imported from here by the harness too
 
 _MODEL_TYPE = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
-
-
-def read_json(path: str, what: str = "") -> dict:
-    """A JSON object from `path`; errors name the file (and the line and column of a syntax error)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON ({e.msg} at line {e.lineno}, column {e.colno}){what}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: cannot be read ({type(e).__name__}: {e}){what}") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(obj).__name__}{what}")
-    return obj
 
 
 class _Keys(dict):

@@ -2,5 +2,6 @@
 verifiable counting task (task.py), and HF mode's prompts from jsonl / parquet with a checkpoint's own tokenizer and a
 math-answer reward (hf_data.py, hf_task.py).
 
-May import: nothing of the project. Imported by the harness (warm-ups, experiment) and by serving/draft_vocab's demo.
+May import: parallel/ (parallel/cli.read_json, the JSON reader whose errors name the file). Imported by the harness
+(warm-ups, experiment) and by serving/draft_vocab's demo.
 """

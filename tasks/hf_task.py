@@ -23,7 +23,6 @@ Usage (the same interface as task.CountUpTask, so the experiment runs on either)
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -33,6 +32,7 @@ from fractions import Fraction
 import torch
 from tokenizers import Tokenizer as _HFTokenizer
 
+from parallel.cli import read_json
 from tasks.hf_data import ChatTemplate, Example, file_sha256, load_examples
 
 
@@ -131,20 +131,9 @@ def load_jsonl(path: str, **kw) -> list[Example]:
 
 
 # -------------------------------------------------------------------------------------------------- the tokenizer
-def _read(model_dir: str, name: str) -> dict:
+def _read(model_dir: str, name: str) -> dict:  # {} when the checkpoint has no such file
     p = os.path.join(model_dir, name)
-    if not os.path.isfile(p):
-        return {}
-    try:
-        with open(p, encoding="utf-8") as f:
-            obj = json.load(f)
-    except json.JSONDecodeError as e:  # the parser's message names no file
-        raise ValueError(f"{p}: invalid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{p}: cannot be read ({type(e).__name__}: {e})") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{p}: expected a JSON object, got {type(obj).__name__}")
-    return obj
+    return read_json(p) if os.path.isfile(p) else {}
 
 
 class HFTokenizer:

@@ -1,6 +1,7 @@
-"""Every entry point answers -h / --help and exits 0 without running: train.py lists every Config field with its
-default, its check and its comment; each benchmark (bench/*.py) and each module with a `__main__` block prints a
-usage line and what it does. The entry points run in ONE fresh interpreter (each file executed as `__main__` with
+"""Every entry point answers -h / --help and exits 0 without running: train.py's --help shows the paper's flags by
+topic and names the rest, its --help_all lists every Config field, each in one group, with its default, its check and
+its comment; each benchmark (bench/*.py) and each module with a `__main__` block prints a usage line and what it
+does. The entry points run in ONE fresh interpreter (each file executed as `__main__` with
 `--help`, so the imports are paid once and nothing leaks into this process): ~7 s in all on 2 shared cores.
 """
 import ast
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import pytest
 
 from harness.config import CHECKS, PRESETS, Config, help_text, parse_args
+from harness.flag_groups import GROUPS
 from parallel.cli import commands, field_docs, show_value, summary
 from test_layout import ROOT, project_modules
 
@@ -33,9 +35,9 @@ def entry_points() -> list:
 ENTRY_POINTS = entry_points()
 
 
-def test_train_help_lists_every_field_with_its_default_check_and_comment(capsys):
+def test_train_help_all_lists_every_field_with_its_default_check_and_comment(capsys):
     with pytest.raises(SystemExit) as e:
-        parse_args(["--steps=3", "--help"])
+        parse_args(["--steps=3", "--help_all"])
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert out == help_text() + "\n"
@@ -51,6 +53,37 @@ def test_train_help_lists_every_field_with_its_default_check_and_comment(capsys)
         assert not comment or comment in out, name
     assert "one of auto, cpu, cuda" in out and "expected: >= 0 (0 = never)" in out  # a choice, a range
     assert all(f"  {p} " in out for p in PRESETS)
+
+
+def test_every_flag_belongs_to_exactly_one_group_the_papers_first():
+    """flag_groups.GROUPS against the Config fields: a new field not placed in a group fails here, by name."""
+    named = [n for _, _, names in GROUPS for n in names]
+    fields = [f.name for f in dataclasses.fields(Config)]
+    assert not set(fields) - set(named), f"fields in no group (harness/flag_groups.py): {set(fields) - set(named)}"
+    assert not set(named) - set(fields), f"groups name what Config lacks: {set(named) - set(fields)}"
+    assert len(named) == len(set(named)), f"in two groups: {[n for n in set(named) if named.count(n) > 1]}"
+    mains = [main for _, main, _ in GROUPS]
+    assert mains == sorted(mains, reverse=True) and True in mains and False in mains  # the main groups lead
+    assert {"drafter", "ttt_passes", "num_draft_tokens", "pp", "cp"} <= {n for _, m, ns in GROUPS if m for n in ns}
+
+
+def test_train_help_is_brief_the_papers_knobs_with_defaults_the_rest_by_name(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out == help_text(brief=True) + "\n" and "--help_all" in out
+    lines, full = out.splitlines(), help_text().splitlines()
+    assert len(lines) < len(full) / 2 and max(map(len, lines)) <= 120, (len(lines), len(full))
+    shown = {ln.split()[0]: i for i, ln in reversed(list(enumerate(lines))) if ln.startswith("  --")}
+    words = set(out.split())
+    for title, main, names in GROUPS:
+        assert title.split(":")[0].split("(")[0].strip() in out, title
+        for name in names:  # every flag appears: a main group's with its default, the others by name
+            default = show_value(getattr(Config(), name))
+            assert (f"--{name}={default}" in shown) if main else (f"--{name}" in words), name
+    order = [shown[f"--{n}={show_value(getattr(Config(), n))}"] for n in GROUPS[0][2]]
+    assert order == sorted(order) and min(shown.values()) == order[0]  # the paper's group comes first
 
 
 def test_dash_h_too_and_only_rank_0_prints(capsys, monkeypatch):
