@@ -250,7 +250,7 @@ class AdaptiveK:
         self.age = 0  # w = exp(step / cost_memory) (rescaled now and then): the decay without touching old entries
         self.pace, self.pace_memory, self.pace_anchor = 0.0, pace_memory, pace_anchor  # ln of the machine's pace
         self.decide_every, self.held, self.k_star, self.held_rows = decide_every, 0, 0, None  # _decide
-        self.queue, self.since, self.up, self.seen, self.mark = [], 0, 0, None, None
+        self.queue, self.since, self.up, self.seen, self.mark, self.mark_first = [], 0, 0, None, None, None
         self.dormant, self.first = False, True  # off for the rest of the call; the call's first step
         self.settle, self.zeros, self.k_spec = settle, 0, 1  # k* = 0 this many times running: off; the best k > 0
         self.explore_off, self.off_steps = explore_off, 0  # at k* = 0: a call explores after this many steps at 0
@@ -267,10 +267,10 @@ class AdaptiveK:
         return cls(max_k, clock=lambda: (torch.cuda.synchronize(dev), time.perf_counter())[1], **kw)
 
     # -- the engine's hooks -----------------------------------------------------------------------------------------
-    def begin(self, K: int, rows: int = None, ctx: int = None, left: int = None):
+    def begin(self, K: int, rows: int = None, ctx: int = None, left: int = None) -> bool:
         """A call starts: K its ceiling, rows its batch, ctx its longest prompt, left its max_new_tokens. Where k* = 0
-        there and fewer than explore_off steps ran at k = 0 since speculation last ran, the whole call is dormant (no
-        draft prefill)."""
+        there and fewer than explore_off steps ran at k = 0 since speculation last ran, the whole call is dormant:
+        returns False (no draft prefill)."""
         if K != self.max_k:
             raise ValueError(f"num_draft_tokens={K}: with adapt= expected the controller's ceiling K={self.max_k}")
         self.seen, self.mark = None, None  # the call's cumulative per-position counts start at 0; no step ended yet
@@ -278,11 +278,25 @@ class AdaptiveK:
         self.first, self.zeros, self.held = True, 0, 0
         self.dormant = (rows is not None and not self.queue and self._near(rows) and self.off_steps < self.explore_off
                         and self.best(rows, ctx, left, rows) == 0)
+        return not self.dormant
+
+    def k(self, s) -> int:
+        """k_control.py: choose() from the engine's state; once dormant, the draft is released for the call."""
+        k = self.choose(s.live.numel(), s.pcache.bound, left=s.left, open_rows=s.open)  # host ints (speculative.poll)
+        if self.dormant:
+            s.trunk.release()
+        return k
+
+    def observe(self, s):
+        """k_control.py: record() the step the engine just ran."""
+        self.record(s.live.numel(), s.k, s.reached, s.accepted, ctx=s.pcache.bound)
 
     def choose(self, rows: int, ctx: int = None, left: int = None, open_rows: int = None) -> int:
         """k for the next step at `rows` batch rows (open_rows of them not finished), context length ctx, and at most
         `left` new tokens still to come in a row (None: the per-step model). Sets `dormant` once k* = 0 after a call's
         first step: k = 0 for the rest of the call, and the engine may drop the draft (no taps kept, no catch-up)."""
+        if self.mark is None and self.costs is None:  # a call's first step is timed from here (no step ended before)
+            self.mark_first = self.clock()
         if self.dormant:
             self.chosen[0], self.off_steps = self.chosen[0] + 1, self.off_steps + 1
             return 0
@@ -305,10 +319,11 @@ class AdaptiveK:
         self.off_steps = self.off_steps + 1 if k == 0 else 0
         return k
 
-    def record(self, rows: int, k: int, t_draft: float, t_verify: float, reached, accepted, ctx: int = None):
-        """After a step: its seconds drafting / verifying, the call's cumulative per-position counts (K,), and the
-        context length it ran at (None: not given; every step then counts alike). A step after the call's first is
-        timed whole, from the end of the step before (the engine's poll and compact, choose and record included)."""
+    def record(self, rows: int, k: int, reached, accepted, ctx: int = None):
+        """After a step: the call's cumulative per-position counts (K,) and the context length it ran at (None: not
+        given; every step then counts alike). Its seconds: costs(rows, k), or the clock's, a step after the call's
+        first timed whole from the end of the step before (the engine's poll and compact, choose and record
+        included), the first from its choose()."""
         R, A = reached.tolist(), accepted.tolist()  # host sync: K numbers
         prev = self.seen or ([0] * len(R), [0] * len(A))
         dR, dA = [x - y for x, y in zip(R, prev[0])], [x - y for x, y in zip(A, prev[1])]
@@ -319,7 +334,7 @@ class AdaptiveK:
                 self.R[j], self.A[j] = d * self.R[j] + dR[j], d * self.A[j] + dA[j]
         now = self.clock() if self.costs is None else None
         whole = now is None or self.mark is not None  # timed whole (a call's first step is not: no step before it)
-        t = sum(self.costs(rows, k)) if now is None else t_draft + t_verify if self.mark is None else now - self.mark
+        t = sum(self.costs(rows, k)) if now is None else now - (self.mark if whole else self.mark_first)
         self.mark = now
         self.age += 1
         if self.age > 200 * self.cost_memory:  # rescale before exp() overflows; drop what has decayed away
@@ -424,27 +439,3 @@ class AdaptiveK:
     def _near(self, rows: int) -> bool:  # a timed batch size within 2x
         return any(abs(math.log(r / rows)) <= math.log(2) for r, _ in self.timed)
 
-
-class KSchedule:
-    """A fixed cycle of k per step, without a clock: the tests switch k mid-generation with it (same hooks).
-    off_after=n: from a call's step n + 1 on, k = 0 and `dormant`, as AdaptiveK does once k* = 0."""
-
-    def __init__(self, ks, off_after: int | None = None):
-        self.ks, self.max_k, self.i, self.off_after = tuple(ks), max(max(ks), 1), 0, off_after
-        self.clock, self.dormant = (lambda: 0.0), False
-
-    def begin(self, K: int, rows: int = None, ctx: int = None, left: int = None):
-        if K != self.max_k:
-            raise ValueError(f"num_draft_tokens={K}: with adapt= expected the schedule's ceiling K={self.max_k}")
-        self.i, self.dormant = 0, self.off_after == 0  # off_after=0: the whole call, without the draft's prefill
-
-    def choose(self, rows: int, ctx: int = None, left: int = None, open_rows: int = None) -> int:
-        self.i += 1
-        self.dormant = self.off_after is not None and self.i > self.off_after
-        return 0 if self.dormant else self.ks[(self.i - 1) % len(self.ks)]
-
-    def record(self, *args, **kw):
-        pass
-
-    def end(self, rollout):
-        return rollout
