@@ -18,10 +18,11 @@ max_new_tokens (kept_tokens). So returned tokens = rows with a prefill token + t
 The log-probs returned for GRPO are the policy's, log softmax(logits / tau) (tau = 0: of the raw logits), read from
 the verification forwards.
 
-The draft is any family of the drafter protocol (drafter.py): `extend` / `propose` / `new_cache` are all it is asked.
-Tree drafts (several candidates per position, verified in the same one forward): speculative_tree.py, generate(tree=).
-Adaptive k (chains only): generate(adapt=AdaptiveK(K)) asks decoding/adaptive_k.py for each step's k in {0..K} and
-tells it the step's timings (chain_step); k = 0 is an autoregressive step (no draft at all once `dormant`).
+The draft is any family of the drafter protocol (drafter.py): `extend` / `propose` / `new_cache` are all it is asked
+(its cache and state: decoding/draft_trunk.py). Each step's k comes from a controller (decoding/k_control.py):
+num_draft_tokens at every step, or generate(adapt=AdaptiveK(K)) for a chain (decoding/adaptive_k.py: k in {0..K} from
+measured costs and acceptance). k = 0 proposes nothing: the step is plain autoregressive sampling. Tree drafts
+(several candidates per position, verified in the same one forward): speculative_tree.py, generate(tree=).
 
     python speculative.py      # tiny random policy + draft: greedy exactness and the stats of a sampled rollout
 

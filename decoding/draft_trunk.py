@@ -13,6 +13,11 @@ from __future__ import annotations
 import torch
 
 
+def select_rows(state: tuple, rows: torch.Tensor) -> tuple:
+    """A drafter's state (a tuple of (b, ...) tensors) for the batch rows `rows` (compaction)."""
+    return tuple(t[rows] for t in state)
+
+
 class DraftTrunk:
     """draft None (or released): plain sampling, every method a no-op and tap_layers None."""
 
@@ -44,7 +49,7 @@ class DraftTrunk:
         if self.draft is None:
             return
         self.cache.keep_rows(rows)
-        self.state = tuple(t[rows] for t in self.state)  # a drafter's state: a tuple of (b, ...) tensors
+        self.state = select_rows(self.state, rows)
         self.waiting = [(t[rows], {key: v[rows] for key, v in tp.items()}) for t, tp in self.waiting]
 
     def empty_finished(self, done):
