@@ -105,7 +105,7 @@ def _logprob(logits, tokens, temperature):  # (B, S, V), (B, S) -> (B, S) log p(
 @dataclass
 class _Decode:
     """The state of one generate call. Rows are compacted as they finish: `live` maps a batch row to its prompt."""
-    k: int  # draft tokens per step (0: autoregressive)
+    k: int  # this step's draft tokens (the controller's choice; 0: autoregressive)
     temperature: float
     eos_id: Optional[int]
     max_new_tokens: int
@@ -139,7 +139,8 @@ def generate(target: Transformer, draft=None, prompts=(), *, max_new_tokens: int
              temperature: float = 1.0, eos_id: Optional[int] = None, generator=None, tree=None, adapt=None,
              kv_block: int = None) -> Rollout:
     """Sample up to max_new_tokens per prompt (ragged prompts, per-row EOS) with speculative decoding:
-    prefill, then per step compact -> propose (k draft forwards) -> verify (one policy forward) -> commit.
+    prefill, then per step compact -> k from the controller -> propose (k draft tokens) -> verify (one policy
+    forward) -> commit.
 
     draft=None or num_draft_tokens=0: plain autoregressive sampling through the same code (the baseline).
     tree=(b_1, ..., b_k): a tree draft instead of the chain (speculative_tree.py; num_draft_tokens must be 0 or k);
@@ -156,17 +157,17 @@ def generate(target: Transformer, draft=None, prompts=(), *, max_new_tokens: int
         dev = next(target.parameters()).device
         empty = [torch.zeros(0, dtype=torch.long, device=dev)] * len(prompts)
         return Rollout(empty, [torch.zeros(0, device=dev)] * len(prompts), SpecStats())
-    ctl = adapt or FixedK(k)
-    drafting = ctl.begin(k, len(prompts), max(p.numel() for p in prompts), left=max_new_tokens)
+    ctl = FixedK(k) if adapt is None else adapt
+    drafting = ctl.begin(k, len(prompts), max(p.numel() for p in prompts), left=max_new_tokens)  # False: no draft
     s = prefill(target, draft if drafting else None, prompts, k, temperature, eos_id, max_new_tokens, generator,
                 tree=tree, kv_block=kv_block)
     while (n_done := poll(s)) < s.live.numel():  # sync point: one per step
         compact(s, n_done)
-        s.k = ctl.k(s)  # 0: a plain autoregressive step
-        d, q = propose(s)
-        block, z, n, taps = verify_step(target, s, d, q)
-        s.trunk.extend(block, taps, n)  # the draft's trunk catches up on the kept entries
-        commit(s, block, z, n)
+        s.k = ctl.k(s)  # this step's k; 0: a plain autoregressive step
+        d, q = propose(s)  # 1.
+        block, z, n, taps = verify_step(target, s, d, q)  # 2-3.
+        s.trunk.extend(block, taps, n)  # 4. the draft's trunk takes the kept entries ...
+        commit(s, block, z, n)  # ... and the policy's: tokens, log-probs, caches rolled back past the rejected
         ctl.observe(s)
     return ctl.end(finish(s, time.perf_counter() - t0))  # a controller reads the rows' acceptance spread (host lists)
 
