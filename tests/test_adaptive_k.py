@@ -298,8 +298,7 @@ def test_a_slow_spell_of_the_machine_moves_every_k_alike():
     1-3) must not keep the spell's costs once it is over, while the k not run since keep theirs:
     each step is stored at the machine's common pace (recent steps' log times against their cells' means), so after
     the spell every k's cost is within 5% of the truth and k is what it was before the spell (2). Without the pace
-    (pace_memory = inf) a k timed last in the spell stays dear (here 10%: k = 0 is explored too, so fewer k keep old
-    timings; 20-40% when only k* +- 1 were). ~1 s."""
+    (pace_memory = inf) a k timed last in the spell stays dear (here 10%). ~1 s."""
     def spell(pace_memory):
         sim = Sim([0.8] * 4, b=0.03, cd=0.15)
         pace, true = [1.0], sim.costs
@@ -323,9 +322,8 @@ def test_the_pace_does_not_drift_on_a_steady_machine(seed):
     """A steady machine, each step's time noisy (log-normal, sd 0.25 as on this VM): 200 steps at k = 0, 200 at
     k = 3, then 2600 at k = 1. The pace must stay near 1 and the k not run for 2600 steps keep their costs next to the
     one run (within 12%): the pace compares a step's log time with its cell's mean log time (no Jensen bias: the log
-    of an arithmetic mean is ~sd^2 / 2 above the mean log, and that pushed the pace down every step) and is pulled back
-    to 1 over pace_anchor steps (its estimate is otherwise a random walk). With the arithmetic mean and no pull (the
-    earlier rule) the pace reached ~-1.2 here and k = 1 looked 2.5-3.5x dearer than k = 0 next to it. ~0.5 s each."""
+    of an arithmetic mean is ~sd^2 / 2 above the mean log, and would push the pace down every step) and is pulled
+    back to 1 over pace_anchor steps (its estimate is otherwise a random walk). ~0.5 s each."""
     rng = random.Random(seed)
     true = [5.2, 5.5, 6.0, 6.5, 7.0]
     ctl = AdaptiveK(4, costs=lambda rows, k: (0.0, true[k] * 1e-3 * math.exp(rng.gauss(0.0, 0.25))))

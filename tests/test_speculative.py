@@ -259,7 +259,7 @@ def test_acceptance_hand_count():
                (n = 1).                                                   kept 4 + 2 + 2 over 3 active rows
     forward 2: row 0 (5 tokens) has a budget of 1: keeps 1 of its 4 and stops; row 1 is done (not active); row 2
                rejects at once and its correction is EOS: keeps 1.      kept 1 + 1 over 2 active rows
-    acceptance length = (8 + 2) / (3 + 2) = 2.0 -- the old n + 1 count said (4 + 4 + 2 + 4 + 1) / 5 = 3.0."""
+    acceptance length = (8 + 2) / (3 + 2) = 2.0, where counting n + 1 per forward would say (4 + 4 + 2 + 4 + 1) / 5."""
     k, B, eos = 3, 3, 9
     s = speculative._Decode(k, 1.0, eos, 6, None, toks=torch.zeros(B, 6 + 2 * (k + 1), dtype=torch.long),
                             lps=torch.zeros(B, 6 + 2 * (k + 1)), n_gen=torch.ones(B, dtype=torch.long),
