@@ -278,7 +278,7 @@ class AdaptiveK:
     def choose(self, rows: int, ctx: int = None, left: int = None, open_rows: int = None) -> int:
         """k for the next step at `rows` batch rows (open_rows of them not finished), context length ctx, and at most
         `left` new tokens still to come in a row (None: the per-step model). Sets `dormant` once k* = 0 after a call's
-        first step: k = 0 for the rest of the call, and the engine may drop the draft (no taps kept, no catch-up)."""
+        first step: k = 0 for the rest of the call (k() then releases the draft: no taps kept, no catch-up)."""
         if self.mark is None and self.costs is None:  # a call's first step is timed from here (no step ended before)
             self.mark_first = self.clock()
         if self.dormant:
