@@ -17,11 +17,11 @@ and the teacher's rows chunk by chunk and applies (1). Peak: a few (chunk, V) bl
 The teacher p_{i+d} is read by shifting row INDICES (`teacher_index`), never by copying a shifted (T, V) tensor. Under
 CP, row i+d may sit on the next zigzag chunk, on another rank: `halo_rows` brings, for every local chunk, the n = P
 rows that follow it (n rows per sequence chunk per hop; the logits' rows, or only the (n, H) final hidden states with
-the fused teacher). The teacher is either the policy's logits (T, V) (an input, as before) or its final normed hidden
+the fused teacher). The teacher is either the policy's logits (T, V) (an input) or its final normed hidden
 (T, H) and LM-head weight (V, H) (`Teacher(hidden, head=W)`): then no (T, V) tensor exists at all, each chunk's teacher
 logits are recomputed from (c, H) rows.
 
-`dense_pass_losses` is the previous implementation, kept as the reference the tests compare against (fp64, 1e-10).
+`dense_pass_losses` materialises every (T, V) tensor: the reference the tests compare against (fp64, 1e-10).
 
     python draft_loss.py       # streaming == dense on a small case; the peak memory of each on T 2048, V 32768
 
@@ -117,7 +117,7 @@ class Teacher:
 
     def dense(self):  # (T_layout, V): every row's logits at once, for the dense reference only
         if self.row_map is None and self.head is None:
-            return self.local  # the logits themselves, as the dense loss always took them
+            return self.local  # the logits themselves
         return self.logits(torch.arange(self.local.shape[0] if self.row_map is None else self.row_map.shape[0],
                                         device=self.local.device))
 
@@ -250,9 +250,9 @@ def streaming_pass_losses(hs, norm, W, ids, teacher: Teacher, valid, labels, cou
 
 # ------------------------------------------------------------------------------------------------ the dense reference
 def dense_pass_losses(hs, logits_fn, draft_ids, teacher_logits, valid, labels, count, *, pass_weight: float, shifted):
-    """The previous implementation (every (T, V) tensor materialised), kept as the tests' reference and the benchmark's
-    "old" row. shifted(x, d, fill) is the CP-aware shift; labels are draft ids (hard) or None; draft_ids (Vd,) the
-    target id of each draft id. Returns what streaming_pass_losses returns."""
+    """The dense reference (every (T, V) tensor materialised): what the tests hold the streamed loss to, and the
+    dense row of bench/bench_draft_step.py (method "old"). shifted(x, d, fill) is the CP-aware shift; labels are draft
+    ids (hard) or None; draft_ids (Vd,) the target id of each draft id. Returns what streaming_pass_losses returns."""
     T = hs[0].shape[0]
     logp = torch.log_softmax(at_least_f32(teacher_logits.detach()), -1)  # (T, V) the teacher at every position
     loss, stats, agree_prev = 0.0, [], torch.ones(T, dtype=torch.bool, device=hs[0].device)

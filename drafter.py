@@ -27,8 +27,9 @@ DistCotrainer (dist_step.py), rl_loop's draft loss, the warm-up, the control arm
     save(path), load(path, policy) (classmethod)          its checkpoint (config.json names the family)
     check_exportable(), export(path, dtype=, **kw)         the serving format (a ValueError says why one cannot be)
 
-`select_rows(state, rows)` compacts a state with the batch (every family's state is rows-first). The registry that
-maps `--drafter eagle3|dflash|dspark` to a family is harness/drafters.py.
+`select_rows(state, rows)` compacts a state with the batch (every family's state is rows-first; decoding/draft_trunk.py
+compacts the engine's with it). The registry that maps `--drafter eagle3|dflash|dspark` to a family is
+harness/drafters.py.
 
 A family in miniature (`demo`, each family file's `__main__`): `teach(draft, policy)` trains a fresh draft through
 `loss` alone on a confident tiny policy's own samples (`demo_policy`, `policy_samples`) and returns its metrics on
@@ -42,16 +43,12 @@ from __future__ import annotations
 
 import torch
 
+from decoding.draft_trunk import select_rows  # noqa: F401  (part of the protocol's surface)
 from decoding.spec_rule import sample
 from model import ModelConfig, Transformer
 
 PROTOCOL = ("tap_layers", "max_draft_tokens", "attach", "fresh", "loss", "loss_options", "new_cache", "extend",
             "propose", "save", "load", "check_exportable", "export")
-
-
-def select_rows(state: tuple, rows: torch.Tensor) -> tuple:
-    """A drafter's state (a tuple of (b, ...) tensors) for the batch rows `rows` (speculative.compact)."""
-    return tuple(t[rows] for t in state)
 
 
 def check_drafter(draft) -> None:

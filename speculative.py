@@ -18,10 +18,11 @@ max_new_tokens (kept_tokens). So returned tokens = rows with a prefill token + t
 The log-probs returned for GRPO are the policy's, log softmax(logits / tau) (tau = 0: of the raw logits), read from
 the verification forwards.
 
-The draft is any family of the drafter protocol (drafter.py): `extend` / `propose` / `new_cache` are all it is asked.
-Tree drafts (several candidates per position, verified in the same one forward): speculative_tree.py, generate(tree=).
-Adaptive k (chains only): generate(adapt=AdaptiveK(K)) asks decoding/adaptive_k.py for each step's k in {0..K} and
-tells it the step's timings (chain_step); k = 0 is an autoregressive step (no draft at all once `dormant`).
+The draft is any family of the drafter protocol (drafter.py): `extend` / `propose` / `new_cache` are all it is asked
+(its cache and state: decoding/draft_trunk.py). Each step's k comes from a controller (decoding/k_control.py):
+num_draft_tokens at every step, or generate(adapt=AdaptiveK(K)) for a chain (decoding/adaptive_k.py: k in {0..K} from
+measured costs and acceptance). k = 0 proposes nothing: the step is plain autoregressive sampling. Tree drafts
+(several candidates per position, verified in the same one forward): speculative_tree.py, generate(tree=).
 
     python speculative.py      # tiny random policy + draft: greedy exactness and the stats of a sampled rollout
 
@@ -36,13 +37,13 @@ from typing import Optional
 import torch
 
 from decoding import speculative_tree
-from decoding.backlog import Backlog
-from decoding.generate_args import check_generate_args
+from decoding.draft_trunk import DraftTrunk
+from decoding.generate_args import check_generate_args, draft_shape
+from decoding.k_control import FixedK
+from decoding.row_streams import multinomial, uniform
+from decoding.spec_rule import accept_prob, probs, residual, sample
 from model import Transformer
 from modeling.layers import at_least_f32
-from decoding.spec_rule import accept_prob, probs, residual, sample
-from drafter import select_rows
-from decoding.row_streams import multinomial, uniform
 
 
 @dataclass
@@ -79,6 +80,8 @@ def verify(p_logits, d, q, temperature: float, generator=None):
     at tau = 0). Returns n (B,) accepted drafts and y (B,) the token after them."""
     B, k = d.shape
     rows = torch.arange(B, device=d.device)
+    if k == 0:  # nothing drafted: y ~ p_1, plain sampling
+        return torch.zeros_like(rows), sample(p_logits[:, 0], temperature, generator)[0]
     if temperature == 0:
         g = p_logits.argmax(-1)  # (B, k+1)
         n = (d == g[:, :k]).long().cumprod(1).sum(1)
@@ -102,7 +105,7 @@ def _logprob(logits, tokens, temperature):  # (B, S, V), (B, S) -> (B, S) log p(
 @dataclass
 class _Decode:
     """The state of one generate call. Rows are compacted as they finish: `live` maps a batch row to its prompt."""
-    k: int  # draft tokens per step (0: autoregressive)
+    k: int  # this step's draft tokens (the controller's choice; 0: autoregressive)
     temperature: float
     eos_id: Optional[int]
     max_new_tokens: int
@@ -114,9 +117,8 @@ class _Decode:
     y: torch.Tensor  # (b,) each row's last sampled token (not yet in the policy's cache)
     done: torch.Tensor  # (b,) bool: the row has finished (it rides along until compacted)
     pcache: object  # the policy's KV cache (kv_cache.KVCache)
-    tap_layers: tuple = None  # the policy layers the draft reads
-    dcache: object = None  # the draft's KV cache
-    dstate: tuple = None  # the draft's state at y (drafter.py: what extend returns and propose reads), rows first
+    trunk: DraftTrunk = field(default_factory=DraftTrunk)  # the draft's cache and its state at y (no draft: empty)
+    tree: object = None  # speculative_tree.Tree, or None: a chain
     stats: SpecStats = field(default_factory=SpecStats)
     reached: torch.Tensor = None  # (k,) rows whose draft j was tried, per position j
     accepted: torch.Tensor = None  # (k,) of which accepted
@@ -126,8 +128,7 @@ class _Decode:
     row_tried: torch.Tensor = None  # (B, K) per prompt: drafts tried at each position (reached, per row)
     row_acc: torch.Tensor = None  # (B,) per prompt: drafts accepted
     row_steps: int = 0  # rows active, summed over forwards
-    K: int = 0  # the ceiling of k (buffers are sized for it); 0: k never changes
-    backlog: object = None  # decoding/backlog.py: the draft-trunk entries of k = 0 steps, not yet extended
+    K: int = 0  # the ceiling of k (the per-position counts are sized for it)
     drafted: object = 0  # draft tokens proposed to active rows (device scalar once stepping)
     left: int = 0  # host int, set by poll: the most new tokens an open row may still take
     open: int = 0  # host int, set by poll: the rows not yet finished
@@ -138,105 +139,57 @@ def generate(target: Transformer, draft=None, prompts=(), *, max_new_tokens: int
              temperature: float = 1.0, eos_id: Optional[int] = None, generator=None, tree=None, adapt=None,
              kv_block: int = None) -> Rollout:
     """Sample up to max_new_tokens per prompt (ragged prompts, per-row EOS) with speculative decoding:
-    prefill, then per step compact -> propose (k draft forwards) -> verify (one policy forward) -> commit.
+    prefill, then per step compact -> k from the controller -> propose (k draft tokens) -> verify (one policy
+    forward) -> commit.
 
     draft=None or num_draft_tokens=0: plain autoregressive sampling through the same code (the baseline).
     tree=(b_1, ..., b_k): a tree draft instead of the chain (speculative_tree.py; num_draft_tokens must be 0 or k);
     None or () is the chain. generator: a torch.Generator (one stream for the batch), or row_streams.RowStreams with
     one stream per prompt: then each row's tokens depend on its own stream alone, not on the rows beside it.
-    adapt: a controller (decoding/adaptive_k.py: AdaptiveK, KSchedule) that picks k in {0..num_draft_tokens} before
-    each step of a chain draft; num_draft_tokens is then its ceiling K.
+    adapt: the controller asked for each step's k (decoding/k_control.py: KSchedule, adaptive_k.AdaptiveK) for a
+    chain draft; num_draft_tokens is then its ceiling K. None: num_draft_tokens at every step (k_control.FixedK).
     kv_block: both KV caches grow (and shrink) in blocks of this many positions per row as the longest row advances
     (kv_cache.py; None: kv_cache.BLOCK); the outputs do not depend on it."""
     check_generate_args(target, draft, prompts, max_new_tokens, num_draft_tokens, temperature, eos_id)
-    if adapt is not None and (draft is None or tree):
-        raise ValueError("adapt: expected a chain draft (a draft, and tree=None: a tree keeps its fixed shape)")
-    K = None if draft is None else draft.max_draft_tokens  # drafter.py: None for a chain drafter
-    if K is not None and (tree or adapt is not None or num_draft_tokens > K):
-        raise ValueError(f"num_draft_tokens={num_draft_tokens}, tree={tree}, adapt={adapt}: a block drafter proposes "
-                         f"k <= {K} tokens in one forward, as a chain (no tree, no adaptive k)")
+    tree, k = draft_shape(draft, tree, num_draft_tokens, adapt)
     t0 = time.perf_counter()
-    tree = speculative_tree.Tree(tree) if tree else None
-    if tree is not None and num_draft_tokens not in (0, tree.k):
-        raise ValueError(f"num_draft_tokens={num_draft_tokens}: with tree={tree.branching} expected 0 or {tree.k}")
-    k = (tree.k if tree is not None else num_draft_tokens) if draft is not None else 0
-    tree = tree if k else None  # no draft: plain sampling
     if max_new_tokens == 0:
         dev = next(target.parameters()).device
         empty = [torch.zeros(0, dtype=torch.long, device=dev)] * len(prompts)
         return Rollout(empty, [torch.zeros(0, device=dev)] * len(prompts), SpecStats())
-    if adapt is not None:  # may switch speculation off for the whole call (dormant): then no draft prefill either
-        adapt.begin(k, len(prompts), max(p.numel() for p in prompts), left=max_new_tokens)
-    off = getattr(adapt, "dormant", False)
-    s = prefill(target, None if off else draft, prompts, 0 if off else k, temperature, eos_id, max_new_tokens,
-                generator, span=1 + tree.num_nodes if tree is not None else 0, kv_block=kv_block)  # off: sized as AR
-    if off:  # sized as plain sampling: sized for K, one ran at 0.93x its tokens/s (batch 64, 8 calls, this CPU)
-        s.K, s.reached, s.accepted = k, s.reached.new_zeros(k), s.accepted.new_zeros(k)
+    ctl = FixedK(k) if adapt is None else adapt
+    drafting = ctl.begin(k, len(prompts), max(p.numel() for p in prompts), left=max_new_tokens)  # False: no draft
+    s = prefill(target, draft if drafting else None, prompts, k, temperature, eos_id, max_new_tokens, generator,
+                tree=tree, kv_block=kv_block)
     while (n_done := poll(s)) < s.live.numel():  # sync point: one per step
         compact(s, n_done)
-        if k == 0:
-            z = target.forward_cached(s.y[:, None], s.pcache).logits  # (b, 1, V)
-            n, (y, _) = torch.zeros_like(s.y), sample(z[:, 0], temperature, generator)
-            commit(s, y[:, None], z, n)
-        elif tree is not None:
-            nodes, q = speculative_tree.propose(draft, s, tree)
-            block, z, n, taps = speculative_tree.verify_step(target, s, tree, nodes, q)
-            s.dstate = draft.extend(s.dcache, block, taps, n)
-            commit(s, block, z, n)
-        else:
-            chain_step(target, draft, s, adapt)
-    r = finish(s, time.perf_counter() - t0)
-    return r if adapt is None else adapt.end(r)  # the controller reads the rows' acceptance spread (host lists)
+        s.k = ctl.k(s)  # this step's k; 0: a plain autoregressive step
+        d, q = propose(s)  # 1.
+        block, z, n, taps = verify_step(target, s, d, q)  # 2-3.
+        s.trunk.extend(block, taps, n)  # 4. the draft's trunk takes the kept entries ...
+        commit(s, block, z, n)  # ... and the policy's: tokens, log-probs, caches rolled back past the rejected
+        ctl.observe(s)
+    return ctl.end(finish(s, time.perf_counter() - t0))  # a controller reads the rows' acceptance spread (host lists)
 
 
-def chain_step(target, draft, s: _Decode, adapt=None):
-    """Steps 1-4 for a chain: propose -> verify -> extend the draft's trunk -> commit. adapt (adaptive_k.py) sets
-    s.k first and is told the seconds spent in the draft and in the rest of the step. k = 0: one autoregressive
-    policy forward; its taps wait in s.backlog until the next step with k > 0 extends the draft's trunk over them."""
-    clock = adapt.clock if adapt is not None else _no_clock
-    t0, t_draft = clock(), 0.0
-    if adapt is not None:
-        s.k = adapt.choose(s.live.numel(), s.pcache.bound, left=s.left, open_rows=s.open)  # host ints (poll)
-    if s.k == 0:
-        off = getattr(adapt, "dormant", False)  # speculation off for the rest of the call: no taps, no catch-up
-        out = target.forward_cached(s.y[:, None], s.pcache, tap_layers=None if off else s.tap_layers)  # (b, 1, V)
-        y, _ = sample(out.logits[:, 0], s.temperature, s.generator)
-        s.backlog = Backlog() if off else s.backlog.push(y[:, None], out.taps)  # off: dropped, never flushed
-        commit(s, y[:, None], out.logits, torch.zeros_like(y))
-    else:
-        if s.backlog:  # the catch-up after k = 0 steps: the price of switching on, charged to this step's draft
-            s.dstate = s.backlog.flush(draft, s.dcache)
-        d, q = propose(draft, s)
-        t1 = clock()
-        block, z, n, taps = verify_step(target, s, d, q)
-        t2 = clock()
-        s.dstate = draft.extend(s.dcache, block, taps, n)  # the draft's trunk catches up on the kept entries
-        t_draft = (t1 - t0) + (clock() - t2)
-        commit(s, block, z, n)
-    if adapt is not None:
-        adapt.record(s.live.numel(), s.k, t_draft, clock() - t0 - t_draft, s.reached, s.accepted, ctx=s.pcache.bound)
-
-
-def _no_clock():
-    return 0.0
-
-
-def prefill(target, draft, prompts, k: int, temperature, eos_id, max_new_tokens, generator, span: int = 0,
+def prefill(target, draft, prompts, k: int, temperature, eos_id, max_new_tokens, generator, tree=None,
             kv_block: int = None) -> _Decode:
     """Step 0. One policy forward over the right-padded prompts (each row then rolls back to its own length), the
     first token y ~ p(. | prompt), and the draft's trunk over the prompt: entry j = (token j+1, taps at j), the last
-    one fed the sampled y. span: entries one step appends past the last kept token (default k+1; a tree's 1+N).
+    one fed the sampled y. k: the most draft tokens a step proposes (a tree's depth); draft None: plain sampling.
     max_len bounds the caches; they allocate the prompt rounded up to a block and grow from there (kv_block)."""
     dev = next(target.parameters()).device
-    B = len(prompts)
+    B, K = len(prompts), k
+    k = k if draft is not None else 0  # without a draft the caches are sized as plain sampling's
     lens = torch.tensor([p.numel() for p in prompts], device=dev)
     rows = torch.arange(B, device=dev)
-    max_len = int(lens.max()) + max_new_tokens + max(k + 1, span)  # a step may run k+1 entries past the last kept one
+    span = k + 1 if tree is None else 1 + tree.num_nodes  # entries a step appends past the last kept token
+    max_len = int(lens.max()) + max_new_tokens + span
     x = torch.zeros(B, int(lens.max()), dtype=torch.long, device=dev)
     for b, p in enumerate(prompts):
         x[b, : p.numel()] = p.to(dev)
     pcache = target.new_cache(B, max_len, block=kv_block)
-    taps = draft.tap_layers if k and draft is not None else None  # (a call that starts dormant: no draft)
+    taps = draft.tap_layers if k else None
     out = target.forward_cached(x, pcache, tap_layers=taps, logits_at=lens - 1)
     pcache.rollback(lens)
     z = out.logits  # (B, V) at each row's last prompt token only: no (B, S, V) logits
@@ -247,25 +200,25 @@ def prefill(target, draft, prompts, k: int, temperature, eos_id, max_new_tokens,
                 lps=torch.zeros(B, width, dtype=at_least_f32(z).dtype, device=dev),
                 n_gen=torch.ones(B, dtype=torch.long, device=dev), live=rows, y=y,
                 done=(max_new_tokens <= 1) | ((y == eos_id) if eos_id is not None else torch.zeros_like(y, dtype=bool)),
-                pcache=pcache, reached=torch.zeros(max(k, 1), dtype=torch.long, device=dev),
-                accepted=torch.zeros(max(k, 1), dtype=torch.long, device=dev))
+                pcache=pcache, reached=torch.zeros(max(K, 1), dtype=torch.long, device=dev),
+                accepted=torch.zeros(max(K, 1), dtype=torch.long, device=dev), tree=tree, K=K)
     s.toks[:, 0], s.lps[:, 0] = y, _logprob(z[:, None], y[:, None], temperature)[:, 0]
-    s.accept_sum, s.K, s.backlog = torch.zeros((), dtype=torch.long, device=dev), k, Backlog()
+    s.accept_sum = torch.zeros((), dtype=torch.long, device=dev)
     s.row_kept, s.row_fwd = torch.zeros(B, dtype=torch.long, device=dev), torch.zeros(B, dtype=torch.long, device=dev)
     s.row_tried, s.row_acc = torch.zeros(B, max(k, 1), dtype=torch.long, device=dev), torch.zeros_like(s.row_kept)
     s.row_steps = torch.zeros((), dtype=torch.long, device=dev)
     if taps is not None:
-        s.tap_layers, s.dcache = draft.tap_layers, draft.new_cache(B, max_len, block=kv_block)
+        dcache = draft.new_cache(B, max_len, block=kv_block)
         nxt = torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], 1)
         nxt[rows, lens - 1] = y
-        s.dstate = draft.extend(s.dcache, nxt, out.taps, lens - 1)
+        s.trunk = DraftTrunk(draft, dcache, draft.extend(dcache, nxt, out.taps, lens - 1))
     return s
 
 
 def poll(s: _Decode) -> int:
     """The step's one host sync: the number of finished rows, each KV cache's longest row (its forwards then attend
     exactly as far as they need, kv_cache.KVCache.bound) and the most tokens an open row may still take (s.left)."""
-    caches = [s.pcache] + ([s.dcache] if s.k else [])
+    caches = [c for c in (s.pcache, s.trunk.cache) if c is not None]
     left = (s.max_new_tokens - s.n_gen[s.live]).masked_fill(s.done, 0).max()
     n_done, s.left, *longest = torch.stack([s.done.sum(), left] + [c.lengths.max() for c in caches]).tolist()
     s.open = s.live.numel() - n_done
@@ -285,27 +238,32 @@ def compact(s: _Decode, n_done: int):
     s.pcache.keep_rows(keep)
     if hasattr(s.generator, "keep_rows"):  # per-row streams (decoding/row_streams.py) travel with their rows
         s.generator.keep_rows(keep)
-    if s.dcache is not None:
-        s.dcache.keep_rows(keep)
-        s.dstate = select_rows(s.dstate, keep)
-        s.backlog.keep(keep)
+    s.trunk.keep_rows(keep)
 
 
-def propose(draft, s: _Decode):
+def propose(s: _Decode):
     """Step 1. d_j ~ q_j(. | x, d_<j), j = 1..k, from the draft's state at the last verified position (drafter.py:
     k draft forwards for a chain drafter, one for a block drafter). Returns d (b, k) and q (b, k, V), the
-    distributions the tokens were drawn from (None at tau = 0). The draft's cache is as before: its entries past the
-    verified ones are replaced by true trunk entries once the policy has verified them."""
-    return draft.propose(s.dcache, s.dstate, s.k, s.temperature, s.generator)
+    distributions the tokens were drawn from (None at tau = 0). The draft's cache ends as it began: only verified
+    tokens enter its trunk (DraftTrunk.extend). A tree: speculative_tree.propose (d the nodes (b, 1+N)). k = 0:
+    nothing is drafted."""
+    if s.k == 0:
+        return s.y.new_zeros(s.y.shape[0], 0), None
+    if s.tree is not None:
+        return speculative_tree.propose(s, s.tree)
+    return s.trunk.propose(s.k, s.temperature, s.generator)
 
 
 def verify_step(target, s: _Decode, d, q):
     """Steps 2-3. ONE policy forward over [y, d_1..d_k] gives p_1..p_{k+1}; `verify` keeps n drafts and the token
-    after them. Returns block (b, k+1) = d_1..d_n, y', then junk past n; the logits z (b, k+1, V); n (b,); the taps."""
-    out = target.forward_cached(torch.cat([s.y[:, None], d], 1), s.pcache, tap_layers=s.tap_layers)
+    after them. Returns block (b, k+1) = d_1..d_n, y', then junk past n; the logits z (b, k+1, V); n (b,); the taps
+    (None without a draft). A tree: speculative_tree.verify_step, which returns the same along the accepted path."""
+    if s.tree is not None:
+        return speculative_tree.verify_step(target, s, s.tree, d, q)
+    out = target.forward_cached(torch.cat([s.y[:, None], d], 1), s.pcache, tap_layers=s.trunk.tap_layers)
     z = out.logits
     n, y = verify(z, d, q, s.temperature, s.generator)
-    block = torch.cat([d, d[:, :1]], 1)
+    block = torch.cat([d, y[:, None]], 1)
     block[torch.arange(d.shape[0], device=d.device), n] = y
     return block, z, n, out.taps
 
@@ -341,8 +299,7 @@ def commit(s: _Decode, block, z, n):
     s.n_gen[s.live] = g
     s.done = s.done | (g >= s.max_new_tokens)
     s.pcache.rollback(torch.where(s.done, 0, s.pcache.lengths - block.shape[1] + kept))  # live rows kept n + 1
-    if s.dcache is not None:
-        s.dcache.rollback(torch.where(s.done, 0, s.dcache.lengths))
+    s.trunk.empty_finished(s.done)
     s.y = block[torch.arange(block.shape[0], device=block.device), n]
     if s.k:  # per position j: draft j tried (j <= n) / accepted (j < n), among the positions the row keeps
         j = cols[None, : s.k]

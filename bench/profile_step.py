@@ -54,7 +54,7 @@ def wrap(owner, name: str, label: str):
 
 
 def instrument(s):
-    for n in ("generate", "prefill", "chain_step", "verify_step", "propose", "commit"):
+    for n in ("generate", "prefill", "propose", "verify_step", "commit"):
         wrap(speculative, n, "speculative." + n)
     for n in ("rollout_block", "reference_logp", "gather_all", "concat_batches", "group_advantages"):
         wrap(hr, n, "rollout." + n)

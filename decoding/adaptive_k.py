@@ -34,31 +34,24 @@ call would end soonest if it ran at that k to its end:
 
 A step at k is timed whole, from the end of the step before (the draft's k - 1 passes, k samples and trunk extend,
 one policy forward over S = k + 1 tokens per row, the accept rule, the commit, the engine's poll and compaction and
-the controller's own bookkeeping); a call's first step, from its own start.
+the controller's own bookkeeping); a call's first step, from its choice.
 
 Why the slowest row: an autoregressive call takes exactly `left` steps, every row in step; a speculative row keeps
 1..k+1 tokens a step, so rows drift apart and the call waits for the last. The per-step rate E[kept | k] / c(r, k)
-leaves that out, and it is what makes speculation lose at large batch: with bench/bench_rollout.py's pair at batch 64,
-tau 1.5, a k = 2 call took ~14% more steps than 96 tokens / 2.3 tokens per step, and every fixed k ran at 0.84-0.88x
-autoregressive decoding (the per-step model saw a tie). The term grows with n (none at batch 1) and with k (a larger
-k keeps a more variable number of tokens, and its rate depends more on the row's acceptance). Measured on that pair
-at batch 64 (its straggle table: 15 calls of 96 tokens at each fixed k; steps of a call / of its mean row / the model
-for alike rows / the model at the rho row_spread measured there): tau 1.5, k = 2: 50.6 / 41.6 / 47.3 / 49.5 (rho
-0.069); k = 3: 46.3 / 35.4 / 42.1 / 44.5; tau 1, k = 3: 32.0 / 25.8 / 28.3 / 29.4 (rho 0.029); k = 6: 22.7 / 16.3 /
-19.2 / 20.2: 2-11% short, most at tau 1 and large k, leaning towards speculation. So each call measures its own
-slowest row: kappa, the rows' max - mean forwards over e_n x the model's sd (straggle_ratio: among the rows that took
-the whole budget, the sd averaged over the call's k), pooled over calls with decay from a prior of 1 (64 pseudo-rows);
-it came out ~1.6-1.9 on that pair at batch 64, tau 1 (rows alike in a simulation: ~1). Near a call's end X is
-capped by `left`: the drafts past the last token a row may take are wasted, so k falls there.
+leaves that out, and it is what makes speculation lose at large batch. The term grows with n (none at batch 1) and
+with k (a larger k keeps a more variable number of tokens, and its rate depends more on the row's acceptance). What
+the model still misses leans towards speculation, so each call measures its own slowest row: kappa, the rows' max -
+mean forwards over e_n x the model's sd (straggle_ratio: among the rows that took the whole budget, the sd averaged
+over the call's k), pooled over calls with decay from a prior of 1 (64 pseudo-rows); rows that are alike, as the model
+assumes, give ~1. Near a call's end X is capped by `left`: the drafts past the last token a row may take are wasted,
+so k falls there. (docs/benchmarks.md, "Adaptive k", holds the model against measured calls, with the commands.)
 
-Why m = 4 pseudo-counts: a position tried rarely leans on the one before it rather than on a few coin flips (at batch
-1 the probes try a handful of drafts past position 3, and a position estimated at 0.6 from 3 tries, 0.9 in truth,
-was never tried again once k fell below it).
+Why m = 4 pseudo-counts: a position tried rarely leans on the one before it rather than on a few coin flips; else an
+estimate from a handful of tries that comes out low stops the position from being tried again once k falls below it.
 
-A step costs more as its context grows (attention reads L keys per token: at batch 64 in bench/bench_rollout.py an
-autoregressive step took ~7 ms at the start of a 96-token call and over 10 ms late in it), and the ks run at different
-points of a call (probes at its start, k = 0 often late), so each k's timings are first moved to the present context
-along a slope in L that is a line in S, fitted within each k:
+A step costs more as its context grows (attention reads L keys per token), and the ks run at different points of a
+call (probes at its start, k = 0 often late), so each k's timings are first moved to the present context along a
+slope in L that is a line in S, fitted within each k:
 
     t_k(L)  = t_k + g_k (L - L_k),  g_k = max(g0 + g1 S_k, 0)
                                           t_k, L_k: each k's mean time and context, weighted by exp(-age / cost_memory)
@@ -67,74 +60,64 @@ along a slope in L that is a line in S, fitted within each k:
                                           each k (a common slope g0 where S does not vary)
     a + b S                               the least-squares line (b >= 0) through the moved means t_k(L), weight W_k
 
-(The slope is not proportional to S: with bench/bench_rollout.py's pair at batch 64, tau 1.5, a step's median time
-grew from the first to the sixth 16-token context bucket by 5.1 / 6.3 / 8.9 / 9.3 ms at k = 0 / 1 / 2 / 3, where a
-slope in S L had charged k = 3 four times k = 0's growth and held k at 1 late in calls.)
-so the steps run at r's size count most and nothing is keyed by batch size or temperature. The line is the prior of
-each k's own timings: with n_k steps timed at k (kernel-weighted counts),
+(The slope is fitted rather than taken proportional to S: a step's growth with context is far from proportional to
+S, and a slope in S L overcharges large k late in a call.) So the steps run at r's size count most and nothing is
+keyed by batch size or temperature. The line is the prior of each k's own timings: with n_k steps timed at k
+(kernel-weighted counts),
 
     c(r, k, L) = (n_k t_k(L) + m_c (a + b (k + 1))) / (n_k + m_c),   m_c = 2 pseudo-steps
 
-so a k run often is costed by what it took and a k rarely or never run by the line. (A step is not affine in S: with
-bench/bench_rollout.py's policy at batch 64, tau 1.5, one CPU thread on a shared 2-core VM, the median verify part took
-7.7 / 13.9 / 18.3 / 26.2 ms at S = 1 / 2 / 3 / 7, and a line through the k run most overcharged k = 0 by ~40%.)
+so a k run often is costed by what it took and a k rarely or never run by the line. (A step is not affine in S: its
+fixed part dominates at small S, and a line through the k run most misprices the others.)
 A `costs(rows, k) -> (draft s, verify s)` source replaces the clock (tests, simulations). The first steps, and the
 first at a batch size more than 2x away from every timed one, are probes: k = K, 0, 1, twice, so S and k both vary
 before the fit is used.
 
 k* is decided afresh every `decide_every` (4) steps while it is > 0, at every step near a call's end (left <= 2 (K + 1))
-or at k* = 0 (best() costs ~0.3 ms of Python: 2-3% of a step at batch 8 on this CPU, once a step).
+or at k* = 0 (best() is Python over every k's rate: cheap, but not worth running at every step).
 
 While k* > 0, every `explore_every` steps runs at k* + 1, k* - 1 or 0 in turn (inside 0..K), so the k next to the
-choice and the k it is weighed against stay timed at the batch size running (k = 0 was else timed at a call's end:
-bench/trace_adaptive_k.py with commit 0e6ec48's controller, 21 of 27 k = 0 steps at <= 2 rows, 3 at 8; at 8 rows it
-costed k = 3 3.1x k = 0, where a whole call's step took ~1.8x (bench_rollout), and calls started off).
+choice and the k it is weighed against stay timed at the batch size running (else k = 0 would be timed only at a
+call's end, with the few rows still open).
 
 The machine's pace moves all k alike, and only the k that run see it: a slow spell while k = 3 runs would leave k = 3
-dear next to a k = 0 timed before it, and switch speculation off on a clock artefact (bench/bench_rollout.py's pair,
-batch 8, tau 1.5, CPU time: one call ran ~1.4x slower throughout; afterwards k = 1 kept the spell's cost while k = 0,
-timed afresh, fell back, and the next calls ran with speculation off). So each step is stored at a common pace,
+dear next to a k = 0 timed before it, and switch speculation off on a clock artefact. So each step is stored at a
+common pace,
 
     t_stored = t / P,   ln P += clip(ln t - ln P - lbar, +-0.5) / pace_memory      (pace_memory = 16 steps)
                         ln P *= 1 - 1 / pace_anchor                               (pace_anchor = 256 steps)
 
 lbar the stored mean of ln t_stored in the step's own cell (batch size, context bucket, k; once it holds 4 steps; a
 call's first step, not timed whole, does not move P). The mean of the logs, not the log of the mean: for noisy steps the
-latter sits ~sd^2 / 2 higher, so every step pushed ln P down (with log-normal noise of sd 0.25, to ~-1.2 in 3000 steps).
-And the pull back to P = 1: P and the cells' means can trade places along a line (a higher P, lower stored times), so
-the estimate is a random walk, and a k not run since an earlier P is mis-costed against the k run now by the whole drift
-(bench/trace_adaptive_k.py with commit 0e6ec48's controller: ln P up to 0.35 in 20 calls at batch 8, tau 1.5;
-tests/test_adaptive_k.py: within 12% after 2600 steps at one k). The choice is unchanged by P (every rate scales
-by 1 / P); what changes is that a spell's timings are stored at the common pace, so afterwards the k not run since are
-not cheaper than the k run through it (tests/test_adaptive_k.py: a 1.5x spell, every k within 5% of its true cost
-afterwards; without P, 10% off there, 20-40% before k = 0 was explored beside k* +- 1).
+latter sits ~sd^2 / 2 higher, so every step would push ln P down. And the pull back to P = 1: P and the cells' means
+can trade places along a line (a higher P, lower stored times), so the estimate is a random walk, and a k not run
+since an earlier P would be mis-costed against the k run now by the whole drift. The choice is unchanged by P (every
+rate scales by 1 / P); what changes is that a spell's timings are stored at the common pace, so afterwards the k not
+run since are not cheaper than the k run through it (tests/test_adaptive_k.py: a 1.5x spell, every k within 5% of its
+true cost afterwards).
 
 k = 0 runs no draft pass. Inside a run of speculation (probes, exploring, k* = 1's neighbour) the policy's taps of a
-k = 0 step wait in a Backlog (decoding/backlog.py), and the draft's trunk extends over them in one forward at the
-next step with k > 0; that catch-up is the price of switching back on and is charged to that step. Once k* = 0 at
+k = 0 step wait in the draft's trunk (decoding/draft_trunk.py), which extends over them in one forward at the next
+step with k > 0; that catch-up is the price of switching back on and is charged to that step. Once k* = 0 at
 `settle` (3) steps running, each one run at k = 0 and so timed afresh at the present context, the rest of the call is
-autoregressive (`dormant`: no taps kept, no catch-up, the draft idle): keeping the draft ready costs a trunk forward
-per token (bench/bench_rollout.py's pair at batch 64, one CPU thread: a catch-up over 32 steps took ~26 ms
-beside ~12 ms per autoregressive step, i.e. ~7%). A call that starts at k* = 0 is dormant from its start (no draft
-prefill either), unless `explore_off` (512) steps ran at k = 0 since speculation last ran: then its first step runs
-the best k > 0 instead (the argmax the margin turned down), so acceptance and that k's cost are observed now and
-then (while k = 0 nothing is observed and nothing decays) and speculation comes back when the draft does. Exploring is
-dear beyond its own step: the draft's prefill, and rows that then differ in length for the rest of the call, so every
-later step attends through a padding mask (bench/bench_rollout.py's pair, batch 64, tau 1.5, equal prompts: a call
-that ran one k = 2 step and then k = 0 took 11% more CPU time than plain sampling, 2% when dormant from its start) --
-exploring after 4 x 32 steps off, every other 96-token call explored, and a bench run where auto was mostly off there
-ran at 0.91x plain sampling.
+autoregressive (`dormant`: k() releases the draft, so no taps are kept and no catch-up runs): keeping the draft ready
+would cost a trunk forward per token. A call that starts at k* = 0 is dormant from its start (begin() returns False:
+no draft prefill either), unless `explore_off` (512) steps ran at k = 0 since speculation last ran: then its first
+step runs the best k > 0 instead (the argmax the margin turned down), so acceptance and that k's cost are observed now
+and then (while k = 0 nothing is observed and nothing decays) and speculation comes back when the draft does.
+Exploring is dear beyond its own step: the draft's prefill, and rows that then differ in length for the rest of the
+call, so every later step attends through a padding mask; hence not more often.
 
-Switching off needs evidence: the optimistic alphas (at batch 1 the probes try 4 drafts in all, and an estimate of
-alpha_1 from 4 coin flips once switched a good draft off for a whole call) and `settle` decisions running. The margin
-(default 5%) is for what the model leaves out, all of it a cost of speculation: the draft's prefill, the catch-up after
-k = 0 steps, the finished rows that ride along until a quarter of the batch is done (speculative.compact); a tie goes
-to k = 0.
+Switching off needs evidence: the optimistic alphas (at batch 1 the probes try only a few drafts) and `settle`
+decisions running. The margin (default 5%) is for what the model leaves out, all of it a cost of speculation: the
+draft's prefill, the catch-up after k = 0 steps, the finished rows that ride along until a quarter of the batch is done
+(speculative.compact); a tie goes to k = 0.
 
 Lossless at every k: each step is an exact speculative-sampling step whatever k is, and k depends only on the past.
 But the sampled tokens then depend on the clock (a run is not reproducible from its seed), so the adaptive k is
-opt-in (--num_draft_tokens=auto); KSchedule (a fixed cycle of k, no clock) is how the tests switch k mid-generation.
-On a GPU pass a clock that synchronizes the device (for_device) or the timings see only the kernel launches.
+opt-in (--num_draft_tokens=auto); k_control.KSchedule (a fixed cycle of k, no clock) is how the tests switch k
+mid-generation. On a GPU pass a clock that synchronizes the device (for_device) or the timings see only the kernel
+launches.
 
     step_costs_naive(obs, r, ...)   the cost fit written out on a plain list (the reference); E[kept | k]
     (kept_moments), the slowest row's steps and the rows' spread: decoding/call_model.py
@@ -231,8 +214,9 @@ def step_costs_naive(obs, r: float, K: int, memory: float, h: float, m: float = 
 
 
 class AdaptiveK:
-    """The controller: choose(rows) -> k before a step, record(...) after it. One instance lives across engine calls
-    (its measurements carry over); begin(K) starts a call."""
+    """The controller: choose(rows) -> k before a step, record(...) after it; k(s) / observe(s) are the same for the
+    engine (k_control.py). One instance lives across engine calls (its measurements carry over); begin(K) starts a
+    call."""
 
     def __init__(self, max_k: int, *, clock=time.perf_counter, costs=None, accept_memory: float = 1000.0,
                  cost_memory: float = 64.0, bandwidth: float = 0.2, explore_every: int = 32, probe_rounds: int = 2,
@@ -250,7 +234,7 @@ class AdaptiveK:
         self.age = 0  # w = exp(step / cost_memory) (rescaled now and then): the decay without touching old entries
         self.pace, self.pace_memory, self.pace_anchor = 0.0, pace_memory, pace_anchor  # ln of the machine's pace
         self.decide_every, self.held, self.k_star, self.held_rows = decide_every, 0, 0, None  # _decide
-        self.queue, self.since, self.up, self.seen, self.mark = [], 0, 0, None, None
+        self.queue, self.since, self.up, self.seen, self.mark, self.mark_first = [], 0, 0, None, None, None
         self.dormant, self.first = False, True  # off for the rest of the call; the call's first step
         self.settle, self.zeros, self.k_spec = settle, 0, 1  # k* = 0 this many times running: off; the best k > 0
         self.explore_off, self.off_steps = explore_off, 0  # at k* = 0: a call explores after this many steps at 0
@@ -267,10 +251,10 @@ class AdaptiveK:
         return cls(max_k, clock=lambda: (torch.cuda.synchronize(dev), time.perf_counter())[1], **kw)
 
     # -- the engine's hooks -----------------------------------------------------------------------------------------
-    def begin(self, K: int, rows: int = None, ctx: int = None, left: int = None):
+    def begin(self, K: int, rows: int = None, ctx: int = None, left: int = None) -> bool:
         """A call starts: K its ceiling, rows its batch, ctx its longest prompt, left its max_new_tokens. Where k* = 0
-        there and fewer than explore_off steps ran at k = 0 since speculation last ran, the whole call is dormant (no
-        draft prefill)."""
+        there and fewer than explore_off steps ran at k = 0 since speculation last ran, the whole call is dormant:
+        returns False (no draft prefill)."""
         if K != self.max_k:
             raise ValueError(f"num_draft_tokens={K}: with adapt= expected the controller's ceiling K={self.max_k}")
         self.seen, self.mark = None, None  # the call's cumulative per-position counts start at 0; no step ended yet
@@ -278,11 +262,25 @@ class AdaptiveK:
         self.first, self.zeros, self.held = True, 0, 0
         self.dormant = (rows is not None and not self.queue and self._near(rows) and self.off_steps < self.explore_off
                         and self.best(rows, ctx, left, rows) == 0)
+        return not self.dormant
+
+    def k(self, s) -> int:
+        """k_control.py: choose() from the engine's state; once dormant, the draft is released for the call."""
+        k = self.choose(s.live.numel(), s.pcache.bound, left=s.left, open_rows=s.open)  # host ints (speculative.poll)
+        if self.dormant:
+            s.trunk.release()
+        return k
+
+    def observe(self, s):
+        """k_control.py: record() the step the engine just ran."""
+        self.record(s.live.numel(), s.k, s.reached, s.accepted, ctx=s.pcache.bound)
 
     def choose(self, rows: int, ctx: int = None, left: int = None, open_rows: int = None) -> int:
         """k for the next step at `rows` batch rows (open_rows of them not finished), context length ctx, and at most
         `left` new tokens still to come in a row (None: the per-step model). Sets `dormant` once k* = 0 after a call's
-        first step: k = 0 for the rest of the call, and the engine may drop the draft (no taps kept, no catch-up)."""
+        first step: k = 0 for the rest of the call (k() then releases the draft: no taps kept, no catch-up)."""
+        if self.mark is None and self.costs is None:  # a call's first step is timed from here (no step ended before)
+            self.mark_first = self.clock()
         if self.dormant:
             self.chosen[0], self.off_steps = self.chosen[0] + 1, self.off_steps + 1
             return 0
@@ -305,10 +303,11 @@ class AdaptiveK:
         self.off_steps = self.off_steps + 1 if k == 0 else 0
         return k
 
-    def record(self, rows: int, k: int, t_draft: float, t_verify: float, reached, accepted, ctx: int = None):
-        """After a step: its seconds drafting / verifying, the call's cumulative per-position counts (K,), and the
-        context length it ran at (None: not given; every step then counts alike). A step after the call's first is
-        timed whole, from the end of the step before (the engine's poll and compact, choose and record included)."""
+    def record(self, rows: int, k: int, reached, accepted, ctx: int = None):
+        """After a step: the call's cumulative per-position counts (K,) and the context length it ran at (None: not
+        given; every step then counts alike). Its seconds: costs(rows, k), or the clock's, a step after the call's
+        first timed whole from the end of the step before (the engine's poll and compact, choose and record
+        included), the first from its choose()."""
         R, A = reached.tolist(), accepted.tolist()  # host sync: K numbers
         prev = self.seen or ([0] * len(R), [0] * len(A))
         dR, dA = [x - y for x, y in zip(R, prev[0])], [x - y for x, y in zip(A, prev[1])]
@@ -319,7 +318,7 @@ class AdaptiveK:
                 self.R[j], self.A[j] = d * self.R[j] + dR[j], d * self.A[j] + dA[j]
         now = self.clock() if self.costs is None else None
         whole = now is None or self.mark is not None  # timed whole (a call's first step is not: no step before it)
-        t = sum(self.costs(rows, k)) if now is None else t_draft + t_verify if self.mark is None else now - self.mark
+        t = sum(self.costs(rows, k)) if now is None else now - (self.mark if whole else self.mark_first)
         self.mark = now
         self.age += 1
         if self.age > 200 * self.cost_memory:  # rescale before exp() overflows; drop what has decayed away
@@ -368,7 +367,7 @@ class AdaptiveK:
 
     def _decide(self, rows: int, ctx, left, open_rows) -> int:
         """k* = best(...), or the last k* > 0 again for up to decide_every - 1 steps at the same batch size while more
-        than 2 (K + 1) tokens are left (k* moves slowly; best() costs ~0.3 ms of Python, ~2-3% of a step at batch 8)."""
+        than 2 (K + 1) tokens are left (k* moves slowly, and best() is not free)."""
         near_end = left is not None and left <= 2 * (self.max_k + 1)
         if self.held > 0 and self.k_star > 0 and rows == self.held_rows and not near_end:
             self.held -= 1
@@ -424,27 +423,3 @@ class AdaptiveK:
     def _near(self, rows: int) -> bool:  # a timed batch size within 2x
         return any(abs(math.log(r / rows)) <= math.log(2) for r, _ in self.timed)
 
-
-class KSchedule:
-    """A fixed cycle of k per step, without a clock: the tests switch k mid-generation with it (same hooks).
-    off_after=n: from a call's step n + 1 on, k = 0 and `dormant`, as AdaptiveK does once k* = 0."""
-
-    def __init__(self, ks, off_after: int | None = None):
-        self.ks, self.max_k, self.i, self.off_after = tuple(ks), max(max(ks), 1), 0, off_after
-        self.clock, self.dormant = (lambda: 0.0), False
-
-    def begin(self, K: int, rows: int = None, ctx: int = None, left: int = None):
-        if K != self.max_k:
-            raise ValueError(f"num_draft_tokens={K}: with adapt= expected the schedule's ceiling K={self.max_k}")
-        self.i, self.dormant = 0, self.off_after == 0  # off_after=0: the whole call, without the draft's prefill
-
-    def choose(self, rows: int, ctx: int = None, left: int = None, open_rows: int = None) -> int:
-        self.i += 1
-        self.dormant = self.off_after is not None and self.i > self.off_after
-        return 0 if self.dormant else self.ks[(self.i - 1) % len(self.ks)]
-
-    def record(self, *args, **kw):
-        pass
-
-    def end(self, rollout):
-        return rollout

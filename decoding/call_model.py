@@ -94,9 +94,8 @@ def row_spread(tried, accepted, alphas) -> tuple:
 
     over the rows with >= 8 drafts tried. Which positions a row tried -- the k of the steps it ran, where it stopped --
     enters only through E_i: a call whose k changes mid-way (probes first, k = 0 late, run by the rows that finish
-    last) is measured like one at a fixed k. (A ratio of kept tokens to forwards per row mixes the rows' k's into
-    their acceptance: a first call at batch 64, tau 1, probes early and k = 0 late, read rho 0.13 that way, where
-    calls at a fixed k read ~0.05.)
+    last) is measured like one at a fixed k. (A ratio of kept tokens to forwards per row would mix the rows' k's into
+    their acceptance: the rows that run the call's last k = 0 steps would look worse.)
     -> (rho^2, rows used), rho^2 unclipped (noise can make it negative: pooled over calls first, clipped after, it
     stays unbiased); (0, 0) when fewer than 4 rows count."""
     rows = []

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from decoding import speculative_tree
+
 
 def check_generate_args(target, draft, prompts, max_new_tokens: int, k: int, temperature: float, eos_id=None):
     """Every argument of speculative.generate that could make it fail late or answer wrongly, checked up front: a
@@ -39,3 +41,19 @@ def check_generate_args(target, draft, prompts, max_new_tokens: int, k: int, tem
         if dc.hidden_size != c.hidden_size or dc.target_num_layers != c.num_hidden_layers:
             raise ValueError(f"draft: built for hidden_size={dc.hidden_size} / {dc.target_num_layers} layers, the "
                              f"target has {c.hidden_size} / {c.num_hidden_layers}")
+
+
+def draft_shape(draft, tree, num_draft_tokens: int, adapt=None):
+    """What speculative.generate drafts -> (speculative_tree.Tree or None for a chain, k the most draft tokens a
+    step proposes; 0: plain sampling). A ValueError for a combination the draft cannot run."""
+    if adapt is not None and (draft is None or tree):
+        raise ValueError("adapt: expected a chain draft (a draft, and tree=None: a tree keeps its fixed shape)")
+    K = None if draft is None else draft.max_draft_tokens  # drafter.py: None for a chain drafter
+    if K is not None and (tree or adapt is not None or num_draft_tokens > K):
+        raise ValueError(f"num_draft_tokens={num_draft_tokens}, tree={tree}, adapt={adapt}: a block drafter proposes "
+                         f"k <= {K} tokens in one forward, as a chain (no tree, no adaptive k)")
+    tree = speculative_tree.Tree(tree) if tree else None
+    if tree is not None and num_draft_tokens not in (0, tree.k):
+        raise ValueError(f"num_draft_tokens={num_draft_tokens}: with tree={tree.branching} expected 0 or {tree.k}")
+    k = (tree.k if tree is not None else num_draft_tokens) if draft is not None else 0
+    return (tree if k else None), k  # no draft: plain sampling

@@ -230,17 +230,17 @@ def tree_greedy(z, cand, tree: Tree):
 
 
 # ------------------------------------------------------------------------------------------------- the engine steps
-def propose(draft, s, tree: Tree):
-    """Step 1 (tree). Level by level from the root's state s.dstate = (h, zq): draw each node's children, then one draft
-    forward over the new level (k - 1 forwards, as the chain), each node attending to the trunk and its ancestors.
-    Returns cand (b, 1+N) the node tokens (column 0 = s.y) and q (b, I, V) the draft at the internal nodes (None at
-    tau = 0). The draft's tree entries are rolled back afterwards."""
-    t = tree.on(s.y.device)
-    base, top = s.dcache.lengths.clone(), s.dcache.bound  # top: the host's bound on base, no sync
+def propose(s, tree: Tree):
+    """Step 1 (tree). Level by level from the root's state s.trunk.state = (h, zq): draw each node's children, then
+    one draft forward over the new level (k - 1 forwards, as the chain), each node attending to the trunk and its
+    ancestors. Returns cand (b, 1+N) the node tokens (column 0 = s.y) and q (b, I, V) the draft at the internal nodes
+    (None at tau = 0). The draft's tree entries are rolled back afterwards."""
+    t, draft, cache = tree.on(s.y.device), s.trunk.draft, s.trunk.cache
+    base, top = cache.lengths.clone(), cache.bound  # top: the host's bound on base, no sync
     if t.k > 1:  # the draft's entries: the nodes at depths 1..k-1 (the root's entry is the trunk's last)
         layout = TreeLayout(t.depth[1: t.level[t.k]] - 1, t.visible[1: t.level[t.k], 1: t.level[t.k]], base,
-                            s.dcache.max_len, top=top)
-    h, zq = (x[:, None] for x in s.dstate)  # (b, 1, H), (b, 1, V): the root level (EAGLE-3's state: h, zq)
+                            cache.max_len, top=top)
+    h, zq = (x[:, None] for x in s.trunk.state)  # (b, 1, H), (b, 1, V): the root level (EAGLE-3's state: h, zq)
     toks, qs = [s.y[:, None]], []
     for j, b in enumerate(t.branching, 1):
         x, q = sample_children(zq, b, s.temperature, s.generator)  # (b, n_{j-1}, b_j)
@@ -248,8 +248,8 @@ def propose(draft, s, tree: Tree):
         qs.append(q)
         if j < t.k:  # one draft forward over level j: layout nodes level[j]-1 .. level[j+1]-2
             h = h if b == 1 else h.repeat_interleave(b, 1)
-            h, zq = draft.tree_step(s.dcache, x.flatten(1), h, layout.nodes(t.level[j] - 1, t.level[j + 1] - 1))
-    s.dcache.rollback(base, bound=top)
+            h, zq = draft.tree_step(cache, x.flatten(1), h, layout.nodes(t.level[j] - 1, t.level[j + 1] - 1))
+    cache.rollback(base, bound=top)
     return torch.cat(toks, 1), (torch.cat(qs, 1) if s.temperature > 0 else None)
 
 
@@ -261,7 +261,7 @@ def verify_step(target, s, tree: Tree, cand, q):
     t = tree.on(cand.device)
     base = s.pcache.lengths.clone()
     layout = TreeLayout(t.depth, t.visible, base, s.pcache.max_len, top=s.pcache.bound)  # no host sync
-    out = target.forward_cached(cand, s.pcache, tap_layers=s.tap_layers, tree=layout.nodes())
+    out = target.forward_cached(cand, s.pcache, tap_layers=s.trunk.tap_layers, tree=layout.nodes())
     z = out.logits  # (b, 1+N, V)
     if s.temperature == 0:
         path, n, y = tree_greedy(z, cand, t)

@@ -6,10 +6,10 @@ May import nothing: harness/config.py reads PRESETS, and a preset names Config f
 PRESETS = {
     # the experiment of docs/experiment.md (timings there). The mini model learns the additions in
     # 1000 SFT steps when 70% of the demo steps are explicit (the operands sit side by side), which still leaves RL
-    # a format term to raise; 32 prompts per step keep the GRPO update above the noise (8 x 8 samples did not).
+    # a format term to raise; 32 prompts per step keep the GRPO update above the noise (fewer leave it inside).
     "default": {},
-    # the project's first default: the 1.1M small model, a longer drift, and speculative rollouts that pay on CPU once
-    # acceptance nears 3 (1.24x at the end); 60 steps, ~5 min of RL + ~15 min of warm-ups on 2 cores
+    # the 1.1M small model, a longer drift, and speculative rollouts that pay on CPU once acceptance nears 3
+    # (docs/experiment.md, docs/train_small.json); 60 steps, ~5 min of RL + ~15 min of warm-ups on 2 cores
     "small": dict(name="small", model="small", p_explicit=0.3, sft_steps=1200, sft_lr=3e-3, steps=60,
                   prompts_per_step=16, rollout_batch=16, lr=2e-4, eval_prompts=32, draft_warmup_steps=200,
                   draft_warmup_batch=64, draft_warmup_lr=1e-3, num_draft_tokens=3, draft_every=1),

@@ -9,7 +9,8 @@ import re
 import pytest
 import torch
 
-from decoding.adaptive_k import AdaptiveK, KSchedule, _bucket, _slopes, step_costs_naive
+from decoding.adaptive_k import AdaptiveK, _bucket, _slopes, step_costs_naive
+from decoding.k_control import KSchedule
 from decoding.call_model import (call_steps, expected_max_normal, kept_moments, row_spread, row_steps_sd,
                                  straggle_ratio)
 from harness.config import parse_args
@@ -52,7 +53,7 @@ class Sim:
                     if self.rng.random() >= self.alphas[j]:
                         break
                     A[j] += 1
-            ctl.record(rows, k, 0.0, 0.0, R, A)
+            ctl.record(rows, k, R, A)
             ks.append(k)
         return ks
 
@@ -74,7 +75,7 @@ class Sim:
                             break
                         A[j], kept = A[j] + 1, kept + 1
                     rem[i] -= kept
-                ctl.record(rows, k, 0.0, 0.0, R, A)
+                ctl.record(rows, k, R, A)
                 seconds, ks = seconds + sum(self.costs(rows, k)), ks + [k]
         return ks, seconds / (calls * tokens)
 
@@ -193,7 +194,7 @@ def test_step_costs_equal_the_written_out_reference():
         L = rng.choice([None, 10, 11, 40, 300])  # context lengths (10 and 11 share a bucket)
         td, tv = 0.1 * k * (1 + rng.random()), 0.5 + 0.01 * rows * (k + 1) * (L or 20) / 20 + rng.gauss(0, 0.05)
         obs.append((rows, k, td, tv, L))
-        ctl.record(rows, k, td, tv, R, R, ctx=L)
+        ctl.record(rows, k, R, R, ctx=L)
     for r, L in ((3, None), (8, 10), (20, 64), (64, 300), (12, 1000)):
         assert ctl.costs_at(r, L) == pytest.approx(step_costs_naive(obs, r, 5, memory=20.0, h=0.5, ctx=L), rel=1e-9)
     # a step's time is moved along the slope in context: 1 s at context 16 and 2 s at 128 give 1 s at 16, 2 s at 128
@@ -297,8 +298,7 @@ def test_a_slow_spell_of_the_machine_moves_every_k_alike():
     1-3) must not keep the spell's costs once it is over, while the k not run since keep theirs:
     each step is stored at the machine's common pace (recent steps' log times against their cells' means), so after
     the spell every k's cost is within 5% of the truth and k is what it was before the spell (2). Without the pace
-    (pace_memory = inf) a k timed last in the spell stays dear (here 10%: k = 0 is explored too, so fewer k keep old
-    timings; 20-40% when only k* +- 1 were). ~1 s."""
+    (pace_memory = inf) a k timed last in the spell stays dear (here 10%). ~1 s."""
     def spell(pace_memory):
         sim = Sim([0.8] * 4, b=0.03, cd=0.15)
         pace, true = [1.0], sim.costs
@@ -322,40 +322,42 @@ def test_the_pace_does_not_drift_on_a_steady_machine(seed):
     """A steady machine, each step's time noisy (log-normal, sd 0.25 as on this VM): 200 steps at k = 0, 200 at
     k = 3, then 2600 at k = 1. The pace must stay near 1 and the k not run for 2600 steps keep their costs next to the
     one run (within 12%): the pace compares a step's log time with its cell's mean log time (no Jensen bias: the log
-    of an arithmetic mean is ~sd^2 / 2 above the mean log, and that pushed the pace down every step) and is pulled back
-    to 1 over pace_anchor steps (its estimate is otherwise a random walk). With the arithmetic mean and no pull (the
-    earlier rule) the pace reached ~-1.2 here and k = 1 looked 2.5-3.5x dearer than k = 0 next to it. ~0.5 s each."""
+    of an arithmetic mean is ~sd^2 / 2 above the mean log, and would push the pace down every step) and is pulled
+    back to 1 over pace_anchor steps (its estimate is otherwise a random walk). ~0.5 s each."""
     rng = random.Random(seed)
     true = [5.2, 5.5, 6.0, 6.5, 7.0]
     ctl = AdaptiveK(4, costs=lambda rows, k: (0.0, true[k] * 1e-3 * math.exp(rng.gauss(0.0, 0.25))))
     z = torch.zeros(4)
     for step in range(3000):
-        ctl.record(8, 0 if step < 200 else 3 if step < 400 else 1, 0.0, 0.0, z, z, ctx=50)
+        ctl.record(8, 0 if step < 200 else 3 if step < 400 else 1, z, z, ctx=50)
     ratio = [ctl.costs_at(8, 50)[k] * 1e3 / true[k] for k in (0, 1, 3)]  # the k that ran (the rest: the line's)
     assert abs(ctl.pace) < 0.15, ctl.pace
     assert max(ratio) / min(ratio) < 1.12, ratio  # every k alike (each ~3% high: a mean of log-normal times)
 
 
 def test_the_engine_times_steps_with_the_injected_clock(mismatched, monkeypatch):
-    """A counter for a clock (each reading 1 s later, no wall time). A chain step reads it 5 times (draft = propose +
-    extend = 2 s, the rest 2 s), a k = 0 step twice (1 s of verify), and record once more at the step's end: the fit
-    holds a call's first step as the engine timed it (4 s or 1 s) and every later one whole, from the end of the step
-    before (6 s or 3 s)."""
+    """A clock whose i-th reading is i^2 s (no wall time; every interval a different length). The controller reads it
+    when a call's first step is chosen and once at the end of every step (record): the fit holds the first step from
+    its choice and every later one whole, from the end of the step before (stored as timed: the pace held at 1)."""
     policy, draft = mismatched
-    ticks, seen = iter(range(10 ** 6)), []
-    ctl = AdaptiveK(2, clock=lambda: float(next(ticks)))
+    readings, seen = [], []
+
+    def clock():
+        readings.append(float(len(readings) ** 2))
+        return readings[-1]
+    ctl = AdaptiveK(2, clock=clock, pace_memory=math.inf)
     record = ctl.record
-    monkeypatch.setattr(ctl, "record", lambda rows, k, td, tv, R, A, ctx: (seen.append((rows, k, td, tv, ctx)),
-                                                                           record(rows, k, td, tv, R, A, ctx)))
+    monkeypatch.setattr(ctl, "record", lambda rows, k, R, A, ctx: (seen.append((rows, k, ctx, len(readings))),
+                                                                   record(rows, k, R, A, ctx)))
     generate(policy, draft, [torch.tensor([1, 4, 2])] * 3, max_new_tokens=12, num_draft_tokens=2, adapt=ctl,
              generator=torch.Generator().manual_seed(0))
-    assert [k for _, k, _, _, _ in seen[:6]] == [2, 0, 1, 2, 0, 1]  # the probes
-    assert all((td, tv) == ((2.0, 2.0) if k else (0.0, 1.0)) for _, k, td, tv, _ in seen)
-    ctx = [L for _, _, _, _, L in seen]  # each step's context: the longest row's cached positions (prompt 3 + kept)
+    assert [k for _, k, _, _ in seen[:6]] == [2, 0, 1, 2, 0, 1]  # the probes
+    assert len(readings) == len(seen) + 1 and [i for *_, i in seen] == list(range(1, len(seen) + 1))
+    ctx = [L for _, _, L, _ in seen]  # each step's context: the longest row's cached positions (prompt 3 + kept)
     assert 3 <= ctx[0] < ctx[-1] <= 3 + 12 + 2 + 1
     want = {}  # what the fit should hold per (rows, context bucket, k): [sum w, sum w t], w = exp(age / cost_memory)
-    for age, (rows, k, _, _, L) in enumerate(seen, start=1):
-        t = (4.0 if k else 1.0) if age == 1 else (6.0 if k else 3.0)
+    for age, (rows, k, L, i) in enumerate(seen, start=1):
+        t = readings[i] - readings[i - 1]  # 2 i - 1 s
         e = want.setdefault((rows, _bucket(L), k), [0.0, 0.0])
         e[0], e[1] = e[0] + math.exp(age / ctl.cost_memory), e[1] + math.exp(age / ctl.cost_memory) * t
     got = {(r, b, k): e[1] / e[0] for (r, b), by_k in ctl.timed.items() for k, e in by_k.items()}

@@ -12,7 +12,7 @@ from serving.hf_io import from_pretrained
 from branch_mask import cu_seqlens_from_lengths
 from model import ModelConfig, Transformer, greedy_generate
 from modeling.kv_cache import KVCache
-from decoding.adaptive_k import KSchedule
+from decoding.k_control import KSchedule
 from spec_cases import SWITCHING, exact_first3, make_small_vocab_pair
 from speculative import accept_prob, generate, residual
 
@@ -259,12 +259,12 @@ def test_acceptance_hand_count():
                (n = 1).                                                   kept 4 + 2 + 2 over 3 active rows
     forward 2: row 0 (5 tokens) has a budget of 1: keeps 1 of its 4 and stops; row 1 is done (not active); row 2
                rejects at once and its correction is EOS: keeps 1.      kept 1 + 1 over 2 active rows
-    acceptance length = (8 + 2) / (3 + 2) = 2.0 -- the old n + 1 count said (4 + 4 + 2 + 4 + 1) / 5 = 3.0."""
+    acceptance length = (8 + 2) / (3 + 2) = 2.0, where counting n + 1 per forward would say (4 + 4 + 2 + 4 + 1) / 5."""
     k, B, eos = 3, 3, 9
     s = speculative._Decode(k, 1.0, eos, 6, None, toks=torch.zeros(B, 6 + 2 * (k + 1), dtype=torch.long),
                             lps=torch.zeros(B, 6 + 2 * (k + 1)), n_gen=torch.ones(B, dtype=torch.long),
                             live=torch.arange(B), y=torch.tensor([1, 1, 1]), done=torch.zeros(B, dtype=torch.bool),
-                            pcache=_StubCache([10, 10, 10]), dcache=_StubCache([6, 6, 6]),
+                            pcache=_StubCache([10, 10, 10]),
                             reached=torch.zeros(k, dtype=torch.long), accepted=torch.zeros(k, dtype=torch.long))
     s.accept_sum, s.row_steps = torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)
     z = torch.zeros(B, k + 1, 11)

@@ -14,7 +14,7 @@ from dist_step import DistCotrainer
 from draft import Eagle3Draft
 from model import ModelConfig, Transformer
 from pipeline import Grid
-from decoding.adaptive_k import KSchedule
+from decoding.k_control import KSchedule
 from spec_cases import SWITCHING
 from rl_loop import DraftTrainer, GRPOConfig, RolloutBatch, cotrain_step, reference_logp, rollout_kl
 

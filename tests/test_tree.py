@@ -113,17 +113,17 @@ def test_draft_tree_levels_equal_chain_steps(pair, tree):
     policy, draft = pair
     t, tau = Tree(tree), 0.8
     prompts = ragged_prompts(5, 3, policy.cfg.vocab_size, 2, 6)
-    s = speculative.prefill(policy, draft, prompts, t.k, tau, None, 16, torch.Generator().manual_seed(0),
-                            span=1 + t.num_nodes)
-    L0 = s.dcache.lengths.clone()
-    cand, q = speculative_tree.propose(draft, s, t)
-    assert torch.equal(s.dcache.lengths, L0) and q.shape == (3, t.level[t.k], policy.cfg.vocab_size)
+    s = speculative.prefill(policy, draft, prompts, t.k, tau, None, 16, torch.Generator().manual_seed(0), tree=t)
+    cache = s.trunk.cache
+    L0 = cache.lengths.clone()
+    cand, q = speculative_tree.propose(s, t)
+    assert torch.equal(cache.lengths, L0) and q.shape == (3, t.level[t.k], policy.cfg.vocab_size)
     for c in range(t.level[t.k]):
         anc = [a for a in range(1, c + 1) if t.visible[c, a]]  # the node's path below the root
-        h, zq = s.dstate
+        h, zq = s.trunk.state
         for a in anc:
-            h, zq = draft.step(s.dcache, cand[:, a], h)
-        s.dcache.rollback(L0)
+            h, zq = draft.step(cache, cand[:, a], h)
+        cache.rollback(L0)
         assert torch.allclose(q[:, c], torch.softmax(zq / tau, -1), atol=1e-10, rtol=0)
 
 
