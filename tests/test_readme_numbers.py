@@ -62,6 +62,12 @@ def _rollout():
             + [ratio(t), statistics.mean([ratio(x) for x in runs + [t]])])
 
 
+def _rollout_families_gpu():
+    fams = _load("bench/results/rollout_families_gpu.json")["families"]
+    return [max(r["speedup"] for r in fams[f]["rows"] if r["batch"] == B and r["temperature"] == 1.0)
+            for f in ("eagle3", "dflash", "dspark") for B in (1, 8, 64)]
+
+
 def _tapchannel():
     d = _load("bench/results/tapchannel.json")
     return [d["paired_overhead"]["tapchannel"], *d["paired_overhead_q1_q3"]["tapchannel"],
@@ -92,6 +98,9 @@ SOURCES = {
     "ring + branch attention, peak MiB": ("json", "bench/results/attention.json", _attention),
     "speculative rollouts vs autoregressive": ("json", "bench/results/rollout_auto.json", _rollout, ("3",)),
     "the exports served and refit by a real engine": ("test", ["tests/test_vllm_engine.py"]),
+    "**H200**: the first GPU run": ("test", ["tests/test_gpu_smoke.py"]),
+    "**H200**: speculative rollouts per draft family": ("json", "bench/results/rollout_families_gpu.json",
+                                                        _rollout_families_gpu, ("3",)),
     "TapChannel vs no taps": ("json", "bench/results/tapchannel.json", _tapchannel),
     "largest vocabulary-sized tensor": ("test", ["tests/test_vocab_growth.py"]),
     "host syncs per speculative decode step": ("test", ["tests/test_host_sync.py"]),
