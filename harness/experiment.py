@@ -99,6 +99,12 @@ def build_policy(cfg: Config, tsk, log=print, device=None, mesh: Mesh | None = N
     return policy, key, loaded
 
 
+def split_warmups(mesh: Mesh) -> bool:
+    """Whether the ranks build together, splitting the warm-ups: every rank has its own GPU (else one process does
+    them, or a single rank while the others wait: build)."""
+    return mesh.world == 1 or mesh.device.type == "cuda"
+
+
 def group_of(mesh: Mesh | None):
     """The process group the warm-ups split over: every rank of the run (None: one process)."""
     return dist.group.WORLD if mesh is not None and mesh.world > 1 else None
@@ -123,12 +129,20 @@ def policy_key(cfg: Config, tsk, device=None) -> str:
 
 
 def build(cfg: Config, mesh: Mesh, log=print) -> Setup:
-    """build_models on every rank together -- the warm-ups split over the ranks (harness/warmup_split.py) and cached
-    by rank 0, an HF checkpoint loaded one process per node at a time on GPUs -- then the samplers and this rank's
-    share of the update. A collective that waits past --dist_timeout ends in one line naming the phase
-    (mesh.PhaseTimeout)."""
-    with mesh.phase("build: every rank loads the models and trains the uncached warm-ups"):
-        s = build_models(cfg, mesh.device, log if mesh.main else (lambda *a, **k: None), mesh=mesh)
+    """build_models on every rank, then the samplers and this rank's share of the update. Where each rank has its own
+    GPU they build together: the warm-ups split over the ranks (harness/warmup_split.py) and cached by rank 0, an HF
+    checkpoint loaded one process per node at a time. On the CPU the ranks share the host's cores, and one process
+    with every core (--warmup_threads) trains a small model's warm-ups faster than the ranks splitting them (docs/gpu.md
+    has the measurement): rank 0 builds first and caches them, then the others load them. A rank that waits past
+    --dist_timeout ends in one line naming the phase (mesh.PhaseTimeout)."""
+    quiet = lambda *a, **k: None  # noqa: E731
+    if split_warmups(mesh):
+        with mesh.phase("build: every rank loads the models and trains the uncached warm-ups"):
+            s = build_models(cfg, mesh.device, log if mesh.main else quiet, mesh=mesh)
+    else:
+        s = build_models(cfg, mesh.device, log) if mesh.main else None
+        mesh.barrier("build: the other ranks wait while rank 0 builds the models and trains the uncached warm-ups")
+        s = s or build_models(cfg, mesh.device, quiet)
     s.cotrainer = DistCotrainer(
         s.policy, list(s.drafts.values()), mesh.grid,
         lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99)),

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from parallel.waits import WaitFailed
 
 HALF = (torch.bfloat16, torch.float16)
+BUCKET_MIB = 64  # the gradient sum's flat buckets (fp32)
 MICRO = 8  # a draft step's micro-batches: the largest divisor of its batch <= MICRO (the same on every mesh)
 
 
@@ -112,18 +113,30 @@ class MasterOptimizer:
                 m.grad = g if m.grad is None else m.grad.add_(g)
                 p.grad = None
 
+    @torch.no_grad()
     def sum_grads(self, extra: torch.Tensor, group) -> torch.Tensor:
         """The masters' gradients summed over the group (a rank without parts adds zeros), and `extra` (k,) fp32
-        (e.g. the parts' loss sums) with them; returns the summed extra."""
+        (e.g. the parts' loss sums) with them; returns the summed extra. The gradients travel end to end in flat
+        buckets of at most BUCKET_MIB (one all_reduce per bucket, not one per tensor)."""
         for m in self.master:
             if m.grad is None:
                 m.grad = torch.zeros_like(m)
         if group is None:
             return extra
-        for m in self.master:
-            _collective("gradient sum (all_reduce)", lambda: dist.all_reduce(m.grad, group=group), group)
-        extra = extra.to(self.master[0].device)
-        _collective("loss sum (all_reduce)", lambda: dist.all_reduce(extra, group=group), group)
+        grads, extra = [m.grad for m in self.master], extra.to(self.master[0].grad.device, torch.float32)
+        cap, bucket, size = int(BUCKET_MIB * 2**20) // 4, [], 0
+        for i, g in enumerate(grads):
+            bucket.append(g)
+            size += g.numel()
+            if size >= cap or i == len(grads) - 1:
+                last = i == len(grads) - 1
+                flat = torch.cat([t.reshape(-1) for t in bucket] + ([extra] if last else []))
+                _collective("gradient sum (all_reduce)", lambda: dist.all_reduce(flat, group=group), group)
+                for t, part in zip(bucket, flat.split([t.numel() for t in bucket] + [extra.numel()] * last)):
+                    t.copy_(part.view_as(t))
+                if last:
+                    extra = flat[-extra.numel():].clone()
+                bucket, size = [], 0
         return extra
 
     @torch.no_grad()
