@@ -19,8 +19,9 @@ than single functions: a helper a warm-up calls cannot be left out, at the price
 edit to one of these files. So that this is no silent trap, each entry records its settings-only hash and its
 files' hashes (code.json), and a miss names the files changed since an entry of the same settings (stale_line).
 
-Left out on purpose: the device, the thread count and --chunk_mib (a warm-up trained on a CPU serves a GPU run; they
-change rounding, not what is trained), where the cache lives, and how often progress is logged.
+Left out on purpose: the device, the thread count, --chunk_mib and the ranks that share the work (a warm-up trained
+on a CPU serves a GPU run; they change rounding, not what is trained), where the cache lives, and how often progress
+is logged. The dtype the warm-up computes in (--dtype; "auto" by the device) is in: bf16 rounds every weight.
 """
 from __future__ import annotations
 

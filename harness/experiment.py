@@ -12,9 +12,11 @@ the k3 penalty (--beta > 0), the offline arm (it samples pi_0) and the KL log (-
 
 Every rank keeps a FULL policy and drafts for its rollouts (the stand-in for an inference engine); the update trains
 this rank's pipeline stage, whose parameters ARE the policy's for its layers (dist_step.stage_of), and `refit` copies
-the other stages' layers in. Under torchrun rank 0 builds first, so it alone trains
-and caches the warm-ups, and the others load them (on GPUs one process per node at a time: ~1 host copy per node).
-Pre-build the warm-ups with `python -m harness.warmup <the run's flags>` so that nobody waits past --dist_timeout.
+the other stages' layers in. Under torchrun on GPUs every rank builds at once: the warm-ups split over the ranks
+(harness/warmup_split.py; rank 0 caches them), an HF checkpoint loaded one process per node at a time (~1 host copy
+per node). On the CPU rank 0 builds first, so it alone trains and caches the warm-ups with every core, and the others
+then load them; pre-build them with `python -m harness.warmup <the run's flags>` so that nobody waits past
+--dist_timeout.
 
 Letters: G group size, T packed tokens.
 """

@@ -9,7 +9,10 @@
      packed forward to get taps and its final hidden, and fit the draft's multi-pass TTT loss with the policy as
      teacher. Also cached (`cache/draft-<key>/`, draft.py's save/load), keyed on the policy's key too.
 Both train through the RL update's streamed losses: the LM head is applied --chunk_mib of logits at a time, so no
-(tokens, V) tensor forms (fused_logprob.py, draft_loss.py); sampling runs --rollout_batch prompts per generate call.
+(tokens, V) tensor forms (fused_logprob.py, draft_loss.py); sampling runs --rollout_batch prompts per generate call,
+prompt i from its own random stream. Both compute in the run's --dtype (bf16: fp32 master weights), which is in the
+key. Under torchrun on GPUs every rank calls them at once (group=): the samples and each step's work split over the
+ranks, the same result as one process (warmup_split.py), and rank 0 alone writes the cache.
 
 Each warm-up reads its settings from one spec (cache_keys.PolicySpec / DraftSpec) and nothing else that shapes it; the
 key is the hash of the whole spec and of the warm-up's source code (cache_keys.py says which).

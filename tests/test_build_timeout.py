@@ -2,9 +2,9 @@
 
 2 gloo processes with torchrun's env contract run train.py (its own __main__: the one-line error handling) at
 --dist_timeout 3, with harness.experiment.build_models patched to sleep 12 s on rank 0 before building: rank 1 waits
-in the build's first collective (the warm-ups' cache check) past the timeout and must exit non-zero with a line
-naming itself, the phase and rank 0; rank 0 then finds its peer gone and must exit non-zero with one line too. Adds ~35 s on 2 cores (two processes importing
-torch, the 3 s timeout, rank 0's 12 s sleep and its tiny build).
+at the build barrier past the timeout (on the CPU rank 0 trains the warm-ups alone first) and must exit non-zero with
+a line naming itself, the phase and rank 0; rank 0 then finds its peer gone and must exit non-zero with one line too.
+Adds ~35 s on 2 cores (two processes importing torch, the 3 s timeout, rank 0's 12 s sleep and its tiny build).
 """
 import os
 import re

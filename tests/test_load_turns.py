@@ -1,16 +1,19 @@
 """An HF checkpoint is loaded by one process per node at a time on GPUs (experiment.in_turns), all at once on the CPU.
 
 Each rank's code runs in a thread of this process, the mesh's barrier a threading.Barrier, and a fake loader records
-which ranks are loading at once. Adds ~1 s.
+which ranks are loading at once. Then Mesh.phase: a failed collective inside the build (the split warm-ups' on GPUs)
+ends in one line naming the rank, the phase and the others. Adds ~1 s.
 """
 import threading
 import time
 
+import pytest
 import torch
 
 from harness.experiment import in_turns
-from harness.mesh import Mesh
+from harness.mesh import Mesh, PhaseTimeout
 from parallel.grid import Grid
+from parallel.waits import WaitFailed
 
 
 class ThreadMesh(Mesh):
@@ -68,3 +71,14 @@ def test_cpu_ranks_load_at_once_and_one_process_just_loads():
     peak_node, _, out = run(world=3, local_world=3, device="cpu", together=True)
     assert peak_node == 3 and len(out) == 3  # no turns: the copies stay on the host anyway
     assert in_turns(None, lambda: 7, "loading") == 7
+
+
+def test_a_failed_collective_in_a_phase_is_one_line_naming_the_phase_and_ranks():
+    mesh = Mesh(Grid(), torch.device("cpu"), 1, 3, 1, 3)
+    with pytest.raises(PhaseTimeout, match=r"^rank 1: build: x: the wait for rank\(s\) 0, 2 ended .*--dist_timeout.*"
+                                           r"warm-up gradient sum"):
+        with mesh.phase("build: x"):
+            raise WaitFailed("rank 1: warm-up gradient sum (all_reduce) failed (Connection closed by peer)")
+    with pytest.raises(ValueError, match="not a wait"):  # anything else passes through as it is
+        with mesh.phase("build: x"):
+            raise ValueError("not a wait")
