@@ -20,7 +20,9 @@ A warm-up's costly parts are an RL step's: sampling, and training steps over bat
      rank 0 alone writes (atomically), and the others keep the identical weights they trained.
 
 A collective that fails (a stopped rank, one past --dist_timeout) raises parallel.waits.WaitFailed naming it, which
-harness/mesh.py's Mesh.phase turns into one line naming the phase and the ranks.
+harness/mesh.py's Mesh.phase turns into one line naming the phase and the ranks. The cache check and the samples'
+gather travel on gloo (host tensors); the gradient sum of CUDA tensors on NCCL, whose watchdog ends a stuck rank
+with NCCL's own message instead (parallel/waits.py says why).
 
     python -m pytest -q tests/test_warmup_split.py    # 2 gloo ranks vs one process: the same policy and draft
 
@@ -70,11 +72,6 @@ def agree(ok: bool, group) -> bool:
     t = torch.tensor([int(ok)])
     _collective("cache check (all_reduce)", lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group), group)
     return bool(t.item())
-
-
-def barrier(group, what: str):
-    if group is not None:
-        _collective(what, lambda: dist.barrier(group=group), group)
 
 
 def gather_blocks(n_items: int, rows: int, generate, group) -> list:
