@@ -38,10 +38,11 @@ live on each rank's own GPU when CUDA is present (--device=auto; mesh.pick_devic
     torchrun --standalone --nproc_per_node=4 train.py                         # the default run on pp=2 x cp=2
     torchrun --standalone --nproc_per_node=4 train.py --draft runs/default/draft   # start from a served EAGLE-3 draft
 
-Rollouts, evals and the offline arm's sampling run on every rank (blocks of --rollout_batch rows each). What one rank
-runs while the others wait in a collective, bounded by --dist_timeout (s; a dead rank fails the job instead of hanging
-it), is: at startup rank 0's warm-ups when they are not cached (policy SFT, then the draft warm-up -- none with --draft
-PATH, which starts from an exported EAGLE-3 draft; a rerun loads both from cache/), and per step the offline arm's
+Rollouts, evals and the offline arm's sampling run on every rank (blocks of --rollout_batch rows each), and so do the
+warm-ups on GPUs (harness/warmup_split.py). What one rank runs while the others wait in a collective, bounded by
+--dist_timeout (s; a dead rank fails the job instead of hanging it), is: at startup on the CPU rank 0's warm-ups when
+they are not cached (policy SFT, then the draft warm-up -- none with --draft PATH, which starts from an exported
+EAGLE-3 draft; a rerun loads both from cache/), and per step the offline arm's
 training and rank 0's checkpoint / servable writes. Size --dist_timeout above the longest of these: the warm-ups'
 time (their cost scales with --sft_steps x --sft_batch and --draft_warmup_steps x --draft_warmup_batch forwards of
 the policy) with a margin; or run the warm-ups once alone (`python -m harness.warmup` with the same flags) so the

@@ -19,8 +19,9 @@ than single functions: a helper a warm-up calls cannot be left out, at the price
 edit to one of these files. So that this is no silent trap, each entry records its settings-only hash and its
 files' hashes (code.json), and a miss names the files changed since an entry of the same settings (stale_line).
 
-Left out on purpose: the device, the thread count and --chunk_mib (a warm-up trained on a CPU serves a GPU run; they
-change rounding, not what is trained), where the cache lives, and how often progress is logged.
+Left out on purpose: the device, the thread count, --chunk_mib and the ranks that share the work (a warm-up trained
+on a CPU serves a GPU run; they change rounding, not what is trained), where the cache lives, and how often progress
+is logged. The dtype the warm-up computes in (--dtype; "auto" by the device) is in: bf16 rounds every weight.
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+
+import torch
 
 from harness import drafters
 from model import ModelConfig
@@ -213,11 +216,12 @@ class PolicySpec:
     batch: int
     lr: float
     seed: int  # the initial weights and the demonstrations' sampler
+    dtype: str = "float32"  # what it computes in (torch's name): bfloat16 = bf16 with fp32 master weights
 
     @classmethod
-    def from_config(cls, cfg, tsk) -> PolicySpec:
+    def from_config(cls, cfg, tsk, device=None) -> PolicySpec:
         return cls(ModelConfig.preset(cfg.model, vocab_size=tsk.tok.vocab_size), tsk, cfg.sft_steps, cfg.sft_batch,
-                   cfg.sft_lr, cfg.seed)
+                   cfg.sft_lr, cfg.seed, run_dtype(cfg, device))
 
     def key(self) -> str:
         return spec_key("policy", self)
@@ -243,16 +247,24 @@ class DraftSpec:
     rows: int = 256  # prompts per generate call when sampling the pool (--rollout_batch): it shapes the samples
     drafter: str = "eagle3"  # the draft family (harness/drafters.py)
     drafter_opts: tuple = ()  # its construction and loss options, sorted (key, value) pairs (drafters.options)
+    dtype: str = "float32"  # what the policy and the draft compute in (torch's name; bfloat16: fp32 masters)
 
     @classmethod
-    def from_config(cls, cfg, tsk, policy_key: str, *, attn_fn=None, draft_attn_fn=None) -> DraftSpec:
+    def from_config(cls, cfg, tsk, policy_key: str, *, attn_fn=None, draft_attn_fn=None, device=None) -> DraftSpec:
         return cls(policy_key, tsk, cfg.draft_warmup_steps, cfg.draft_warmup_batch, cfg.draft_warmup_lr,
                    cfg.draft_warmup_pool, tsk.max_new_tokens, cfg.ttt_passes, cfg.seed, cfg.draft_vocab, attn_fn,
                    draft_attn_fn, tuple(cfg.tap_layers), cfg.ttt_decay, cfg.rollout_batch, cfg.drafter,
-                   tuple(sorted(drafters.options(cfg, tsk).items())))
+                   tuple(sorted(drafters.options(cfg, tsk).items())), run_dtype(cfg, device))
 
     def key(self) -> str:
         return spec_key("draft", self)
+
+
+def run_dtype(cfg, device=None) -> str:
+    """The run's compute dtype by torch's name (--dtype; "auto": bf16 on CUDA, fp32 elsewhere, as mesh.model_dtype)."""
+    if cfg.dtype == "auto":
+        return "bfloat16" if device is not None and torch.device(device).type == "cuda" else "float32"
+    return {"bf16": "bfloat16", "fp32": "float32"}[cfg.dtype]
 
 
 def hf_policy_key(model_dir: str) -> str:

@@ -12,9 +12,11 @@ the k3 penalty (--beta > 0), the offline arm (it samples pi_0) and the KL log (-
 
 Every rank keeps a FULL policy and drafts for its rollouts (the stand-in for an inference engine); the update trains
 this rank's pipeline stage, whose parameters ARE the policy's for its layers (dist_step.stage_of), and `refit` copies
-the other stages' layers in. Under torchrun rank 0 builds first, so it alone trains
-and caches the warm-ups, and the others load them (on GPUs one process per node at a time: ~1 host copy per node).
-Pre-build the warm-ups with `python -m harness.warmup <the run's flags>` so that nobody waits past --dist_timeout.
+the other stages' layers in. Under torchrun on GPUs every rank builds at once: the warm-ups split over the ranks
+(harness/warmup_split.py; rank 0 caches them), an HF checkpoint loaded one process per node at a time (~1 host copy
+per node). On the CPU rank 0 builds first, so it alone trains and caches the warm-ups with every core, and the others
+then load them; pre-build them with `python -m harness.warmup <the run's flags>` so that nobody waits past
+--dist_timeout.
 
 Letters: G group size, T packed tokens.
 """
@@ -27,18 +29,19 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from tasks.protocol import Demonstrations, task_from_config
 from harness import warmup
 from harness.warmup import draft_spec  # what the draft warm-up reads (also the cache keys' tests)
-from harness.cache_keys import PolicySpec, hf_policy_key
+from harness.cache_keys import PolicySpec, hf_policy_key, run_dtype
 from backends.attention_padded import auto_causal_attention
 from backends.fused_logprob import budget_rows
 from dist_step import DistCotrainer
 from draft import Eagle3Draft
 from harness import drafters
 from serving.hf_io import from_pretrained
-from harness.mesh import model_dtype
+from harness.mesh import Mesh, model_dtype
 from harness.memory_model import resolve_zero1
 from model import Transformer
 from modeling.mixed_precision import master_optimizer
@@ -48,7 +51,6 @@ from rl_loop import GRPOConfig
 
 if TYPE_CHECKING:
     from harness.config import Config
-    from harness.mesh import Mesh
 
 
 @dataclass
@@ -76,45 +78,74 @@ def build_task(cfg: Config):
     return task_from_config(cfg)
 
 
-def build_policy(cfg: Config, tsk, log=print, device=None) -> tuple[Transformer, str, bool]:
-    """-> (policy on `device`, cache key, loaded): the policy SFT'd on the task's demonstrations (cached; a task
-    without any: the seeded random initialisation), or the HF checkpoint as is."""
+def build_policy(cfg: Config, tsk, log=print, device=None, mesh: Mesh | None = None) -> tuple[Transformer, str, bool]:
+    """-> (policy on `device` in the run's dtype, cache key, loaded): the policy SFT'd on the task's demonstrations
+    (cached; a task without any: the seeded random initialisation; under torchrun trained on every rank together),
+    or the HF checkpoint as is (loaded by one process per node at a time on GPUs: in_turns)."""
+    dt = getattr(torch, run_dtype(cfg, device))
     if cfg.hf_mode:
-        policy, key = from_pretrained(cfg.model).to(device), hf_policy_key(cfg.model)
+        policy = in_turns(mesh, lambda: from_pretrained(cfg.model, dtype=dt).to(device),
+                          "build: loading the HF checkpoint")
+        key = hf_policy_key(cfg.model)
         n = sum(p.numel() for p in policy.parameters())
         log(f"policy: HF checkpoint {cfg.model} ({policy.cfg.architecture}, {n:,} parameters); "
             f"{sum(map(len, tsk.splits.values()))} prompts from {cfg.data} ({len(tsk.splits['eval'])} held out, "
             f"{tsk.dropped} dropped as longer than {cfg.max_prompt_tokens} tokens)")
         return policy, key, True
     t0 = time.perf_counter()
-    policy, key, loaded = warmup.warm_policy(PolicySpec.from_config(cfg, tsk), cache_dir=cfg.cache_dir,
+    policy, key, loaded = warmup.warm_policy(PolicySpec.from_config(cfg, tsk, device), cache_dir=cfg.cache_dir,
                                              log_every=max(cfg.sft_steps // 6, 1), device=device,
-                                             chunk_mib=cfg.chunk_mib)
+                                             chunk_mib=cfg.chunk_mib, group=group_of(mesh))
     done = ("loaded from cache" if loaded else "trained" if isinstance(tsk, Demonstrations)
             else "none (the task has no demonstrations)")
     log(f"policy SFT warm-up: {done} ({key}, {time.perf_counter() - t0:.0f}s)")
     return policy, key, loaded
 
 
-def policy_key(cfg: Config, tsk) -> str:
+def split_warmups(mesh: Mesh) -> bool:
+    """Whether the ranks build together, splitting the warm-ups: every rank has its own GPU (else one process does
+    them, or a single rank while the others wait: build)."""
+    return mesh.world == 1 or mesh.device.type == "cuda"
+
+
+def group_of(mesh: Mesh | None):
+    """The process group the warm-ups split over: every rank of the run (None: one process)."""
+    return dist.group.WORLD if mesh is not None and mesh.world > 1 else None
+
+
+def in_turns(mesh: Mesh | None, load, what: str):
+    """load() on every rank, one process per node at a time (mesh.turns(): on GPUs each process builds the checkpoint
+    on the host before moving it to its device, so a node holds ~1 host copy, not one per rank), with a barrier
+    between the turns. No mesh: load()."""
+    turns, out = (mesh.turns() if mesh is not None else 1), None
+    for turn in range(turns):
+        if mesh is None or mesh.local_rank % turns == turn:
+            out = load()
+        if turns > 1:
+            mesh.barrier(f"{what}, local rank {turn}'s turn (one process per node at a time)")
+    return out
+
+
+def policy_key(cfg: Config, tsk, device=None) -> str:
     """The warm policy's cache key, without training: the SFT spec's (a --task task) or the HF checkpoint's."""
-    return hf_policy_key(cfg.model) if cfg.hf_mode else PolicySpec.from_config(cfg, tsk).key()
+    return hf_policy_key(cfg.model) if cfg.hf_mode else PolicySpec.from_config(cfg, tsk, device).key()
 
 
 def build(cfg: Config, mesh: Mesh, log=print) -> Setup:
-    """build_models on every rank -- rank 0 first, so that it alone trains and caches the warm-ups and the others load
-    them (on GPUs one process per node at a time) -- then the samplers and this rank's share of the update. A rank
-    that waits past --dist_timeout ends in one line naming the phase (mesh.PhaseTimeout)."""
-    s = build_models(cfg, mesh.device, log) if mesh.main else None
-    mesh.barrier("build: the other ranks wait while rank 0 builds the models and trains the uncached warm-ups")
-    # then the others load what rank 0 cached. On GPUs one process per node at a time: each builds on the host
-    # (an fp32 checkpoint) before moving to its device, so a node holds ~1 host copy, not one per rank
-    turns = mesh.local_world if mesh.device.type == "cuda" else 1
-    for turn in range(turns):
-        if s is None and mesh.local_rank % turns == turn:
-            s = build_models(cfg, mesh.device, log=lambda *a, **k: None)
-        if turns > 1:
-            mesh.barrier(f"build: the ranks of local rank {turn} load their copies, one process per node at a time")
+    """build_models on every rank, then the samplers and this rank's share of the update. Where each rank has its own
+    GPU they build together: the warm-ups split over the ranks (harness/warmup_split.py) and cached by rank 0, an HF
+    checkpoint loaded one process per node at a time. On the CPU the ranks share the host's cores, and one process
+    with every core (--warmup_threads) trains a small model's warm-ups faster than the ranks splitting them (docs/gpu.md
+    has the measurement): rank 0 builds first and caches them, then the others load them. A rank that waits past
+    --dist_timeout ends in one line naming the phase (mesh.PhaseTimeout)."""
+    quiet = lambda *a, **k: None  # noqa: E731
+    if split_warmups(mesh):
+        with mesh.phase("build: every rank loads the models and trains the uncached warm-ups"):
+            s = build_models(cfg, mesh.device, log if mesh.main else quiet, mesh=mesh)
+    else:
+        s = build_models(cfg, mesh.device, log) if mesh.main else None
+        mesh.barrier("build: the other ranks wait while rank 0 builds the models and trains the uncached warm-ups")
+        s = s or build_models(cfg, mesh.device, quiet)
     s.cotrainer = DistCotrainer(
         s.policy, list(s.drafts.values()), mesh.grid,
         lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99)),
@@ -148,18 +179,20 @@ def build_offline(cfg: Config, s: Setup, warm) -> Setup:
     return s
 
 
-def build_models(cfg: Config, dev: torch.device, log=print) -> Setup:
-    """Task, warm policy (SFT'd or the HF checkpoint), and the copies the run uses on `dev`: the reference when
-    cfg.needs_ref, the draft arms cfg.arm names (none with --no_spec); no update yet."""
+def build_models(cfg: Config, dev: torch.device, log=print, mesh: Mesh | None = None) -> Setup:
+    """Task, warm policy (SFT'd or the HF checkpoint), and the copies the run uses on `dev`, in the run's dtype: the
+    reference when cfg.needs_ref, the draft arms cfg.arm names (none with --no_spec); no update yet. mesh: every rank
+    calls this together (the warm-ups split over them); None: one process."""
     torch.manual_seed(cfg.seed)
     tsk = build_task(cfg)
     threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.warmup_threads)  # the warm-ups run alone (other ranks wait): they may use every core
+    if mesh is None or mesh.world == 1:  # one process: the warm-ups may use every core (ranks keep --threads each)
+        torch.set_num_threads(cfg.warmup_threads)
     try:
         t0 = time.perf_counter()
-        policy, pkey, loaded = build_policy(cfg, tsk, log, dev)
+        policy, pkey, loaded = build_policy(cfg, tsk, log, dev, mesh)
         t1 = time.perf_counter()
-        warm, dloaded = warm_draft(cfg, tsk, policy, pkey)
+        warm, dloaded = warm_draft(cfg, tsk, policy, pkey, mesh)
         t2 = time.perf_counter()
     finally:
         torch.set_num_threads(threads)
@@ -168,11 +201,9 @@ def build_models(cfg: Config, dev: torch.device, log=print) -> Setup:
             else "none (an untrained draft)" if cfg.draft_warmup_steps == 0 else "loaded from cache" if dloaded
             else "trained")
     log(f"draft warm-up: {done} ({t2 - t1:.0f}s)")
-    dt = model_dtype(cfg, dev)  # the warm-ups train in fp32; from here on every copy runs in --dtype
-    if dt != next(policy.parameters()).dtype:
-        policy.to(dt)
-        if warm is not None:
-            warm.to(dt).attach(policy)  # the draft shares the (now bf16) embedding again
+    dt = model_dtype(cfg, dev)  # the warm-ups ran in --dtype already; a loaded draft is cast to it here
+    if warm is not None and any(p.dtype != dt for p in warm.parameters()):
+        warm.to(dt).attach(policy)  # the draft shares the policy's embedding again
     ref = copy.deepcopy(policy).requires_grad_(False) if cfg.needs_ref else None  # held only when used
     drafts, frozen, warm_copy = {}, None, None
     if warm is not None:
@@ -192,15 +223,17 @@ def build_models(cfg: Config, dev: torch.device, log=print) -> Setup:
     return s
 
 
-def warm_draft(cfg: Config, tsk, policy, pkey: str) -> tuple:
-    """-> (the warm-up draft, loaded from cache): the cached offline fit, an exported EAGLE-3 draft (--draft; loaded
-    None), or (None, None) with --no_spec."""
+def warm_draft(cfg: Config, tsk, policy, pkey: str, mesh: Mesh | None = None) -> tuple:
+    """-> (the warm-up draft, loaded from cache): the cached offline fit (under torchrun trained on every rank
+    together), an exported EAGLE-3 draft (--draft: no warm-up; loaded None), or (None, None) with --no_spec."""
     if cfg.no_spec:
         return None, None
     if cfg.draft:  # a served EAGLE-3 draft: no warm-up (warmup_cached.draft = None in the summary)
         return Eagle3Draft.from_export(cfg.draft, policy), None
-    return warmup.warm_draft(policy, draft_spec(cfg, tsk, pkey), cache_dir=cfg.cache_dir,
-                             log_every=max(cfg.draft_warmup_steps // 4, 1), chunk_mib=cfg.chunk_mib)
+    dev = next(policy.parameters()).device
+    return warmup.warm_draft(policy, draft_spec(cfg, tsk, pkey, dev), cache_dir=cfg.cache_dir,
+                             log_every=max(cfg.draft_warmup_steps // 4, 1), chunk_mib=cfg.chunk_mib,
+                             group=group_of(mesh))
 
 
 def draft_arms(cfg: Config, tsk, policy, warm) -> dict:

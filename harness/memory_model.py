@@ -25,9 +25,11 @@ Per rank of pipeline stage s (the stage's DP x CP ranks are alike; global rank 0
                  --activation_checkpointing only the layer inputs, plus one layer recomputed), draft_activations (every
                  trained arm's TTT graph for one micro-batch, alive until their one backward), logits_chunks (the
                  streamed LM head's blocks), head_buffers (fp32 (V, H) gradient partials of the streamed heads, the
-                 policy's and each trained draft's) and comm_buffers (pipeline p2p, ring K/V, ZeRO-1's gathered slice);
-                 or, after the step, refit_bucket (DistCotrainer.refit: each stage's weights, then each draft's, as one
-                 flat tensor in turn), whichever is larger
+                 policy's and each trained draft's) and comm_buffers (pipeline p2p, ring K/V); or, after the
+                 backward, one at a time: reduce_bucket (the gradient reduction's bucket), optimizer_step (step_bytes:
+                 the fp32 gradient slice, AdamW's temporaries, ZeRO-1's all_gather copies), refit_bucket
+                 (DistCotrainer.refit: each stage's weights, then each draft's, as one flat tensor in turn), whichever
+                 is larger
 
 Per-token bytes of a decoder layer, b = bytes of --dtype, Q = Hq D, KV = Hkv D, I intermediate (what autograd saves,
 counted op by op from modeling/layers.py): each RMSNorm 12 H (fp32: its input, the normed x and the output) or 8 H
@@ -286,14 +288,37 @@ def update_transient(cfg, run: Run, stage: int) -> dict:
     KV = m.num_key_value_heads * m.head_dim
     n = run.dp * run.cp if cfg.zero1 is True else 1  # ("auto": resolve_zero1 first)
     comm = (2 * T * H * b * (0 < stage or not last)  # p2p: the received activation and gradient
-            + (4 * T * KV * b if run.cp > 1 else 0)  # ring: K and V, in flight and arriving
-            + (math.ceil(stage_numel(m, (a, z)) / n) * b if n > 1 else 0))  # ZeRO-1: the slice, cast to gather
+            + (4 * T * KV * b if run.cp > 1 else 0))  # ring: K and V, in flight and arriving
+    big = max(m.intermediate_size, m.vocab_size if stage == 0 or last else 0) * H  # the stage's largest tensor
+    opt_step = step_bytes(stage_numel(m, (a, z)), big, n, b, run.gpu)
+    if last and trained:  # then each trained draft's optimizer, one after another (plain AdamW, or fp32 masters)
+        dv = cfg.draft_vocab or m.vocab_size
+        opt_step = max(opt_step, step_bytes(draft_numel(m, cfg, taps_of(cfg, run))[0],
+                                            max(dv, m.intermediate_size, 3 * H) * H, 1, b, run.gpu))
     refit = max([stage_numel(m, r) for r in split] + [draft_numel(m, cfg, taps_of(cfg, run))[0]]) * b
     grads = stage_numel(m, (a, z)) * 4  # fp32 (.main_grad under bf16)
     reduce = min(grads, int(REDUCE_BUCKET_MIB * 2**20)) if run.cp * run.dp > 1 else 0  # pipeline.grad_buckets
     return {"activations": int(acts), "draft_activations": int(dacts), "logits_chunks": int(logits),
             "head_buffers": int(heads), "comm_buffers": int(comm), "refit_bucket": int(refit),
-            "reduce_bucket": int(reduce)}
+            "reduce_bucket": int(reduce), "optimizer_step": int(opt_step)}
+
+
+def step_bytes(N: int, largest: int, n: int, b: int, gpu: bool) -> int:
+    """The transient peak of one optimizer step over N parameters (largest: the elements of the biggest tensor) whose
+    state is sharded n ways; it runs after the backward, whose transients are gone.
+      ShardedOptimizer (bf16 masters, or --zero1: parallel/zero1.py): the fp32 gradient slice it assembles (4 per),
+        AdamW's temporary over the slice (sqrt(v), 4 per, with foreach: CUDA's default; the CPU's single-tensor loop
+        holds sqrt(v) and its quotient at once, 8 per) and, for n > 1, the all_gather: the slice cast to the weights'
+        dtype (b per, bf16 only) and the flat output torch's ProcessGroup allocates for a list of outputs and copies
+        out of (b n per);
+      a plain fp32 AdamW (n = 1): its foreach temporary over every parameter (4 N) on CUDA, two temporaries of the
+        largest tensor (8 largest) in the CPU's loop."""
+    temp = 4 if gpu else 8
+    if b == 2 or n > 1:
+        per = math.ceil(N / n)
+        gather = (b * per * (b == 2) + b * n * per) if n > 1 else 0
+        return 4 * per + temp * per + gather
+    return 4 * N if gpu else 8 * largest
 
 
 def rank_plan(cfg, run: Run, stage: int, rank0: bool = False, max_new_tokens: int = None,
@@ -306,7 +331,8 @@ def rank_plan(cfg, run: Run, stage: int, rank0: bool = False, max_new_tokens: in
     out.update(roll)
     out.update(upd)
     out["rollout_peak"] = max(roll["kv_cache"] + roll["verify_logits"] + roll["prefill"], roll["reference_forward"])
-    apart = ("refit_bucket", "reduce_bucket")  # after the backward, one at a time: the other transients are gone
+    apart = ("refit_bucket", "reduce_bucket", "optimizer_step")  # after the backward, one at a time: the other
+    # transients are gone
     out["update_peak"] = max([sum(v for k, v in upd.items() if k not in apart)] + [upd[k] for k in apart])
     if run.gpu:
         out["cuda_context"] = int(CUDA_CONTEXT_GIB * 2**30)

@@ -16,6 +16,7 @@ per-row random streams (decoding/row_streams.py) a step's tokens and log-probs a
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.grid import Grid
-from parallel.waits import WaitTimeout, set_timeout, timeout
+from parallel.waits import WaitFailed, WaitTimeout, set_timeout, timeout
 
 if TYPE_CHECKING:
     from harness.config import Config
@@ -63,12 +64,32 @@ class Mesh:
         except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError, NCCL DistBackendError
             if not phase:
                 raise
-            others = ", ".join(str(r) for r in range(self.world) if r != self.rank)
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise PhaseTimeout(f"rank {self.rank}: {phase}: the barrier with rank(s) {others} ended after at most "
-                               f"{timeout().total_seconds():g} s (--dist_timeout) without them ({first[:120]}); "
-                               "pre-build what one rank does alone (python -m harness.warmup) or raise "
-                               "--dist_timeout") from e
+            raise self._ended(phase, e) from e
+
+    @contextlib.contextmanager
+    def phase(self, phase: str):
+        """Work every rank does together (e.g. the warm-ups split over the ranks): a collective inside that fails
+        (parallel.waits.WaitFailed: a peer stopped, or past --dist_timeout) ends in PhaseTimeout, one line naming
+        this rank, the phase and the other ranks, as a failed barrier does."""
+        try:
+            yield
+        except WaitFailed as e:
+            if isinstance(e, PhaseTimeout) or self.world <= 1:
+                raise
+            raise self._ended(phase, e) from e
+
+    def _ended(self, phase: str, e: Exception) -> PhaseTimeout:
+        others = ", ".join(str(r) for r in range(self.world) if r != self.rank)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return PhaseTimeout(f"rank {self.rank}: {phase}: the wait for rank(s) {others} ended after at most "
+                            f"{timeout().total_seconds():g} s (--dist_timeout) without them ({first[:160]}); raise "
+                            "--dist_timeout, or pre-build the warm-ups (python -m harness.warmup)")
+
+    def turns(self) -> int:
+        """How many turns a node's processes take to load a checkpoint one at a time: each builds it on the host
+        before moving it to its device, so on GPUs one process per node at a time (~1 host copy per node); on the
+        CPU the copies stay on the host anyway (1: all at once)."""
+        return self.local_world if self.device.type == "cuda" else 1
 
     def close(self):
         """The normal end of a run: the ranks leave together, so none tears down its connections while another still

@@ -9,7 +9,10 @@
      packed forward to get taps and its final hidden, and fit the draft's multi-pass TTT loss with the policy as
      teacher. Also cached (`cache/draft-<key>/`, draft.py's save/load), keyed on the policy's key too.
 Both train through the RL update's streamed losses: the LM head is applied --chunk_mib of logits at a time, so no
-(tokens, V) tensor forms (fused_logprob.py, draft_loss.py); sampling runs --rollout_batch prompts per generate call.
+(tokens, V) tensor forms (fused_logprob.py, draft_loss.py); sampling runs --rollout_batch prompts per generate call,
+prompt i from its own random stream. Both compute in the run's --dtype (bf16: fp32 master weights), which is in the
+key. Under torchrun on GPUs every rank calls them at once (group=): the samples and each step's work split over the
+ranks, the same result as one process (warmup_split.py), and rank 0 alone writes the cache.
 
 Each warm-up reads its settings from one spec (cache_keys.PolicySpec / DraftSpec) and nothing else that shapes it; the
 key is the hash of the whole spec and of the warm-up's source code (cache_keys.py says which).
@@ -44,7 +47,8 @@ import torch
 
 import speculative
 from tasks.protocol import Demonstrations, task_from_config
-from harness.cache_keys import DraftSpec, PolicySpec, code_record, hf_policy_key, stale_line, write_record
+from harness.cache_keys import (DraftSpec, PolicySpec, code_record, hf_policy_key, run_dtype, stale_line,
+                                write_record)
 from harness import drafters
 from serving.export import pid_alive
 from serving.hf_io import from_pretrained, read_json, save_pretrained
@@ -53,7 +57,9 @@ from model import Transformer
 from backends.attention_padded import auto_causal_attention
 from backends.fused_logprob import DEFAULT_CHUNK_MIB, budget_rows
 from parallel.cli import writing
-from rl_loop import RolloutBatch, check_finite_weights, draft_loss, pack, packed_logp
+from rl_loop import RolloutBatch, check_finite_weights, draft_loss, micro_chunks, pack, packed_logp
+from decoding.row_streams import RowStreams, row_keys
+from harness.warmup_split import MasterOptimizer, agree, gather_blocks, micro_count, mine, rank_world
 
 
 HINT = "stopping, nothing cached. Try a lower --sft_lr / --draft_warmup_lr"
@@ -67,9 +73,11 @@ def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def sft_batch(tsk: Demonstrations, n: int, rng: random.Random):
-    """n demonstrations of the train split packed: tokens (T,), cu_seqlens (S+1,), loss mask (T,) = response tokens
-    (incl. <eos>)."""
+def sft_batch(tsk: Demonstrations, n: int, rng: random.Random, pick=None):
+    """n demonstrations of the train split, drawn (and encoded) in full on every rank so that `rng` advances the same,
+    of which those `pick` names (default all) are packed: tokens (T,), cu_seqlens (S+1,), loss mask (T,) = response
+    tokens (incl. <eos>) -- None, None, None when pick is empty -- and the count of loss tokens of all n (the SFT
+    loss's denominator)."""
     seqs, masks = [], []
     for p in tsk.sample(n, rng, "train"):
         x, n_prompt = tsk.encode_demo(p, rng)
@@ -77,33 +85,45 @@ def sft_batch(tsk: Demonstrations, n: int, rng: random.Random):
         m = torch.zeros(x.numel(), dtype=torch.bool)
         m[n_prompt:] = True
         masks.append(m)
-    tokens, cu = pack(seqs)
-    return tokens, cu, torch.cat(masks)
+    total = sum(int(m.sum()) for m in masks)
+    pick = range(n) if pick is None else pick
+    if not len(pick):
+        return None, None, None, total
+    tokens, cu = pack([seqs[i] for i in pick])
+    return tokens, cu, torch.cat([masks[i] for i in pick]), total
 
 
 def sft_policy(policy: Transformer, tsk: Demonstrations, *, steps: int, batch: int, lr: float, seed: int,
-               log_every: int = 0, chunk_mib: float = DEFAULT_CHUNK_MIB) -> list:
-    """Supervised warm-up in place. Returns the loss per step. The log-probs come from the final hidden through the
-    LM head chunk_mib MiB of logits at a time (rl_loop.packed_logp; 0: (T, V) logits), like the RL update's."""
+               log_every: int = 0, chunk_mib: float = DEFAULT_CHUNK_MIB, group=None, dtype=torch.float32) -> list:
+    """Supervised warm-up in place, computing in `dtype` (16-bit: fp32 master weights, warmup_split.MasterOptimizer;
+    the policy is cast to it). Returns the loss per step. The log-probs come from the final hidden through the LM head
+    chunk_mib MiB of logits at a time (rl_loop.packed_logp; 0: (T, V) logits), like the RL update's. group: the
+    ranks that share the work (warmup_split.py: rank r takes sequences r, r + n, ... of each batch); None: one
+    process."""
     rng = random.Random(seed)
     chunk = budget_rows(policy.cfg.vocab_size, chunk_mib)
-    opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    opt = MasterOptimizer(policy.parameters(), lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.0,
+                                                                            betas=(0.9, 0.98)), dtype)
+    policy.to(dtype)
     losses, t0 = [], time.time()
     dev = next(policy.parameters()).device
     policy.train()
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup=max(steps // 20, 1))
-        tokens, cu, mask = (t.to(dev) for t in sft_batch(tsk, batch, rng))
-        out = policy(tokens, cu, attn_fn=auto_causal_attention, logits=chunk == 0)  # hidden (T, H)
-        loss = -(packed_logp(out, policy.head_weight, tokens, cu, chunk=chunk) * mask).sum() / mask.sum()
-        if not math.isfinite(loss.item()):
-            raise FloatingPointError(f"SFT warm-up step {step}: loss = {loss.item()} (not finite); {HINT}")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
+        tokens, cu, mask, total = sft_batch(tsk, batch, rng, mine(batch, group))
+        lsum = torch.zeros((), device=dev)  # sum over this rank's tokens of -log p * mask
+        if tokens is not None:
+            tokens, cu, mask = tokens.to(dev), cu.to(dev), mask.to(dev)
+            out = policy(tokens, cu, attn_fn=auto_causal_attention, logits=chunk == 0)  # hidden (T, H)
+            lsum = -(packed_logp(out, policy.head_weight, tokens, cu, chunk=chunk).float() * mask).sum()
+            (lsum / total).backward()
+            opt.accumulate()
+        loss = opt.sum_grads(lsum.detach().reshape(1), group).item() / total  # the whole batch's mean
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"SFT warm-up step {step}: loss = {loss} (not finite); {HINT}")
+        opt.step(1.0)
+        losses.append(loss)
         if log_every and (step % log_every == 0 or step == steps - 1):
             print(f"  sft step {step:4d}/{steps}  loss {loss:.4f}  {time.time() - t0:5.1f}s", flush=True)
     check_finite_weights(policy, f"SFT warm-up, after {steps} steps, the policy", HINT)  # never cache a diverged one
@@ -111,26 +131,32 @@ def sft_policy(policy: Transformer, tsk: Demonstrations, *, steps: int, batch: i
 
 
 def warm_policy(spec: PolicySpec, *, cache_dir: str = "cache", log_every: int = 0, device=None,
-                chunk_mib: float = DEFAULT_CHUNK_MIB) -> tuple[Transformer, str, bool]:
-    """The SFT'd policy on `device` (default CPU), from `cache_dir` when an identical warm-up was run before; a task
-    without demonstrations (no encode_demo): the seeded random initialisation, nothing cached.
-    Returns (policy, key, loaded). Everything that shapes it comes from `spec` (its key: spec.key()); the device and
-    chunk_mib (the log-probs' chunk) do not: they change rounding only, and a CPU-trained policy serves a GPU run."""
-    key = spec.key()
+                chunk_mib: float = DEFAULT_CHUNK_MIB, group=None) -> tuple[Transformer, str, bool]:
+    """The SFT'd policy on `device` (default CPU) in spec.dtype, from `cache_dir` when an identical warm-up was run
+    before; a task without demonstrations (no encode_demo): the seeded random initialisation, nothing cached.
+    Returns (policy, key, loaded). Everything that shapes it comes from `spec` (its key: spec.key()); the device,
+    chunk_mib (the log-probs' chunk) and group (the ranks that share the work, warmup_split.py; None: one process) do
+    not: they change rounding only, and a CPU-trained policy serves a GPU run. Under a group every rank calls this:
+    a hit needs the entry on every rank, a miss trains on all of them and rank 0 alone writes the entry."""
+    key, dt = spec.key(), getattr(torch, spec.dtype)
     if not isinstance(spec.task, Demonstrations):
         torch.manual_seed(spec.seed)
-        return Transformer(spec.model).to(device), key, False
+        return Transformer(spec.model).to(device=device, dtype=dt), key, False
     path = os.path.join(cache_dir, f"policy-{key}")
-    clean_stale(path)
-    if complete(path):
-        return from_pretrained(path).to(device), key, True  # names the file of any unreadable or non-finite weight
-    missed(path, "policy SFT warm-up", "policy", spec)
+    main = rank_world(group)[0] == 0
+    if main:
+        clean_stale(path)
+    if agree(complete(path), group):  # names the file of any unreadable or non-finite weight
+        return from_pretrained(path, dtype=dt).to(device), key, True
+    if main:
+        missed(path, "policy SFT warm-up", "policy", spec)
     torch.manual_seed(spec.seed)
     policy = Transformer(spec.model).to(device)  # initialised on the CPU: the same weights on every device
     sft_policy(policy, spec.task, steps=spec.steps, batch=spec.batch, lr=spec.lr, seed=spec.seed,
-               log_every=log_every, chunk_mib=chunk_mib)
-    policy.zero_grad(set_to_none=True)  # the last SFT step's gradients would stay on the rollout copy (4 B/parameter)
-    publish(path, lambda tmp: save_pretrained(policy, tmp), code_record("policy", spec, cache_dir))
+               log_every=log_every if main else 0, chunk_mib=chunk_mib, group=group, dtype=dt)
+    policy.zero_grad(set_to_none=True)
+    if main:  # the others hold the same weights (the same summed gradients, the same steps)
+        publish(path, lambda tmp: save_pretrained(policy, tmp), code_record("policy", spec, cache_dir))
     return policy, key, False
 
 
@@ -197,84 +223,107 @@ def load_draft(path: str, policy):
     return draft
 
 
-def draft_spec(cfg, tsk, policy_key: str) -> DraftSpec:
+def draft_spec(cfg, tsk, policy_key: str, device=None) -> DraftSpec:
     """What a run's draft warm-up reads (train.py and this module's command alike): the config's draft_warmup_*
-    settings, the task, the policy's key, the attention kernels (the draft's: its family's, drafters.py)."""
+    settings, the task, the policy's key, the attention kernels (the draft's: its family's, drafters.py), the dtype
+    (--dtype; "auto" by `device`)."""
     return DraftSpec.from_config(cfg, tsk, policy_key, attn_fn=auto_causal_attention,
-                                 draft_attn_fn=drafters.family(cfg.drafter).attn_fn)
+                                 draft_attn_fn=drafters.family(cfg.drafter).attn_fn, device=device)
 
 
 def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache", log_every: int = 0,
-               chunk_mib: float = DEFAULT_CHUNK_MIB) -> tuple:
+               chunk_mib: float = DEFAULT_CHUNK_MIB, group=None) -> tuple:
     """A draft fitted offline to the warm policy's own samples (cached). Returns (draft, loaded).
-    policy: the model spec.policy_key names. Everything else that shapes the draft comes from `spec` (its key:
-    spec.key()): the task (its train prompts and EOS), steps (0: an untrained draft), draft_vocab = N > 0 (the draft
-    names only the N most frequent target tokens of the sampled responses, draft_vocab.py), tap_layers (the policy
-    layers it reads; (): the family's default rule), pass_weight (w_d = pass_weight^(d-1) in the TTT loss), drafter
-    and drafter_opts (the family, harness/drafters.py, and its options), ...
+    policy: the model spec.policy_key names, in spec.dtype (the draft computes in it: 16-bit with fp32 masters).
+    Everything else that shapes the draft comes from `spec` (its key: spec.key()): the task (its train prompts and
+    EOS), steps (0: an untrained draft), draft_vocab = N > 0 (the draft names only the N most frequent target tokens
+    of the sampled responses, draft_vocab.py), tap_layers (the policy layers it reads; (): the family's default
+    rule), pass_weight (w_d = pass_weight^(d-1) in the TTT loss), drafter and drafter_opts (the family,
+    harness/drafters.py, and its options), ...
     chunk_mib (rounding only, not in the key): the streamed loss's chunk, its teacher's logits formed from the policy's
-    final hidden chunk by chunk (0: the policy's (T, V) logits as the teacher).
+    final hidden chunk by chunk (0: the policy's (T, V) logits as the teacher). group: the ranks that share the work
+    (warmup_split.py; None: one process), rounding only.
 
     1. sample `pool` responses from the policy (plain sampling at temperature 1: the distribution RL starts from),
-       spec.rows prompts per generate call;
-    2. each step: `batch` of them -> policy forward (no grad) for taps + final hidden -> the draft's loss (TTT for
-       EAGLE-3), streamed -> AdamW step."""
-    tsk, steps, batch, lr, pool, seed, draft_vocab = (spec.task, spec.steps, spec.batch, spec.lr, spec.pool, spec.seed,
-                                                      spec.draft_vocab)
-    max_new_tokens, num_passes, attn_fn, draft_attn_fn = (spec.max_new_tokens, spec.num_passes, spec.attn_fn,
-                                                          spec.draft_attn_fn)
+       spec.rows prompts per generate call, prompt i from its own stream (blocks spread over the group's ranks);
+    2. each step: `batch` of them in M micro-batches (warmup_split.micro_count), each: policy forward (no grad) for
+       taps + final hidden -> the draft's loss (TTT for EAGLE-3), streamed; the step's loss is their mean -> AdamW."""
+    tsk, steps, pool, seed, draft_vocab = spec.task, spec.steps, spec.pool, spec.seed, spec.draft_vocab
     taps = spec.tap_layers or None  # None: the default rule
     opts = dict(spec.drafter_opts)
     if steps == 0 and draft_vocab == 0:
         torch.manual_seed(seed)
         return drafters.build_draft(spec.drafter, policy, opts, tap_layers=taps), False
     path = os.path.join(cache_dir, f"draft-{spec.key()}")
-    clean_stale(path)
-    if complete(path):  # also at steps 0 with a reduced vocabulary: its sampled responses are the cost
+    main = rank_world(group)[0] == 0
+    if main:
+        clean_stale(path)
+    if agree(complete(path), group):  # also at steps 0 with a reduced vocabulary: its sampled responses are the cost
         return load_draft(path, policy), True
-    missed(path, "draft warm-up", "draft", spec)
+    if main:
+        missed(path, "draft warm-up", "draft", spec)
     record = code_record("draft", spec, cache_dir)
     dev = next(policy.parameters()).device
-    rng, g = random.Random(seed + 1), torch.Generator(device=dev).manual_seed(seed + 1)
+    rng = random.Random(seed + 1)
     prompts = [tsk.encode_prompt(p) for p in tsk.sample(pool, rng, "train")]
-    responses = []
-    for i in range(0, pool, spec.rows):
-        responses += [r.cpu() for r in speculative.generate(policy, None, prompts[i: i + spec.rows],
-                                                            max_new_tokens=max_new_tokens, temperature=1.0,
-                                                            eos_id=tsk.tok.eos_id, generator=g).tokens]
+    keys = row_keys(seed + 1, torch.arange(pool))  # (pool,) prompt i's own stream: the same pool on any mesh
+
+    def sample(items: range) -> list:
+        return [r.cpu() for r in speculative.generate(
+            policy, None, prompts[items.start: items.stop], max_new_tokens=spec.max_new_tokens, temperature=1.0,
+            eos_id=tsk.tok.eos_id, generator=RowStreams(keys[items.start: items.stop].to(dev))).tokens]
+    responses = gather_blocks(pool, spec.rows, sample, group)
     torch.manual_seed(seed)
     ids = select_draft_vocab(responses, policy.cfg.vocab_size, draft_vocab) if draft_vocab else None
     draft = drafters.build_draft(spec.drafter, policy, opts, tap_layers=taps, draft_vocab=ids)
-    if steps == 0:  # untrained, but its reduced vocabulary came from `pool` samples: cached like a trained one
+    if steps:
+        fit_draft(policy, draft, spec, prompts, responses, rng, group=group, log_every=log_every if main else 0,
+                  chunk_mib=chunk_mib)
+    if main:  # steps 0: untrained, but its reduced vocabulary came from `pool` samples: cached like a trained one
         publish(path, draft.save, record)
-        return draft, False
-    tr = drafters.make_trainer(spec.drafter, draft, torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0),
-                               opts, num_passes=num_passes, pass_weight=spec.pass_weight)
-    tr.attn_fn = draft_attn_fn  # the spec's: its family's single-process training attention (draft_spec)
-    t0, chunk = time.time(), budget_rows(policy.cfg.vocab_size, chunk_mib)
+    return draft, False
+
+
+def fit_draft(policy, draft, spec: DraftSpec, prompts, responses, rng, *, group, log_every, chunk_mib):
+    """The draft's offline fit (warm_draft's step 2), in place, the policy's dtype: fp32 masters if 16-bit."""
+    steps, batch, lr = spec.steps, spec.batch, spec.lr
+    dt = next(policy.parameters()).dtype
+    opt = MasterOptimizer(draft.parameters(), lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.0), dt)
+    draft.to(dt).attach(policy)  # its working copy computes in the policy's dtype; the embedding stays shared
+    tr = drafters.make_trainer(spec.drafter, draft, opt, dict(spec.drafter_opts), num_passes=spec.num_passes,
+                               pass_weight=spec.pass_weight)
+    tr.attn_fn = spec.draft_attn_fn  # the spec's: its family's single-process training attention (draft_spec)
+    t0, chunk, dev = time.time(), budget_rows(policy.cfg.vocab_size, chunk_mib), next(policy.parameters()).device
+    M = micro_count(batch)
+    micro = micro_chunks(batch, M)  # the step's M micro-batches of batch / M sequences
     for step in range(steps):
-        for grp in tr.opt.param_groups:
+        for grp in opt.param_groups:
             grp["lr"] = lr_at(step, steps, lr, warmup=max(steps // 20, 1))
-        idx = rng.sample(range(pool), batch)
-        zeros = torch.zeros(batch)
-        mb = RolloutBatch.from_rollouts([prompts[i] for i in idx], [responses[i] for i in idx],
-                                        [torch.zeros(responses[i].numel()) for i in idx], zeros, zeros.bool()).to(dev)
-        with torch.no_grad():
-            out = policy(mb.tokens, mb.cu_seqlens, attn_fn=attn_fn, tap_layers=draft.tap_layers, logits=chunk == 0)
-        loss, m = draft_loss(tr, out.taps, out.logits, mb, hidden=out.hidden, head=policy.head_weight, chunk=chunk)
-        if not math.isfinite(loss.item()):
-            raise FloatingPointError(f"draft warm-up step {step}: loss = {loss.item()} (not finite); {HINT}")
-        tr.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), tr.grad_clip)
-        tr.opt.step()
+        idx = rng.sample(range(len(responses)), batch)  # the whole batch, on every rank
+        sums = torch.zeros(2, device=dev)  # this rank's micro-batches: sum of losses, of tau_hat
+        for j in mine(M, group):
+            sel = [idx[i] for i in micro[j].tolist()]
+            zeros = torch.zeros(len(sel))
+            mb = RolloutBatch.from_rollouts([prompts[i] for i in sel], [responses[i] for i in sel],
+                                            [torch.zeros(responses[i].numel()) for i in sel], zeros,
+                                            zeros.bool()).to(dev)
+            with torch.no_grad():
+                out = policy(mb.tokens, mb.cu_seqlens, attn_fn=spec.attn_fn, tap_layers=draft.tap_layers,
+                             logits=chunk == 0)
+            loss, m = draft_loss(tr, out.taps, out.logits, mb, hidden=out.hidden, head=policy.head_weight,
+                                 chunk=chunk)
+            (loss / M).backward()
+            opt.accumulate()
+            sums += torch.stack([loss.detach().float(), torch.tensor(m["tau_hat"], device=dev)])
+        loss, tau = (opt.sum_grads(sums, group) / M).tolist()
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"draft warm-up step {step}: loss = {loss} (not finite); {HINT}")
+        opt.step(tr.grad_clip)
         if log_every and (step % log_every == 0 or step == steps - 1):
-            print(f"  draft step {step:4d}/{steps}  loss {loss.item():.4f}  tau_hat {m['tau_hat']:.2f}  "
-                  f"{time.time() - t0:5.1f}s", flush=True)
+            print(f"  draft step {step:4d}/{steps}  loss {loss:.4f}  tau_hat {tau:.2f}  {time.time() - t0:5.1f}s",
+                  flush=True)
     check_finite_weights(draft, f"draft warm-up, after {steps} steps, the draft", HINT)
     draft.zero_grad(set_to_none=True)  # the last step's gradients would stay on this rank (a draft's size in fp32)
-    publish(path, draft.save, record)
-    return draft, False
 
 
 @torch.no_grad()
@@ -302,15 +351,16 @@ def main(c, dev):
     torch.set_num_threads(c.threads)
     tsk = task_from_config(c)  # as experiment.build_task: the same key
     t0 = time.time()
-    if c.hf_mode:  # the checkpoint as is (no SFT), as experiment.build_policy loads it
-        policy, key, loaded = from_pretrained(c.model).to(dev), hf_policy_key(c.model), True
+    if c.hf_mode:  # the checkpoint as is (no SFT), in the run's dtype, as experiment.build_policy loads it
+        dt = getattr(torch, run_dtype(c, dev))
+        policy, key, loaded = from_pretrained(c.model, dtype=dt).to(dev), hf_policy_key(c.model), True
     else:
-        policy, key, loaded = warm_policy(PolicySpec.from_config(c, tsk), cache_dir=c.cache_dir, device=dev,
+        policy, key, loaded = warm_policy(PolicySpec.from_config(c, tsk, dev), cache_dir=c.cache_dir, device=dev,
                                           log_every=max(c.sft_steps // 12, 1), chunk_mib=c.chunk_mib)
     print(f"policy {key} ({'loaded' if loaded else 'trained'}) in {time.time() - t0:.0f}s")
     if not (c.no_spec or c.draft):  # then the draft's warm-up, as train.py would: a later run finds both cached
         t0 = time.time()
-        _, loaded = warm_draft(policy, draft_spec(c, tsk, key), cache_dir=c.cache_dir,
+        _, loaded = warm_draft(policy, draft_spec(c, tsk, key, dev), cache_dir=c.cache_dir,
                                log_every=max(c.draft_warmup_steps // 4, 1), chunk_mib=c.chunk_mib)
         print(f"draft ({'loaded' if loaded else 'trained'}) in {time.time() - t0:.0f}s")
     for T in (0.0, 1.0):

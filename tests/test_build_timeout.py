@@ -2,9 +2,9 @@
 
 2 gloo processes with torchrun's env contract run train.py (its own __main__: the one-line error handling) at
 --dist_timeout 3, with harness.experiment.build_models patched to sleep 12 s on rank 0 before building: rank 1 waits
-at the build barrier past the timeout and must exit non-zero with a line naming itself, the phase and rank 0; rank 0
-then finds its peer gone and must exit non-zero with one line too. Adds ~35 s on 2 cores (two processes importing
-torch, the 3 s timeout, rank 0's 12 s sleep and its tiny build).
+at the build barrier past the timeout (on the CPU rank 0 trains the warm-ups alone first) and must exit non-zero with
+a line naming itself, the phase and rank 0; rank 0 then finds its peer gone and must exit non-zero with one line too.
+Adds ~35 s on 2 cores (two processes importing torch, the 3 s timeout, rank 0's 12 s sleep and its tiny build).
 """
 import os
 import re
@@ -24,8 +24,9 @@ import harness.experiment as experiment
 torch.set_num_threads(1)
 build_models = experiment.build_models
 
-def slow(*a, **k):  # rank 0's build, slower than --dist_timeout
-    time.sleep({sleep})
+def slow(*a, **k):  # rank 0's build, slower than --dist_timeout (every rank builds, the warm-ups together)
+    if os.environ["RANK"] == "0":
+        time.sleep({sleep})
     return build_models(*a, **k)
 
 experiment.build_models = slow

@@ -63,7 +63,7 @@ def reads(cfg) -> tuple[set, set]:
 
 DRAFT_CHANGES = {"draft_warmup_steps": 3, "draft_warmup_batch": 5, "draft_warmup_lr": 2e-3, "draft_warmup_pool": 9,
                  "ttt_passes": 2, "draft_vocab": 6, "seed": 1, "tap_layers": (0, 1, 2), "ttt_decay": 0.5,
-                 "rollout_batch": 5, "drafter": "dflash"}
+                 "rollout_batch": 5, "drafter": "dflash", "dtype": "bf16"}
 BUILTIN_CHANGES = {"model": "mini", "min_steps": 2, "max_steps": 3, "p_explicit": 0.5, "format_weight": 1.0,
                    "max_new_tokens": 7, "sft_steps": 4, "sft_batch": 9, "sft_lr": 2e-2,
                    "task": "docs.examples.parity_task:ParityTask", **DRAFT_CHANGES}
@@ -205,9 +205,9 @@ def test_the_code_in_the_key_is_the_warmups_not_the_harness():
 def test_the_warmups_take_nothing_that_shapes_them_beside_their_spec():
     """Anything else a warm-up took as an argument would shape it without being in the key."""
     assert list(inspect.signature(warmup.warm_policy).parameters) == ["spec", "cache_dir", "log_every", "device",
-                                                                      "chunk_mib"]  # rounding only, like device
+                                                                      "chunk_mib", "group"]  # rounding only
     assert list(inspect.signature(warmup.warm_draft).parameters) == ["policy", "spec", "cache_dir", "log_every",
-                                                                     "chunk_mib"]
+                                                                     "chunk_mib", "group"]
 
 
 def test_cache_key_refuses_what_it_cannot_key_stably():

@@ -40,8 +40,9 @@ def test_warm_draft_builds_a_reduced_vocabulary_from_the_policys_responses(tmp_p
                             draft_vocab=6)
     draft, loaded = warmup.warm_draft(policy, spec, cache_dir=str(tmp_path))
     assert not loaded and draft.cfg.draft_vocab_size == 6 and draft.lm_head.weight.shape[0] == 6
-    # the same 6 ids as the rule applied to the responses the warm-up sampled (same seed, same generator)
-    g = torch.Generator().manual_seed(1)
+    # the same 6 ids as the rule applied to the responses the warm-up sampled (same seed, prompt i's own stream)
+    from decoding.row_streams import RowStreams, row_keys
+    g = RowStreams(row_keys(1, torch.arange(8)))
     prompts = [tsk.encode_prompt(p) for p in tsk.sample(8, random.Random(1), "train")]
     import speculative
     resp = speculative.generate(policy, None, prompts, max_new_tokens=6, temperature=1.0, eos_id=tsk.tok.eos_id,
