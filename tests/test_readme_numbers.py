@@ -68,6 +68,13 @@ def _rollout_families_gpu():
             for f in ("eagle3", "dflash", "dspark") for B in (1, 8, 64)]
 
 
+def _family_experiment():
+    fams = _load("bench/results/families.json")["families"]
+    mean = lambda f, key: statistics.mean(x[key] for x in fams[f]["2"])  # noqa: E731
+    return [mean(f, key) for key in ("accept_len_cotrained", "e2e_step_speedup_measured_cpu")
+            for f in ("eagle3", "dflash", "dspark")]
+
+
 def _tapchannel():
     d = _load("bench/results/tapchannel.json")
     return [d["paired_overhead"]["tapchannel"], *d["paired_overhead_q1_q3"]["tapchannel"],
@@ -101,6 +108,8 @@ SOURCES = {
     "**H200**: the first GPU run": ("test", ["tests/test_gpu_smoke.py"]),
     "**H200**: speculative rollouts per draft family": ("json", "bench/results/rollout_families_gpu.json",
                                                         _rollout_families_gpu, ("3",)),
+    "the three draft families in the default experiment": ("json", "bench/results/families.json",
+                                                            _family_experiment, ("3", "4")),
     "TapChannel vs no taps": ("json", "bench/results/tapchannel.json", _tapchannel),
     "largest vocabulary-sized tensor": ("test", ["tests/test_vocab_growth.py"]),
     "host syncs per speculative decode step": ("test", ["tests/test_host_sync.py"]),
