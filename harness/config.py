@@ -255,9 +255,9 @@ CHECKS = {
                                                    or True in (c.frozen_arm, c.cold_arm, c.offline_arm))),
                            "false with --draft, --cold_start, --num_draft_tokens=auto, --tree or a control arm set "
                            "to true (plain GRPO has no draft)"),
-    "rollout_engine":     ((lambda v, c: v == "home" or (v == "vllm" and not c.no_spec and not c.tree
+    "rollout_engine":     ((lambda v, c: v == "home" or (v == "vllm" and not c.tree
                                                          and isinstance(c.num_draft_tokens, int))),
-                           "home, or vllm with a draft, a chain and a fixed --num_draft_tokens"),
+                           "home, or vllm with a chain and a fixed --num_draft_tokens"),
     "frozen_arm":         AUTO_FLAG,
     "cold_arm":           AUTO_FLAG,
     "offline_arm":        AUTO_FLAG,

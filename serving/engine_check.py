@@ -13,9 +13,10 @@
    `checked_engine` runs it; on a failure it applies the torch expand (`expand_workaround`) and runs it again, and
    refuses the engine in one line naming the check when it still fails. The workaround is applied only when needed.
 
-2. Refit (`verify_refit`). After each refit the engine's weight_sum of its draft must equal the trainer's
-   (serving/weight_sum.py); a refit that was skipped or lost leaves the old draft serving (acceptance quietly falls to
-   the old draft's) and is reported in one line, `StaleDraft`. `acceptance_gap` compares the engine's measured
+2. Refit (`verify_refit`, `verify_policy_refit`). After each refit the engine's weight_sum of its draft, and of the
+   policy it reads back from both engines, must equal the trainer's (serving/weight_sum.py); a refit that was skipped
+   or lost leaves the old draft serving (acceptance quietly falls to the old draft's), or samples from an old policy,
+   and is reported in one line, `StaleDraft` / `StalePolicy`. `acceptance_gap` compares the engine's measured
    acceptance with what the trainer expects (its teacher-forced tau-hat, or its own engine's measurement).
 
     r = checked_engine(engine, prompts)            # -> {"workaround": bool, "support": u, "tv": d, ...}
@@ -32,6 +33,10 @@ class EngineRefused(RuntimeError):
 
 class StaleDraft(RuntimeError):
     """The engine's draft is not the trainer's."""
+
+
+class StalePolicy(RuntimeError):
+    """The engine's policy is not the trainer's."""
 
 
 def prefix_stats(spec: list, ar: list, first: int) -> tuple[float, float]:
@@ -91,6 +96,18 @@ def verify_refit(engine, draft, engine_sum: str | None = None) -> str:
         raise StaleDraft(f"stale draft: the engine's draft weight_sum {got} != the trainer's {want} (the refit was "
                          "skipped or did not land; the engine keeps proposing with the old draft)")
     return got
+
+
+def verify_policy_refit(engine, policy, engine_sum: str) -> str:
+    """The engines' weight_sum of their policy (as returned by its refit) against the trainer's; raises StalePolicy
+    in one line when they differ. -> the sum."""
+    from serving.vllm_engine import policy_state
+    from serving.weight_sum import weight_sum
+    want = weight_sum(policy_state(policy, engine.dtype).items(), embedding=True)
+    if engine_sum != want:
+        raise StalePolicy(f"stale policy: the engine's policy weight_sum {engine_sum} != the trainer's {want} (the "
+                         "refit did not land; the engine samples from another policy)")
+    return engine_sum
 
 
 def acceptance_gap(measured: float, expected: float, tol: float) -> str | None:

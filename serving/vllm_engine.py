@@ -9,6 +9,7 @@ imports vLLM. Which python: $COSPEC_VLLM_PYTHON, else <repo>/.venv-vllm/bin/pyth
     eng = VllmEngine(policy_dir, draft_dir, k=3)          # ~1-2 min on 2 CPU cores: two engines, spec and plain
     out = eng.generate([[ids], ...], temperature=1.0, max_tokens=40, stop=[eos])   # .tokens, .acceptance_length
     eng.refit_draft(draft)                                # in place, no restart; returns the engine's weight_sum
+    eng.refit_policy(policy)                              # both engines; returns their (equal) policy weight_sum
     eng.close()
 
 The weights of a refit travel as one safetensors file on /dev/shm (memory, not disk, where it exists) that the worker
@@ -49,6 +50,14 @@ def served_method(draft_dir: str, k: int) -> str:
     return "dflash"
 
 
+def policy_state(policy, dtype: str = "float32") -> dict:
+    """The policy's tensors as a refit sends them: HF names, the engine's dtype, then fp32 (exact from bf16), so the
+    trainer's weight_sum of them equals the engine's of what it loaded."""
+    import torch
+    dt = getattr(torch, dtype)
+    return {k: v.detach().to(dt).float().cpu().contiguous() for k, v in policy.state_dict().items()}
+
+
 @dataclass
 class EngineOutput:
     tokens: list  # per prompt, per sample (n): the generated ids
@@ -63,11 +72,11 @@ class EngineOutput:
 
 class VllmEngine:
     """Two vLLM engines over one policy, `spec` (the draft, k tokens: EAGLE-3 or DFlash, as its export says) and
-    `plain`, in one worker process.
+    `plain`, in one worker process; draft_dir None: `plain` alone (plain GRPO's rollouts).
     draft_sample: "probabilistic" (drafts sampled from q, accepted with min(1, p / q): cospec's rule, so the two
     engines' acceptance compare at T > 0) or vLLM's default "greedy" (argmax q, accepted with p(x))."""
 
-    def __init__(self, policy_dir: str, draft_dir: str, *, k: int = 3, dtype: str = "float32",
+    def __init__(self, policy_dir: str, draft_dir: str | None, *, k: int = 3, dtype: str = "float32",
                  max_model_len: int = 512, draft_sample: str = "probabilistic", python: str | None = None,
                  log: str | None = None):
         python = python or vllm_python()
@@ -79,8 +88,9 @@ class VllmEngine:
         self._err = open(self.log, "w")
         self.proc = subprocess.Popen([python, os.path.join(ROOT, "serving", "vllm_worker.py")], cwd=ROOT, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True)
-        self.k, self.method = k, served_method(draft_dir, k)
-        self.started = self.call("start", policy=os.path.abspath(policy_dir), draft=os.path.abspath(draft_dir), k=k,
+        self.k, self.method, self.dtype = k, served_method(draft_dir, k) if draft_dir else None, dtype
+        self.started = self.call("start", policy=os.path.abspath(policy_dir),
+                                 draft=os.path.abspath(draft_dir) if draft_dir else None, k=k,
                                  dtype=dtype, max_model_len=max_model_len, draft_sample=draft_sample,
                                  method=self.method)
 
@@ -117,9 +127,9 @@ class VllmEngine:
         return self._refit("draft", served_state_dict(draft, dtype=torch.float32))
 
     def refit_policy(self, policy) -> str:
-        """Stream the policy's weights (HF names) into both engines' target models."""
-        return self._refit("policy", {k: v.detach().float().cpu().contiguous()
-                                      for k, v in policy.state_dict().items()})
+        """Stream the policy's weights (HF names) into every engine's target model.
+        -> the engines' weight_sum of the policy they hold after the load (read back; the engines agree)."""
+        return self._refit("policy", policy_state(policy, self.dtype))
 
     def _refit(self, what: str, sd: dict) -> str:
         from safetensors.torch import save_file
@@ -128,7 +138,7 @@ class VllmEngine:
         os.close(fd)
         try:
             save_file(sd, path)
-            return self.call("refit", what=what, path=path)["draft_sum"]
+            return self.call("refit", what=what, path=path)[f"{what}_sum"]
         finally:
             os.remove(path)
 

@@ -1,17 +1,17 @@
 """The vLLM side of serving/vllm_engine.py: one process of vLLM's own environment holding two engines over one policy,
-`spec` (the exported draft: EAGLE-3, or DFlash with "method": "dflash") and `plain` (no speculation), driven by JSON
-lines on stdin / stdout.
+`spec` (the exported draft: EAGLE-3, or DFlash with "method": "dflash") and `plain` (no speculation; alone when started
+without a draft), driven by JSON lines on stdin / stdout.
 
 vLLM's dependencies pin other versions than the project's test extra (transformers among them), so vLLM lives in its
 own virtual environment (`.ci/vllm_env.sh`) and this file is the only one that imports it; it runs there and
 imports nothing of the project but serving/weight_sum.py (plain torch). Requests, one JSON object per line:
 
-    {"op": "start", "policy": DIR, "draft": DIR, "k": 3, "dtype": "float32", "max_model_len": 512,
+    {"op": "start", "policy": DIR, "draft": DIR|null, "k": 3, "dtype": "float32", "max_model_len": 512,
      "draft_sample": "probabilistic"|"greedy", "method": "eagle3"|"dflash"}
     {"op": "generate", "engine": "spec"|"plain", "prompts": [[ids]], "temperature": T, "max_tokens": N,
      "stop": [eos], "n": 1, "seed": s}        -> {"tokens": [[ids] per prompt x n], "drafts", "accepted"}
     {"op": "expand_workaround", "on": bool}    the CPU build's expand, in torch (below)
-    {"op": "refit", "what": "draft"|"policy", "path": FILE}   load_weights in place; -> {"draft_sum"}
+    {"op": "refit", "what": "draft"|"policy", "path": FILE}   in place; -> {"draft_sum"} or {"policy_sum"}
     {"op": "draft_sum"}                        weight_sum of the draft the engine holds now
 
 Every reply is one line {"ok": true, ...} or {"ok": false, "error": "..."}; vLLM's own log goes to stderr.
@@ -63,6 +63,8 @@ def start(policy, draft, k=3, dtype="float32", max_model_len=512, max_num_seqs=6
     t0 = time.time()
     ENGINES["plain"] = LLM(**common)  # first: the prometheus registry the counters are read from is the last engine's
     t1 = time.time()
+    if draft is None:  # plain rollouts only (train.py --no_spec --rollout_engine vllm)
+        return {"start_s_plain": t1 - t0}
     # draft_sample "probabilistic": drafts sampled from q and accepted with min(1, p / q), cospec's rule; vLLM's
     # default "greedy" proposes argmax q and accepts with p(x) (also exact, a lower acceptance at T > 0)
     ENGINES["spec"] = LLM(**common, speculative_config={"method": method, "model": draft,
@@ -173,12 +175,38 @@ def _refit_rpc(worker, what, path):
     return set_weights(worker.model_runner.model, engine_layout(sd.items(), prefix=""))
 
 
+def _policy_sum_rpc(worker, names: dict):
+    """weight_sum of the target model's tensors `names` ({vLLM name: shape}: what a policy refit wrote), each read
+    back from the live model and cut to its shape (vocabulary padding past it)."""
+    from serving.weight_sum import weight_sum
+    params = dict(worker.model_runner.model.named_parameters(remove_duplicate=False))
+    got = {}
+    for k, shape in names.items():
+        v = params.get(k)
+        got[k] = v[tuple(slice(0, n) for n in shape)] if v is not None and v.numel() else v
+    missing = sorted(k for k, v in got.items() if v is None or not v.numel())
+    if missing:
+        raise ValueError(f"policy_sum: the engine has no readable parameters {missing}")
+    return weight_sum(got.items(), engine_names=True, embedding=True)
+
+
 def refit(what, path):
-    for name in ("spec", "plain") if what == "policy" else ("spec",):
+    names = list(ENGINES) if what == "policy" else ["spec"]
+    for name in names:
         missing = ENGINES[name].collective_rpc(_refit_rpc, args=(what, path))[0]
         if missing:
             raise ValueError(f"refit of the {what}: the {name} engine has no parameters {missing}")
-    return draft_sum()
+    if what == "draft":
+        return draft_sum()
+    from safetensors import safe_open
+    from serving.weight_sum import engine_layout
+    with safe_open(path, "pt") as f:
+        sd = {k: f.get_tensor(k) for k in f.keys()}
+    shapes = {k: list(v.shape) for k, v in engine_layout(sd.items(), prefix="").items()}
+    sums = {name: ENGINES[name].collective_rpc(_policy_sum_rpc, args=(shapes,))[0] for name in names}
+    if len(set(sums.values())) != 1:
+        raise ValueError(f"refit of the policy: the engines hold different policies {sums}")
+    return {"policy_sum": sums[names[0]]}
 
 
 def draft_sum():

@@ -9,6 +9,7 @@ export and the fp32 engine that loaded it give the same sum.
 
     weight_sum(eagle3_state_dict(draft).items())                 # the trainer's side (serving/export.py's names)
     weight_sum(drafter.named_parameters(), engine_names=True)    # the engine's side (serving/vllm_worker.py)
+    weight_sum(policy.state_dict().items(), embedding=True)      # a policy (HF names), embedding included
 
 Plain torch: this file runs in vLLM's environment too.
 """
@@ -40,12 +41,13 @@ def engine_layout(named, prefix: str = "model.") -> dict:
     return {k: v for k, v in ren.items() if not k.endswith("t2d")}  # vLLM skips t2d
 
 
-def weight_sum(named, *, engine_names: bool = False) -> str:
-    """sha256 (hex, first 16) over the fp32 bytes of the draft's tensors in vLLM's layout, embedding excluded."""
-    sd = {k: v for k, v in named} if engine_names else engine_layout(named)
+def weight_sum(named, *, engine_names: bool = False, embedding: bool = False) -> str:
+    """sha256 (hex, first 16) over the fp32 bytes of the draft's tensors in vLLM's layout, embedding excluded (a
+    policy's: embedding=True, its names already HF's, so only the stacks apply)."""
+    sd = {k: v for k, v in named} if engine_names else engine_layout(named, prefix="" if embedding else "model.")
     h = hashlib.sha256()
     for k in sorted(sd):
-        if "embed_tokens" in k:
+        if "embed_tokens" in k and not embedding:
             continue
         v = sd[k].detach().cpu()
         v = v.to(torch.float32) if v.is_floating_point() else v.to(torch.int64)

@@ -1,6 +1,7 @@
 """serving/engine_check.py and serving/weight_sum.py without an engine (~2 s): the losslessness statistics, the rule
-that applies the expand workaround only on a failure and refuses an engine that fails with it, the stale-draft
-tripwire, and the checksum's map onto vLLM's layout (tests/test_vllm_engine.py runs them against vLLM itself)."""
+that applies the expand workaround only on a failure and refuses an engine that fails with it, the stale-draft and
+stale-policy tripwires, and the checksums' map onto vLLM's layout (tests/test_vllm_engine.py runs them against vLLM
+itself)."""
 import random
 
 import pytest
@@ -8,9 +9,11 @@ import torch
 
 from draft import Eagle3Draft
 from model import ModelConfig, Transformer
-from serving.engine_check import (EngineRefused, StaleDraft, acceptance_gap, checked_engine, prefix_stats,
-                                  verify_refit)
+from serving.engine_check import (EngineRefused, StaleDraft, StalePolicy, acceptance_gap, checked_engine, prefix_stats,
+                                  verify_policy_refit, verify_refit)
 from serving.export import eagle3_state_dict
+from serving.vllm_engine import policy_state
+from serving.vllm_worker import _policy_sum_rpc
 from serving.weight_sum import engine_layout, weight_sum
 
 
@@ -84,3 +87,33 @@ def test_weight_sum_in_vllms_layout_and_bf16_exact():
     assert weight_sum(bf.items()) == weight_sum({k: v.float() if v.is_floating_point() else v
                                                  for k, v in bf.items()}.items())
     assert weight_sum(bf.items()) != weight_sum(sd.items())
+
+
+class FakeWorker:
+    """What _policy_sum_rpc reads of a vLLM worker: model_runner.model.named_parameters(remove_duplicate=False)."""
+
+    def __init__(self, named: dict):
+        model = type("M", (), {"named_parameters": lambda self, remove_duplicate=True: list(named.items())})()
+        self.model_runner = type("R", (), {"model": model})()
+
+
+def test_policy_sum_read_back_from_vllms_layout_and_the_stale_policy_tripwire():
+    torch.manual_seed(0)
+    policy = Transformer(ModelConfig.preset("tiny")).eval()
+    sd = policy_state(policy)
+    eng = engine_layout(sd.items(), prefix="")  # what the worker's refit wrote: stacks, HF names
+    assert "model.layers.0.self_attn.qkv_proj.weight" in eng and "model.embed_tokens.weight" in eng
+    padded = dict(eng)
+    e = eng["model.embed_tokens.weight"]
+    padded["model.embed_tokens.weight"] = torch.cat([e, torch.randn(6, e.shape[1])])  # vLLM pads the vocabulary
+    shapes = {k: list(v.shape) for k, v in eng.items()}
+    got = _policy_sum_rpc(FakeWorker(padded), shapes)
+    fake = type("E", (), {"dtype": "float32"})()
+    assert verify_policy_refit(fake, policy, got) == got  # padding cut off, stacks and names as the trainer's
+    assert got != weight_sum(eagle3_state_dict(Eagle3Draft.from_target(policy), dtype=torch.float32).items())
+    with torch.no_grad():
+        policy.model.layers["0"].self_attn.q_proj.weight.add_(1e-3)  # the trainer moved on, the engine was not refit
+    with pytest.raises(StalePolicy, match="stale policy: the engine's policy weight_sum"):
+        verify_policy_refit(fake, policy, got)
+    with pytest.raises(ValueError, match="policy_sum: the engine has no readable parameters"):
+        _policy_sum_rpc(FakeWorker({**padded, "model.norm.weight": torch.zeros(0)}), shapes)  # a packed-away weight
