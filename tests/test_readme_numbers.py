@@ -75,6 +75,11 @@ def _family_experiment():
             for f in ("eagle3", "dflash", "dspark")]
 
 
+def _e2e_vllm():
+    sp = [x["e2e_step_speedup_measured"] for x in _load("bench/results/e2e_vllm.json")["budgets"]["2"]]
+    return [statistics.mean(sp), statistics.stdev(sp)]
+
+
 def _tapchannel():
     d = _load("bench/results/tapchannel.json")
     return [d["paired_overhead"]["tapchannel"], *d["paired_overhead_q1_q3"]["tapchannel"],
@@ -105,6 +110,8 @@ SOURCES = {
     "ring + branch attention, peak MiB": ("json", "bench/results/attention.json", _attention),
     "speculative rollouts vs autoregressive": ("json", "bench/results/rollout_auto.json", _rollout, ("3",)),
     "the exports served and refit by a real engine": ("test", ["tests/test_vllm_engine.py"]),
+    "the end-to-end RL step with rollouts from vLLM": ("json", "bench/results/e2e_vllm.json", _e2e_vllm,
+                                                       ("4", "3", "0.5")),
     "**H200**: the first GPU run": ("test", ["tests/test_gpu_smoke.py"]),
     "**H200**: speculative rollouts per draft family": ("json", "bench/results/rollout_families_gpu.json",
                                                         _rollout_families_gpu, ("3",)),
