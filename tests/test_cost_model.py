@@ -131,6 +131,17 @@ def test_check_reproduces_the_stored_default_run():
     assert "| rollout | 0.926 | 1.370 |" in cost_check.table(res, 0.15)
 
 
+@pytest.mark.parametrize("path", ["bench/results/cost_device_cpu.json", "bench/results/cost_device_cpu_quiet.json",
+                                  "docs/examples/cost_device_h100.json"])
+def test_every_committed_device_file_loads(path):
+    """The device files the docs' commands name load as they are (a fitted per-token slope may be < 0; a fixed
+    overhead may not). ~0 s."""
+    dev = Device.load(path)
+    assert dev.F > 0 and all(v >= 0 for k, v in dev.overheads.items() if not k.endswith(("_tok", "_seq")))
+    with pytest.raises(ValueError, match="o_pass1=-1.0: expected seconds >= 0"):
+        replace(dev, overheads={**dev.overheads, "o_pass1": -1.0}).check()
+
+
 def test_bad_inputs_name_what_was_expected(tmp_path, capsys):
     with pytest.raises(ValueError, match="--model='nope'"):
         Arch.load("nope")
