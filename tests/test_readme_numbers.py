@@ -68,11 +68,14 @@ def _rollout_families_gpu():
             for f in ("eagle3", "dflash", "dspark") for B in (1, 8, 64)]
 
 
-def _family_experiment():
-    fams = _load("bench/results/families.json")["families"]
+def _family_experiment(name="families", keys=("accept_len_cotrained", "e2e_step_speedup_measured_cpu")):
+    fams = _load(f"bench/results/{name}.json")["families"]
     mean = lambda f, key: statistics.mean(x[key] for x in fams[f]["2"])  # noqa: E731
-    return [mean(f, key) for key in ("accept_len_cotrained", "e2e_step_speedup_measured_cpu")
-            for f in ("eagle3", "dflash", "dspark")]
+    return [mean(f, key) for key in keys for f in ("eagle3", "dflash", "dspark")]
+
+
+def _family_experiment_l3():
+    return _family_experiment("families_l3", ("accept_len_cotrained", "rollout_speedup", "e2e_step_speedup_measured"))
 
 
 def _e2e_vllm():
@@ -117,6 +120,8 @@ SOURCES = {
                                                         _rollout_families_gpu, ("3",)),
     "the three draft families in the default experiment": ("json", "bench/results/families.json",
                                                             _family_experiment, ("3", "4")),
+    "the same with three-layer drafts": ("json", "bench/results/families_l3.json", _family_experiment_l3,
+                                         ("3", "4")),
     "TapChannel vs no taps": ("json", "bench/results/tapchannel.json", _tapchannel),
     "largest vocabulary-sized tensor": ("test", ["tests/test_vocab_growth.py"]),
     "host syncs per speculative decode step": ("test", ["tests/test_host_sync.py"]),
@@ -167,3 +172,18 @@ def test_row_matches_its_source(row):
     unprinted = [round(v, 4) for v in values if not any(matches(t, v) for t in tokens)]
     assert not unexplained, f"{first[:40]!r}: {unexplained} in the README are not in {path} ({values})"
     assert not unprinted, f"{first[:40]!r}: {path} holds {unprinted}, which the README does not print"
+
+
+def test_the_stated_size_of_the_code_is_its_size():
+    """The README's "~N.Nk lines in M files (plus ~N.Nk lines of tests": M is the count of modules the layout test
+    walks, the line counts within 2% (they drift a little between recounts)."""
+    from test_layout import project_modules
+    with open(os.path.join(ROOT, "README.md")) as f:
+        m = re.search(r"~(\d+\.\d)k lines in (\d+) files \(plus ~(\d+\.\d)k lines of tests", f.read())
+    assert m, "README: state the code's size as '~N.Nk lines in M files (plus ~N.Nk lines of tests'"
+    lines = lambda paths: sum(len(open(p, encoding="utf-8").read().splitlines()) for p in paths)  # noqa: E731
+    mods = project_modules()
+    tests = [os.path.join(ROOT, "tests", f) for f in os.listdir(os.path.join(ROOT, "tests")) if f.endswith(".py")]
+    assert int(m[2]) == len(mods), f"README says {m[2]} files; the layout test walks {len(mods)}"
+    for said, n in ((m[1], lines(mods.values())), (m[3], lines(tests))):
+        assert abs(float(said) * 1000 - n) <= 0.02 * n, f"README says ~{said}k lines; counted {n}"
