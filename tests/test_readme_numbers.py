@@ -86,7 +86,9 @@ def _e2e_vllm():
 def _tapchannel():
     d = _load("bench/results/tapchannel.json")
     return [d["paired_overhead"]["tapchannel"], *d["paired_overhead_q1_q3"]["tapchannel"],
-            d["paired_overhead"]["piggyback"]]
+            d["paired_overhead"]["piggyback"], d["paired_overhead"]["blocking"],
+            *sorted(_load(f"bench/results/tapchannel_{r}.json")["paired_overhead"]["tapchannel"]
+                    for r in ("run2", "run3"))]
 
 
 def _families():
@@ -122,7 +124,7 @@ SOURCES = {
                                                             _family_experiment, ("3", "4")),
     "the same with three-layer drafts": ("json", "bench/results/families_l3.json", _family_experiment_l3,
                                          ("3", "4")),
-    "TapChannel vs no taps": ("json", "bench/results/tapchannel.json", _tapchannel),
+    "TapChannel vs no taps": ("json", "bench/results/tapchannel.json", _tapchannel, ("4", "21", "2")),
     "largest vocabulary-sized tensor": ("test", ["tests/test_vocab_growth.py"]),
     "host syncs per speculative decode step": ("test", ["tests/test_host_sync.py"]),
 }
