@@ -62,7 +62,7 @@ def _rollout():
             + [ratio(t), statistics.mean([ratio(x) for x in runs + [t]])])
 
 
-def _rollout_families_gpu(name="rollout_families_gpu"):
+def _rollout_families(name: str):
     fams = _load(f"bench/results/{name}.json")["families"]
     return [max(r["speedup"] for r in fams[f]["rows"] if r["batch"] == B and r["temperature"] == 1.0)
             for f in ("eagle3", "dflash", "dspark") for B in (1, 8, 64)]
@@ -119,9 +119,9 @@ SOURCES = {
                                                        ("4", "3", "0.5")),
     "**H200**: the first GPU run": ("test", ["tests/test_gpu_smoke.py"]),
     "**H200**: speculative rollouts per draft family": ("json", "bench/results/rollout_families_gpu.json",
-                                                        _rollout_families_gpu, ("3",)),
+                                                        lambda: _rollout_families("rollout_families_gpu"), ("3",)),
     "speculative rollouts per draft family on this CPU": ("json", "bench/results/rollout_families.json",
-                                                          lambda: _rollout_families_gpu("rollout_families"), ("3",)),
+                                                          lambda: _rollout_families("rollout_families"), ("3",)),
     "the three draft families in the default experiment": ("json", "bench/results/families.json",
                                                             _family_experiment, ("3", "4")),
     "the same with three-layer drafts": ("json", "bench/results/families_l3.json", _family_experiment_l3,
