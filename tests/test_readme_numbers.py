@@ -68,7 +68,7 @@ def _rollout_families(name: str):
             for f in ("eagle3", "dflash", "dspark") for B in (1, 8, 64)]
 
 
-def _family_experiment(name="families", keys=("accept_len_cotrained", "e2e_step_speedup_measured_cpu")):
+def _family_experiment(name="families", keys=("accept_len_cotrained", "e2e_step_speedup_measured")):
     fams = _load(f"bench/results/{name}.json")["families"]
     mean = lambda f, key: statistics.mean(x[key] for x in fams[f]["2"])  # noqa: E731
     return [mean(f, key) for key in keys for f in ("eagle3", "dflash", "dspark")]
@@ -124,8 +124,8 @@ SOURCES = {
                                                           lambda: _rollout_families("rollout_families"), ("3",)),
     "the three draft families in the default experiment": ("json", "bench/results/families.json",
                                                             _family_experiment, ("3", "4")),
-    "the same with three-layer drafts": ("json", "bench/results/families_l3.json", _family_experiment_l3,
-                                         ("3", "4")),
+    "the same with three-layer block drafts": ("json", "bench/results/families_l3.json", _family_experiment_l3,
+                                               ("3", "4")),
     "TapChannel vs no taps": ("json", "bench/results/tapchannel.json", _tapchannel, ("4", "21", "2")),
     "largest vocabulary-sized tensor": ("test", ["tests/test_vocab_growth.py"]),
     "host syncs per speculative decode step": ("test", ["tests/test_host_sync.py"]),
