@@ -15,6 +15,9 @@ bonus included (1.0 = no speedup), is defined here, once:
     acceptance length = sum_forwards (tokens the row keeps from that forward) / sum_forwards (rows active in it)
 the prefill forward and its token excluded; the forward in which a row stops counts only the tokens kept up to EOS or
 max_new_tokens (kept_tokens). So returned tokens = rows with a prefill token + the numerator, exactly.
+vLLM's spec-decode counters count the stopping forward whole (its scheduler counts a row's accepted drafts before it
+cuts them at the stop token or max_tokens); SpecStats.acceptance_length_uncut is that count, for comparing with it:
+    acceptance length, uncut = 1 + sum_forwards (drafts the rule accepts, n) / sum_forwards (rows active in it)
 The log-probs returned for GRPO are the policy's, log softmax(logits / tau) (tau = 0: of the raw logits), read from
 the verification forwards.
 
@@ -54,6 +57,8 @@ class SpecStats:
     accepted: int = 0  # draft tokens kept: kept - row_steps (a row's last forward counts only up to EOS / budget)
     kept: int = 0  # tokens kept from those forwards, summed over rows (= new_tokens - rows that got a prefill token)
     acceptance_length: float = 1.0  # kept / row_steps: tokens kept per policy forward per row, bonus included
+    accepted_uncut: int = 0  # drafts the rule accepted (n), a row's stopping forward counted whole (vLLM's counter)
+    acceptance_length_uncut: float = 1.0  # 1 + accepted_uncut / row_steps: what vLLM's counters give (module doc)
     accept_per_position: list = field(default_factory=list)  # alpha_j = P(d_j accepted | d_<j accepted), kept positions
     new_tokens: int = 0  # tokens returned (after EOS / max_new_tokens truncation)
     row_kept: list = field(default_factory=list)  # per prompt: its share of `kept` (paired per-prompt comparisons)
@@ -123,6 +128,7 @@ class _Decode:
     reached: torch.Tensor = None  # (k,) rows whose draft j was tried, per position j
     accepted: torch.Tensor = None  # (k,) of which accepted
     accept_sum: int = 0  # tokens kept (kept_tokens), summed over forwards and rows (device scalar once stepping)
+    n_sum: int = 0  # drafts the rule accepted (n), summed over forwards and active rows, none cut (device scalar)
     row_kept: torch.Tensor = None  # (B,) per prompt: tokens kept over its verification forwards
     row_fwd: torch.Tensor = None  # (B,) per prompt: verification forwards it was active in
     row_tried: torch.Tensor = None  # (B, K) per prompt: drafts tried at each position (reached, per row)
@@ -203,7 +209,7 @@ def prefill(target, draft, prompts, k: int, temperature, eos_id, max_new_tokens,
                 pcache=pcache, reached=torch.zeros(max(K, 1), dtype=torch.long, device=dev),
                 accepted=torch.zeros(max(K, 1), dtype=torch.long, device=dev), tree=tree, K=K)
     s.toks[:, 0], s.lps[:, 0] = y, _logprob(z[:, None], y[:, None], temperature)[:, 0]
-    s.accept_sum = torch.zeros((), dtype=torch.long, device=dev)
+    s.accept_sum, s.n_sum = torch.zeros((), dtype=torch.long, device=dev), torch.zeros((), dtype=torch.long, device=dev)
     s.row_kept, s.row_fwd = torch.zeros(B, dtype=torch.long, device=dev), torch.zeros(B, dtype=torch.long, device=dev)
     s.row_tried, s.row_acc = torch.zeros(B, max(k, 1), dtype=torch.long, device=dev), torch.zeros_like(s.row_kept)
     s.row_steps = torch.zeros((), dtype=torch.long, device=dev)
@@ -311,6 +317,7 @@ def commit(s: _Decode, block, z, n):
             s.row_acc[s.live] += acc.sum(1)
         s.drafted = s.drafted + s.k * active.sum()
     s.accept_sum += kept.sum()
+    s.n_sum += torch.where(active, n, 0).sum()
     s.row_steps += active.sum()
     if s.row_kept is not None:
         s.row_kept[s.live] += kept
@@ -329,6 +336,8 @@ def finish(s: _Decode, seconds: float) -> Rollout:
     st.seconds, st.row_steps, st.kept = seconds, int(s.row_steps), int(s.accept_sum)
     st.acceptance_length = st.kept / max(st.row_steps, 1)
     st.drafted, st.accepted = int(s.drafted), st.kept - st.row_steps
+    st.accepted_uncut = int(s.n_sum)
+    st.acceptance_length_uncut = 1 + st.accepted_uncut / max(st.row_steps, 1)
     st.accept_per_position = (s.accepted.float() / s.reached.clamp_min(1)).tolist() if s.K or s.k else []
     st.new_tokens, st.tokens_per_s = sum(n_keep), sum(n_keep) / seconds
     if s.row_kept is not None:

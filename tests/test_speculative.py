@@ -259,7 +259,8 @@ def test_acceptance_hand_count():
                (n = 1).                                                   kept 4 + 2 + 2 over 3 active rows
     forward 2: row 0 (5 tokens) has a budget of 1: keeps 1 of its 4 and stops; row 1 is done (not active); row 2
                rejects at once and its correction is EOS: keeps 1.      kept 1 + 1 over 2 active rows
-    acceptance length = (8 + 2) / (3 + 2) = 2.0, where counting n + 1 per forward would say (4 + 4 + 2 + 4 + 1) / 5."""
+    acceptance length = (8 + 2) / (3 + 2) = 2.0, where counting n + 1 per forward would say (4 + 4 + 2 + 4 + 1) / 5:
+    the uncut length vLLM's counters give, 1 + (3 + 3 + 1 + 3 + 0) / 5 = 3.0."""
     k, B, eos = 3, 3, 9
     s = speculative._Decode(k, 1.0, eos, 6, None, toks=torch.zeros(B, 6 + 2 * (k + 1), dtype=torch.long),
                             lps=torch.zeros(B, 6 + 2 * (k + 1)), n_gen=torch.ones(B, dtype=torch.long),
@@ -274,6 +275,7 @@ def test_acceptance_hand_count():
     st = speculative.finish(s, 1.0).stats
     assert (st.kept, st.row_steps, st.acceptance_length) == (10, 5, 2.0)
     assert st.accepted == 5 and st.drafted == 15 and st.new_tokens == 6 + 3 + 4 == B + st.kept
+    assert (st.accepted_uncut, st.acceptance_length_uncut) == (10, 3.0)
     # per position j, kept positions only (tried: j <= n and j < kept; accepted: j < n and j < kept):
     # fwd 1 tried rows 0,1,2 / 0,1,2 / 0 and accepted 0,1,2 / 0,1 / 0; fwd 2 tried rows 0,2 at j = 0, accepted row 0
     assert st.accept_per_position == pytest.approx([4 / 5, 2 / 3, 1 / 1])
@@ -295,5 +297,6 @@ def test_acceptance_counts_only_kept_tokens(pair, k):
             st = r.stats
             assert sum(len(t) for t in r.tokens) == st.new_tokens == len(prompts) + st.kept
             assert 1.0 <= st.acceptance_length <= k + 1 and st.kept == st.row_steps + st.accepted
+            assert st.accepted <= st.accepted_uncut <= k * st.row_steps  # the stopping forwards counted whole
             assert sum(st.row_kept) == st.kept and sum(st.row_forwards) == st.row_steps
             assert all(len(t) == 1 + kp for t, kp in zip(r.tokens, st.row_kept))  # per prompt too
