@@ -6,7 +6,8 @@ rollouts, the engine generates, and the token log-probs GRPO needs are recompute
 before its samples are used the engine passes serving/engine_check's losslessness check (the CPU build's expand
 workaround applied only if needed), and after every refit its draft's and policy's checksums must equal the
 trainer's (engine_check.verify_refit, verify_policy_refit: a stale draft or policy stops the run in one line). Each
-step's record carries the engine's acceptance (vLLM's counters) and the checksums (`engine_accept`, `engine_sum`,
+step's record carries `accept_len` counted as cospec's engine counts it (a row's tokens up to its EOS), the engine's
+own acceptance (vLLM's counters, which count a stopping step whole) and the checksums (`engine_accept`, `engine_sum`,
 `engine_policy_sum`), and a line when that acceptance is more than ENGINE_GAP_TOL from the co-trained draft's
 teacher-forced tau-hat on the step's rollouts (`engine_gap`).
 cospec's own engine stays the default and the reference (--rollout_engine home): every eval arm runs on it. With
@@ -84,8 +85,11 @@ def engine_generate(s: Setup, prompts: list, keys: torch.Tensor) -> tuple:
                             seeds=[int(k) % (2 ** 31) for k in keys], spec=not c.no_spec)
     toks = [torch.tensor(t[0], dtype=torch.long) for t in out.tokens]
     lps = [recompute_logp(s.policy, p.cpu(), t, c.temperature) for p, t in zip(prompts, toks)]
-    st = {"row_steps": out.drafts, "kept": out.drafts + out.accepted, "new_tokens": sum(t.numel() for t in toks),
-          "seconds": out.wall_s, "row_kept": [], "row_forwards": [], "steps_at_k": None}
-    st["accept_len"] = out.acceptance_length
+    # kept as cospec's engine counts it (up to EOS / max_tokens, so accept_len compares across engines); vLLM's own
+    # counter, which counts a stopping step whole, is engine_accepted (speculative.py's docstring)
+    st = {"row_steps": out.drafts, "kept": out.kept if out.drafts else 0, "new_tokens": sum(t.numel() for t in toks),
+          "seconds": out.wall_s, "row_kept": [], "row_forwards": [], "steps_at_k": None,
+          "engine_accepted": out.accepted}
+    st["accept_len"] = out.acceptance_length_cut
     st["tok_s"] = st["new_tokens"] / max(out.wall_s, 1e-9)
     return toks, lps, st

@@ -148,7 +148,8 @@ def rollout(s: Setup, mesh: Mesh, problems: list, timer: dict = None) -> tuple[R
             "rollout_tok_s": st["new_tokens"] / max(gen_s, 1e-9),
             "rank_rows": [p["rows"] for p in ranks], "k_mean": auto_k_mean([b[3]["steps_at_k"] for b in blocks])}
     if engine:  # the engine's own acceptance (its spec-decode counters) and its draft's checksum after the refit
-        info.update(engine, engine_accept=info["accept_len"])
+        acc = sum(b[3]["engine_accepted"] for b in blocks)
+        info.update(engine, engine_accept=1 + acc / st["row_steps"] if st["row_steps"] else None)
     if timer is not None:
         timer["rollout_rank_s"] = [p["s"] for p in ranks]
         timer["rollout_rank_cpu_s"] = [p["cpu_s"] for p in ranks]

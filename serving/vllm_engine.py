@@ -67,7 +67,15 @@ class EngineOutput:
 
     @property
     def acceptance_length(self) -> float:  # bonus included: 1 + accepted / drafts (1.0 = no draft, or no speedup)
-        return 1.0 + self.accepted / max(self.drafts, 1)
+        return 1.0 + self.accepted / max(self.drafts, 1)  # a stopping step counted whole (speculative.py's "uncut")
+
+    @property
+    def kept(self) -> int:  # tokens kept from the verification steps: returned tokens - one prefill token per sample
+        return sum(len(t) - 1 for per_prompt in self.tokens for t in per_prompt if t)
+
+    @property
+    def acceptance_length_cut(self) -> float:  # cospec's SpecStats.acceptance_length: kept / drafting steps
+        return self.kept / self.drafts if self.drafts else 1.0
 
 
 class VllmEngine:
