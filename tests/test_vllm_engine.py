@@ -7,21 +7,25 @@ check below, started with the untrained (cold) draft:
   - refit: cold acceptance, refit of the trained draft in place, checksum equal to the trainer's, acceptance up to
     the trained draft's level; a refit skipped after the trainer's draft changed is reported (StaleDraft);
   - greedy: vLLM with the draft = vLLM without it = cospec's greedy, token for token, on 16 held-out prompts;
-  - acceptance: vLLM's spec-decode counters vs cospec's speculative.generate on the same prompts, within 0.2 at
-    T = 0 and within 0.3 at T = 1 (8 samples per prompt; both engines count 1 + accepted / drafting steps; vLLM's
-    drafts sampled from q as cospec's are, draft_sample_method "probabilistic");
+  - acceptance: vLLM's spec-decode counters vs cospec's speculative.generate on the same prompts, counted the same
+    way: 1 + accepted / drafting steps, a row's stopping step counted whole (vLLM's scheduler counts its accepted
+    drafts before it cuts them at the stop token or max_tokens: SpecStats.acceptance_length_uncut; the cut length
+    reads 0.12-0.15 lower). Greedy: within TOL_T0 = 0.05 (measured equal to 3 decimals, both families). T = 1: 32
+    samples per prompt, within TOL_T1 = 0.15, 5 standard deviations of the difference (cospec's over 12 sampling
+    seeds on this pair: sd 0.018 EAGLE-3, 0.021 DFlash; vLLM's assumed alike); vLLM's drafts sampled from q as
+    cospec's are, draft_sample_method "probabilistic";
   - losslessness: the CPU build fails the check without the expand workaround and passes with it;
   - the policy: a refit's checksum read back from both engines equals the trainer's, a skipped one raises
     StalePolicy; one RL step with vLLM rollouts and the draft, and one plain (--no_spec) with the plain engine alone.
 DFlash (`--drafter dflash --block_size 4`, the same cached policy, a 400-step draft warm-up; one more worker with
 "method": "dflash", started with a random draft; the run's one RL step takes its rollouts from vLLM with the DFlash
 draft, --rollout_engine vllm): refit of the trained draft (checksum; the fused context-K/V buffers
-rebuilt), greedy vLLM with it = without it = cospec, acceptance within 0.2 of cospec's at T = 0 and T = 1. Measured:
-vLLM 1.75 / cospec 1.67 (T = 0), 2.05 / 1.93 (T = 1), random draft 1.13; with the vLLM-rollout step 1.65 / 1.59 and
-2.05 / 1.89 (docs/serving.md: the same export with
-target_layer_ids one layer early, as if vLLM did not add 1, loses 0.2-0.3).
+rebuilt), greedy vLLM with it = without it = cospec, acceptance within TOL_T0 / TOL_T1 of cospec's as above. Measured
+(one run): EAGLE-3 greedy 1.975 / 1.975, T = 1 (64 samples per prompt) 2.145 / 2.124; DFlash greedy 1.707 / 1.707,
+T = 1 1.993 / 1.975, random draft 1.28 (docs/serving.md: the same export with target_layer_ids one layer early, as if
+vLLM did not add 1, loses 0.2-0.3).
 Without vLLM's environment the test is skipped with the line that installs it; in CI (CI=true) that is a failure.
-Time: 2 min 18 s for the file (8 tests) on a quiet 2-core machine (load average 0.2) from an empty cache: the
+Time: 2 min 48 s for the file (8 tests) on a 2-core machine at load average ~1 from an empty cache: the
 policy's 200-step SFT 6 s, the draft warm-ups 7 s and ~30 s, each worker's start and the checks the rest. Under load
 it stretches: 13 min 46 s at load average ~4 and 12-14 min at ~10, on the same machine.
 Marked slow: `pytest -q -m slow` runs it, and CI does.
@@ -48,6 +52,7 @@ from tasks import task
 from train import train
 
 K, MAX_TOKENS, EOS = 3, 48, task.Tokenizer().eos_id
+N_T1, TOL_T0, TOL_T1 = 32, 0.05, 0.15  # samples per prompt at T = 1; |vLLM - cospec| bounds (the docstring: why)
 ARGS = ["--preset=test", "--model=serve", "--sft_steps=200", "--sft_batch=32", "--draft_warmup_steps=60",
         "--draft_warmup_batch=16", "--draft_warmup_pool=64", f"--num_draft_tokens={K}"]
 
@@ -96,7 +101,7 @@ def _cospec(s, draft, temperature, n=1):
     with torch.no_grad():
         r = generate(s["policy"], draft, rows, max_new_tokens=MAX_TOKENS, num_draft_tokens=K if draft else 0,
                      temperature=temperature, eos_id=EOS, generator=g)
-    return [t.tolist() for t in r.tokens], r.stats.acceptance_length
+    return [t.tolist() for t in r.tokens], r.stats  # .acceptance_length_uncut: what vLLM's counters count
 
 
 def _vllm(s, temperature, n=1, spec=True):
@@ -110,9 +115,9 @@ def test_refit_in_place_raises_acceptance_and_checksums_match(served):
     cold = _vllm(served, 0).acceptance_length
     verify_refit(eng, served["trained"], eng.refit_draft(served["trained"]))
     warm = _vllm(served, 0).acceptance_length
-    _, want = _cospec(served, served["trained"], 0)
+    want = _cospec(served, served["trained"], 0)[1].acceptance_length_uncut
     print(f"vLLM greedy acceptance: cold draft {cold:.2f}, after the refit {warm:.2f}, cospec's {want:.2f}")
-    assert warm > cold + 0.3 and abs(warm - want) <= 0.2
+    assert warm > cold + 0.3 and abs(warm - want) <= TOL_T0
 
 
 def test_stale_draft_is_reported(served):
@@ -144,12 +149,14 @@ def test_policy_refit_checksum_and_stale_policy(served):
 def test_greedy_is_token_identical_and_acceptance_matches(served):
     served["eng"].refit_draft(served["trained"])
     spec, plain = _vllm(served, 0), _vllm(served, 0, spec=False)
-    ours, ours_acc = _cospec(served, None, 0)
-    _, ours_spec = _cospec(served, served["trained"], 0)
+    ours, _ = _cospec(served, None, 0)
+    _, st = _cospec(served, served["trained"], 0)
     assert [t[0] for t in spec.tokens] == [t[0] for t in plain.tokens] == ours
     assert sum(len(t) for t in ours) > 16 * 10 and len({tuple(t) for t in ours}) > 8  # task answers, not one string
-    print(f"greedy acceptance: vLLM {spec.acceptance_length:.3f}, cospec {ours_spec:.3f}")
-    assert abs(spec.acceptance_length - ours_spec) <= 0.2
+    print(f"greedy acceptance: vLLM {spec.acceptance_length:.3f}, cospec {st.acceptance_length_uncut:.3f}; cut at EOS "
+          f"{spec.acceptance_length_cut:.3f} / {st.acceptance_length:.3f}")
+    assert abs(spec.acceptance_length - st.acceptance_length_uncut) <= TOL_T0
+    assert (spec.drafts, spec.kept) == (st.row_steps, st.kept)  # cospec's definition from the engine: the same counts
 
 
 def test_lossless_check_needs_the_expand_workaround_and_acceptance_matches_at_t1(served):
@@ -163,10 +170,10 @@ def test_lossless_check_needs_the_expand_workaround_and_acceptance_matches_at_t1
     eng.expand_workaround(False)
     assert not lossless_check(eng, prompts, stop=[EOS], seed=5)["ok"]
     eng.expand_workaround(True)
-    got = _vllm(served, 1.0, n=8)
-    _, want = _cospec(served, served["trained"], 1.0, n=8)
+    got = _vllm(served, 1.0, n=N_T1)
+    want = _cospec(served, served["trained"], 1.0, n=N_T1)[1].acceptance_length_uncut
     print(f"T = 1 acceptance: vLLM {got.acceptance_length:.3f}, cospec {want:.3f}")
-    assert abs(got.acceptance_length - want) <= 0.3
+    assert abs(got.acceptance_length - want) <= TOL_T1
 
 
 def test_one_rl_step_with_rollouts_from_vllm(served, capsys):
@@ -182,7 +189,7 @@ def test_one_rl_step_with_rollouts_from_vllm(served, capsys):
     step = [r for r in rows if r["kind"] == "train"][0]
     assert len(step["engine_sum"]) == 16 and step["engine_accept"] > 1.2 and step["resp_len"] > 5
     assert len(step["engine_policy_sum"]) == 16
-    assert math.isfinite(step["kl"]) and step["engine_accept"] == step["accept_len"]
+    assert math.isfinite(step["kl"]) and step["engine_accept"] >= step["accept_len"]  # vLLM's: stopping steps whole
     assert step["engine_gap"] is None  # within ENGINE_GAP_TOL of the co-trained draft's teacher-forced tau-hat
 
 
@@ -206,15 +213,15 @@ def test_dflash_export_served_refit_greedy_and_acceptance(served_dflash):
     verify_refit(eng, s["trained"], eng.refit_draft(s["trained"]))
     spec, plain = _vllm(s, 0), _vllm(s, 0, spec=False)
     ours, _ = _cospec(s, None, 0)
-    _, ours_spec = _cospec(s, s["trained"], 0)
+    ours_spec = _cospec(s, s["trained"], 0)[1].acceptance_length_uncut
     assert [t[0] for t in spec.tokens] == [t[0] for t in plain.tokens] == ours
     eng.expand_workaround(True)  # the CPU build's expand (the EAGLE-3 checks above show it is needed)
-    got = _vllm(s, 1.0, n=8)
-    _, want = _cospec(s, s["trained"], 1.0, n=8)
+    got = _vllm(s, 1.0, n=N_T1)
+    want = _cospec(s, s["trained"], 1.0, n=N_T1)[1].acceptance_length_uncut
     print(f"DFlash acceptance, vLLM / cospec: cold {cold:.3f}; T = 0 {spec.acceptance_length:.3f} / {ours_spec:.3f}; "
           f"T = 1 {got.acceptance_length:.3f} / {want:.3f}")
-    assert spec.acceptance_length > cold + 0.3 and abs(spec.acceptance_length - ours_spec) <= 0.2
-    assert abs(got.acceptance_length - want) <= 0.2
+    assert spec.acceptance_length > cold + 0.3 and abs(spec.acceptance_length - ours_spec) <= TOL_T0
+    assert abs(got.acceptance_length - want) <= TOL_T1
     rows = [json.loads(line) for line in open(s["tmp"] / "dflash" / "metrics.jsonl")]  # the run's vLLM-rollout step
     step = [r for r in rows if r["kind"] == "train"][0]
     assert len(step["engine_sum"]) == 16 and step["engine_accept"] > 1.2 and step["engine_gap"] is None
