@@ -7,6 +7,7 @@ process pair, alternating engines, so the machine's load moves them alike (the l
 
 Writes bench/results/serving.json and prints the table. Needs vLLM's environment (bash .ci/vllm_env.sh). vLLM runs
 with the expand workaround only if its losslessness check needs it (serving/engine_check.py), in fp32, k = 3.
+Both acceptance columns count a row's stopping step whole, as vLLM's counters do (speculative.py's docstring).
 """
 import argparse
 import json
@@ -33,7 +34,7 @@ def cospec_cell(policy, draft, prompts, k, T, max_tokens, eos):
         r = generate(policy, draft, prompts, max_new_tokens=max_tokens, num_draft_tokens=k if draft else 0,
                      temperature=T, eos_id=eos, generator=g)
     wall = time.perf_counter() - t0
-    return sum(t.numel() for t in r.tokens) / wall, r.stats.acceptance_length
+    return sum(t.numel() for t in r.tokens) / wall, r.stats.acceptance_length_uncut  # counted as vLLM counts
 
 
 def vllm_cell(eng, prompts, T, max_tokens, eos, spec):
