@@ -5,7 +5,8 @@ One short run (`--preset test --model serve`: the servable head_dim-32 policy, 2
 answers, a 60-step draft warm-up), then one worker process with two engines (spec, k = 3, and plain), shared by every
 check below, started with the untrained (cold) draft:
   - refit: cold acceptance, refit of the trained draft in place, checksum equal to the trainer's, acceptance up to
-    the trained draft's level; a refit skipped after the trainer's draft changed is reported (StaleDraft);
+    the trained draft's level (by more than RISE = 0.15) and equal to cospec's with it; a refit skipped after the
+    trainer's draft changed is reported (StaleDraft);
   - greedy: vLLM with the draft = vLLM without it = cospec's greedy, token for token, on 16 held-out prompts;
   - acceptance: vLLM's spec-decode counters vs cospec's speculative.generate on the same prompts, counted the same
     way: 1 + accepted / drafting steps, a row's stopping step counted whole (vLLM's scheduler counts its accepted
@@ -53,6 +54,7 @@ from train import train
 
 K, MAX_TOKENS, EOS = 3, 48, task.Tokenizer().eos_id
 N_T1, TOL_T0, TOL_T1 = 32, 0.05, 0.15  # samples per prompt at T = 1; |vLLM - cospec| bounds (the docstring: why)
+RISE = 3 * TOL_T0  # a refit lifts greedy acceptance by more: a stale engine (the cold draft's) fails the TOL_T0 check
 ARGS = ["--preset=test", "--model=serve", "--sft_steps=200", "--sft_batch=32", "--draft_warmup_steps=60",
         "--draft_warmup_batch=16", "--draft_warmup_pool=64", f"--num_draft_tokens={K}"]
 
@@ -117,7 +119,7 @@ def test_refit_in_place_raises_acceptance_and_checksums_match(served):
     warm = _vllm(served, 0).acceptance_length
     want = _cospec(served, served["trained"], 0)[1].acceptance_length_uncut
     print(f"vLLM greedy acceptance: cold draft {cold:.2f}, after the refit {warm:.2f}, cospec's {want:.2f}")
-    assert warm > cold + 0.3 and abs(warm - want) <= TOL_T0
+    assert warm > cold + RISE and abs(warm - want) <= TOL_T0
 
 
 def test_stale_draft_is_reported(served):
@@ -220,7 +222,7 @@ def test_dflash_export_served_refit_greedy_and_acceptance(served_dflash):
     want = _cospec(s, s["trained"], 1.0, n=N_T1)[1].acceptance_length_uncut
     print(f"DFlash acceptance, vLLM / cospec: cold {cold:.3f}; T = 0 {spec.acceptance_length:.3f} / {ours_spec:.3f}; "
           f"T = 1 {got.acceptance_length:.3f} / {want:.3f}")
-    assert spec.acceptance_length > cold + 0.3 and abs(spec.acceptance_length - ours_spec) <= TOL_T0
+    assert spec.acceptance_length > cold + RISE and abs(spec.acceptance_length - ours_spec) <= TOL_T0
     assert abs(got.acceptance_length - want) <= TOL_T1
     rows = [json.loads(line) for line in open(s["tmp"] / "dflash" / "metrics.jsonl")]  # the run's vLLM-rollout step
     step = [r for r in rows if r["kind"] == "train"][0]
