@@ -89,10 +89,10 @@ class Config:
     tap_layers: tuple = ()  # the policy layers the draft reads, --tap_layers=0,2,4; (): model.default_tap_layers
     draft_vocab: int = 0  # N > 0: the draft names only the N most frequent response tokens of its warm-up (0 = full)
     drafter: str = "eagle3"  # the draft family (harness/drafters.py): eagle3 | dflash (a block per forward) | dspark
-    block_size: int = 8  # dflash / dspark: W slots per block; k <= W - 1 drafts per forward (dspark: k <= W)
-    anchors: int = 8  # dflash / dspark: training blocks per sequence, at seeded anchors among response positions
+    block_size: int = 0  # dflash / dspark: W slots per block (0: k + 1); k <= W - 1 drafts per forward (dspark: k <= W)
+    anchors: int = 16  # dflash / dspark: training blocks per sequence, at seeded anchors among response positions
     block_gamma: float = 0.0  # dflash / dspark: slot j weighs exp(-(j - 1) / gamma); 0: the rule by block size
-    draft_layers: int = 1  # dflash / dspark: the draft's decoder layers (the paper: 5 at 8B)
+    draft_layers: int = 3  # dflash / dspark: the draft's decoder layers (the paper: 5 at 8B)
     mask_token_id: int = -1  # dflash / dspark: the MASK id; -1: the tokenizer's mask token, else the task's pad id
     markov_rank: int = 16  # dspark: the rank of the Markov head (256 at 8B)
     # RL
@@ -174,6 +174,13 @@ class Config:
         """Draft tokens per step at eval: always a fixed k (with --num_draft_tokens=auto its ceiling)."""
         return self.eval_draft_tokens or (self.max_draft_tokens if self.num_draft_tokens == "auto" else
                                           self.num_draft_tokens)
+
+    @property
+    def block_slots(self) -> int:
+        """A block drafter's W: block_size, or with block_size = 0 one slot more than the largest k it drafts
+        (num_draft_tokens, eval_draft_tokens); 0 while k is auto (a block drafter refuses it)."""
+        k = self.num_draft_tokens
+        return self.block_size or (max(k, self.eval_draft_tokens) + 1 if type(k) is int else 0)
 
     def attn_backend_on(self, device) -> str:
         """--attn_backend as run on `device`: auto is the fused Triton kernel where the models live on CUDA (the torch
@@ -281,9 +288,10 @@ CHECKS = {
                            "drafter ascending ids in [0, the policy's layers - 1]"),
     "drafter":            ((lambda v, c: v in DRAFTERS and (v == "eagle3" or _block_ok(c))),
                            f"one of {', '.join(DRAFTERS)}; a block drafter (dflash, dspark) with a fixed "
-                           "--num_draft_tokens and --eval_draft_tokens <= block_size - 1 (dspark: block_size), and "
-                           "no --tree, --draft or --draft_vocab"),
-    "block_size":         ((lambda v, c: 2 <= v <= 64), "in [2, 64]"),
+                           "--num_draft_tokens and --eval_draft_tokens <= block_size - 1 (dspark: block_size; "
+                           "--block_size=0, the default, fits the block to them), and no --tree, --draft or "
+                           "--draft_vocab"),
+    "block_size":         ((lambda v, c: v == 0 or 2 <= v <= 64), "0 (k + 1) or in [2, 64]"),
     "anchors":            at_least(1),
     "block_gamma":        at_least(0),
     "draft_layers":       at_least(1),

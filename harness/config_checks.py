@@ -89,8 +89,8 @@ def _taps_ok(taps: tuple, c) -> bool:
 
 
 def _block_ok(c) -> bool:
-    """A block drafter's k: fixed, at most its trained slots (block_size - 1; dspark: block_size); a chain only."""
-    most = c.block_size - (c.drafter == "dflash")
+    """A block drafter's k: fixed, at most its trained slots (W - 1; dspark: W, W = c.block_slots); a chain only."""
+    most = c.block_slots - (c.drafter == "dflash")
     k = c.num_draft_tokens
     return (type(k) is int and k <= most and (c.eval_draft_tokens or k) <= most and not c.tree and not c.draft
             and not c.draft_vocab)

@@ -54,7 +54,7 @@ def options(cfg, tsk) -> dict:
     """The family's construction and loss options from the config ({} for eagle3, whose TTT options are the
     trainer's num_passes / pass_weight): part of the draft warm-up's cache key."""
     f = family(cfg.drafter)
-    read = dict(mask_token_id=lambda: mask_token_id(cfg, tsk), block_size=lambda: cfg.block_size,
+    read = dict(mask_token_id=lambda: mask_token_id(cfg, tsk), block_size=lambda: cfg.block_slots,
                 num_layers=lambda: cfg.draft_layers, markov_rank=lambda: cfg.markov_rank, anchors=lambda: cfg.anchors,
                 gamma=lambda: cfg.block_gamma or None, seed=lambda: cfg.seed)  # only the family's own are read
     return {k: read[k]() for k in f.build_keys + f.loss_keys}

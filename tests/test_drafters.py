@@ -32,18 +32,30 @@ def test_registry_builds_each_family(policy, name, cls, taps):
     d = drafters.build_draft(name, policy, drafters.options(cfg, tsk))
     assert type(d) is cls and d.tap_layers == taps and all(hasattr(d, m) for m in PROTOCOL)
     if name != "eagle3":
-        assert d.cfg.mask_token_id == tsk.tok.pad_id and d.max_draft_tokens == 7 + (name == "dspark")
+        assert d.cfg.mask_token_id == tsk.tok.pad_id and d.cfg.num_layers == 3  # the defaults: a block of k + 1
+        assert d.cfg.block_size == 4 and d.max_draft_tokens == 3 + (name == "dspark")
     tr = drafters.config_trainer(cfg, tsk, d, None)
     assert set(d.loss_options(tr)) == ({"num_passes", "pass_weight"} if name == "eagle3" else
                                        {"anchors", "gamma", "seed"})
     assert type(d.fresh(policy)) is cls
 
 
-@pytest.mark.parametrize("flags", [["--num_draft_tokens=auto"], ["--num_draft_tokens=8"], ["--tree=2,1"],
-                                   ["--draft_vocab=8"], ["--num_draft_tokens=2", "--eval_draft_tokens=9"]])
+@pytest.mark.parametrize("flags", [["--num_draft_tokens=auto"], ["--block_size=8", "--num_draft_tokens=8"],
+                                   ["--tree=2,1"], ["--draft_vocab=8"],
+                                   ["--block_size=8", "--num_draft_tokens=2", "--eval_draft_tokens=9"]])
 def test_block_drafter_refuses_chain_features(flags):
     with pytest.raises(ValueError, match="--drafter=dflash: expected"):
         parse_args(["--drafter=dflash"] + flags)
+
+
+def test_block_size_zero_fits_the_largest_k():
+    """--block_size=0 (the default) is one slot more than the larger of num_draft_tokens and eval_draft_tokens; a
+    block_size given wins and must fit them."""
+    fit = parse_args(["--drafter=dflash", "--num_draft_tokens=2", "--eval_draft_tokens=5"])
+    assert (fit.block_size, fit.block_slots, drafters.options(fit, build_task(fit))["block_size"]) == (0, 6, 6)
+    assert parse_args(["--drafter=dspark", "--block_size=9", "--num_draft_tokens=9"]).block_slots == 9
+    with pytest.raises(ValueError, match="--drafter=dflash: expected"):
+        parse_args(["--drafter=dflash", "--block_size=4", "--num_draft_tokens=4"])
 
 
 def test_bad_names_and_mask():
