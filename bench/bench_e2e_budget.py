@@ -22,7 +22,7 @@ speedup inside the loop, the e2e step against plain GRPO (wall and CPU) and the 
 Runs go to runs/budget/<drafter>_<every>_s<seed>; writes bench/results/families.{json,md} (--name: another).
 
     python bench/bench_e2e_budget.py --drafters eagle3,dflash,dspark --seeds 0,1,2 --budgets 2 --parallel 1 \
-        --runs runs/fam_l1                  # the family table (a quiet machine: each run alone)
+        --runs runs/fam_l1 -- --draft_layers=1 --block_size=8 --anchors=8   # the one-layer table (each run alone)
     python bench/bench_e2e_budget.py --drafters eagle3,dflash,dspark --seeds 0 --budgets 1 --runs runs/fam_test \
         --name families_test -- --preset test   # ~10 min on 2 shared cores: every column filled for every family
 """

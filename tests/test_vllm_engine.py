@@ -18,13 +18,13 @@ check below, started with the untrained (cold) draft:
   - losslessness: the CPU build fails the check without the expand workaround and passes with it;
   - the policy: a refit's checksum read back from both engines equals the trainer's, a skipped one raises
     StalePolicy; one RL step with vLLM rollouts and the draft, and one plain (--no_spec) with the plain engine alone.
-DFlash (`--drafter dflash --block_size 4`, the same cached policy, a 400-step draft warm-up; one more worker with
-"method": "dflash", started with a random draft; the run's one RL step takes its rollouts from vLLM with the DFlash
-draft, --rollout_engine vllm): refit of the trained draft (checksum; the fused context-K/V buffers
-rebuilt), greedy vLLM with it = without it = cospec, acceptance within TOL_T0 / TOL_T1 of cospec's as above. Measured
-(one run): EAGLE-3 greedy 1.975 / 1.975, T = 1 (64 samples per prompt) 2.145 / 2.124; DFlash greedy 1.707 / 1.707,
-T = 1 1.993 / 1.975, random draft 1.28 (docs/serving.md: the same export with target_layer_ids one layer early, as if
-vLLM did not add 1, loses 0.2-0.3).
+DFlash (`--drafter dflash --block_size 4 --draft_layers 1 --anchors 8`, the same cached policy, a 400-step draft
+warm-up; one more worker with "method": "dflash", started with a random draft; the run's one RL step takes its
+rollouts from vLLM with the DFlash draft, --rollout_engine vllm): refit of the trained draft (checksum; the fused
+context-K/V buffers rebuilt), greedy vLLM with it = without it = cospec, acceptance within TOL_T0 / TOL_T1 of
+cospec's as above. Measured (one run): EAGLE-3 greedy 1.975 / 1.975, T = 1 (64 samples per prompt) 2.145 / 2.124;
+DFlash greedy 1.707 / 1.707, T = 1 1.993 / 1.975, random draft 1.28 (docs/serving.md: the same export with
+target_layer_ids one layer early, as if vLLM did not add 1, loses 0.2-0.3).
 Without vLLM's environment the test is skipped with the line that installs it; in CI (CI=true) that is a failure.
 Time: 2 min 48 s for the file (8 tests) on a 2-core machine at load average ~1 from an empty cache: the
 policy's 200-step SFT 6 s, the draft warm-ups 7 s and ~30 s, each worker's start and the checks the rest. Under load
@@ -82,7 +82,8 @@ def served(tmp_path_factory):
 def served_dflash(served):
     tmp = served["tmp"]
     out = tmp / "dflash"
-    train(parse_args(ARGS + ["--drafter=dflash", "--block_size=4", "--draft_warmup_steps=400", "--steps=1",
+    train(parse_args(ARGS + ["--drafter=dflash", "--block_size=4", "--draft_layers=1", "--anchors=8",
+                             "--draft_warmup_steps=400", "--steps=1",
                              "--rollout_engine=vllm", f"--cache_dir={tmp / 'cache'}", "--out", str(out)]))
     policy = from_pretrained(str(out / "policy")).eval()
     trained = DFlashDraft.from_export(str(out / "draft"), policy).eval()
