@@ -218,9 +218,22 @@ class Device:
         # a per-token or per-sequence term (`*_tok`, `*_seq`) is a slope fitted beside its pass's FLOP time (from
         # differences of timings, bench/probe_cost.py) and may come out below 0; the fixed overheads may not
         bad += [f"overheads.{k}={v!r}: expected seconds >= 0" for k, v in self.overheads.items()
-                if not (k.endswith(("_tok", "_seq")) and _num(v, -math.inf, False)) and not _num(v, 0, True)]
+                if not (_slope(k) and _num(v, -math.inf, False)) and not _num(v, 0, True)]
         if bad:
             raise ValueError("; ".join(bad))
+
+
+def clamp_fixed(overheads: dict) -> tuple[dict, str]:
+    """A probe's overheads with every fixed one below 0 set to 0, and a note naming them ("" if none). A fixed
+    overhead is a residual (a timing less the FLOP time and the other terms): below 0 it is under the probe's noise.
+    The slopes (`*_tok`, `*_seq`) stay as fitted."""
+    low = {k: v for k, v in overheads.items() if not _slope(k) and v < 0}
+    note = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in low.items())
+    return {k: 0.0 if k in low else v for k, v in overheads.items()}, note and f"clamped to 0, below the noise: {note}"
+
+
+def _slope(name: str) -> bool:
+    return name.endswith(("_tok", "_seq"))
 
 
 def _num(v, lo: float, closed: bool) -> bool:

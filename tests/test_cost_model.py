@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from harness import cost_check
-from harness.cost_inputs import Arch, Device, draft_pass_flops, head_flops, layer_bytes, layer_flops
+from harness.cost_inputs import Arch, Device, clamp_fixed, draft_pass_flops, head_flops, layer_bytes, layer_flops
 from harness.cost_model import (Workload, draft_opt, draft_train, expected_kept, main, predict, rollout, rollout_block,
                                 update)
 
@@ -131,8 +131,22 @@ def test_check_reproduces_the_stored_default_run():
     assert "| rollout | 0.926 | 1.370 |" in cost_check.table(res, 0.15)
 
 
+def test_a_probe_clamps_a_fixed_overhead_below_zero_and_says_so():
+    """bench/probe_cost.py writes what Device.load accepts: a fixed overhead fitted below 0 (a residual under the
+    noise, e.g. o_vstep -2.27 ms on a 2-core machine) becomes 0 and is named; slopes keep their sign. ~0 s."""
+    fitted = {"o_vstep": -0.00227, "o_dec": 0.0009, "o_pass_tok": -8e-6, "o_seq": 1e-4}
+    with pytest.raises(ValueError, match="o_vstep=-0.00227: expected seconds >= 0"):
+        Device(overheads=fitted).check()
+    o, note = clamp_fixed(fitted)
+    assert o == {"o_vstep": 0.0, "o_dec": 0.0009, "o_pass_tok": -8e-6, "o_seq": 1e-4}
+    assert note == "clamped to 0, below the noise: o_vstep -2.270 ms"
+    Device(overheads=o).check()
+    assert clamp_fixed({"o_dec": 0.0009}) == ({"o_dec": 0.0009}, "")
+
+
 @pytest.mark.parametrize("path", ["bench/results/cost_device_cpu.json", "bench/results/cost_device_cpu_quiet.json",
-                                  "docs/examples/cost_device_h100.json"])
+                                  "docs/examples/cost_device_h100.json", "docs/examples/cost_device_cpu_661192c.json",
+                                  "docs/examples/cost_device_cpu_661192c_run2.json"])
 def test_every_committed_device_file_loads(path):
     """The device files the docs' commands name load as they are (a fitted per-token slope may be < 0; a fixed
     overhead may not). ~0 s."""
