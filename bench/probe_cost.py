@@ -35,7 +35,8 @@ the project's own code paths at shapes like the run's, on random weights of the 
   o_ttt        per TTT loss call outside the passes (the fc over the taps, the teacher's softmax)
   o_row, o_upd, o_tok_fb, o_dopt   the host's work around the calls: bench/probe_cost_host.py
   oversub      CPU seconds of an autoregressive generate when 2 x cores unpinned processes share the cores, over
-               the same alone (the median round's ratio; --only oversub re-probes it alone into an existing --out)
+               the same alone (the median round's ratio, at least 1: below is noise, and the loader refuses it;
+               --only oversub re-probes it alone into an existing --out)
 
 Layers are isolated as the difference between a 5-layer and a 1-layer model (/ 4); per-sequence terms as the
 difference between two sequence counts. The fits are exact solves of 2 x 2 systems on the probe's own timings.
@@ -276,7 +277,7 @@ def only_oversub(a) -> None:
         dev = json.load(f)
     load0, t0 = os.getloadavg()[0], time.perf_counter()
     ratios = sorted(probe_oversub(a.model, a.batch, a.repeats) for _ in range(a.rounds))
-    dev["oversub"] = ratios[len(ratios) // 2]
+    dev["oversub"] = max(1.0, ratios[len(ratios) // 2])
     dev["source"] = dev.get("source", "").split("; oversub re-probed by")[0] + (
         f"; oversub re-probed by python bench/probe_cost.py --only oversub --rounds {a.rounds} (rounds "
         f"{[round(r, 3) for r in ratios]}; {time.perf_counter() - t0:.0f} s wall, load average {load0:.2f} at the "
@@ -335,7 +336,7 @@ def main(argv=None):
         o.update(host.probe_draft_opt(m5, cpu_s, a.repeats))
         o.update(host.probe_rows(a.batch, 8, 8, cpu_s, a.repeats))
         ratios.append(probe_oversub(a.model, a.batch, a.repeats))
-    oversub = sorted(ratios)[len(ratios) // 2]  # a ratio of two timings: the median round's, not a best
+    oversub = max(1.0, sorted(ratios)[len(ratios) // 2])  # a ratio of two timings: the median round's, not a best
     cmd = "python bench/probe_cost.py " + " ".join(argv if argv is not None else sys.argv[1:])
     F_attn, F_pad = o.pop("F_attn"), o.pop("F_pad")
     o, clamped = clamp_fixed(o)  # a residual below 0 (a noisy machine): 0, named in the source
@@ -348,7 +349,8 @@ def main(argv=None):
                      f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
                      f"{time.perf_counter() - t0:.0f} s wall, niceness {os.getpriority(os.PRIO_PROCESS, 0)}, "
                      f"load average {load0:.2f} at the start and "
-                     f"{os.getloadavg()[0]:.2f} at the end{'; ' + clamped if clamped else ''})"}
+                     f"{os.getloadavg()[0]:.2f} at the end; oversub rounds {[round(r, 3) for r in ratios]}"
+                     f"{'; ' + clamped if clamped else ''})"}
     Device(**dev).check()  # what harness.cost_check will load
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
