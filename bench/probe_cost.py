@@ -39,7 +39,8 @@ the project's own code paths at shapes like the run's, on random weights of the 
                --only oversub re-probes it alone into an existing --out)
 
 Layers are isolated as the difference between a 5-layer and a 1-layer model (/ 4); per-sequence terms as the
-difference between two sequence counts. The fits are exact solves of 2 x 2 systems on the probe's own timings.
+difference between two sequence counts. The fits are exact solves of 2 x 2 systems on the probe's own timings; a
+fixed overhead a fit puts below 0 (under the noise) is written as 0 and named in the file's source.
 """
 from __future__ import annotations
 
