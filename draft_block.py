@@ -109,13 +109,22 @@ def block_loss(draft, h, teacher, valid, src, count, *, gamma: float, chunk: int
     return loss, torch.stack(stats)
 
 
+def anchor_backend(backend: str) -> str:
+    """The kernel a block's anchor attention runs under the run's --attn_backend: the same one, except flash ->
+    triton. A block's W queries see their sequence's trunk up to their anchor (j < a: a key end per anchor,
+    attention_cp.anchor_branch_attention), which flash-attn's varlen kernels cannot express (one key range per
+    sequence); the Triton kernel computes the same attention with per-row key ends. The policy keeps flash."""
+    return "triton" if backend == "flash" else backend
+
+
 def train_blocks(draft, taps, tokens, cu_seqlens, teacher_logits=None, *, teacher_hidden=None, teacher_head=None,
                  loss_mask=None, anchors: int = 4, gamma=None, seed: int = 0, position_ids=None, group=None,
                  attn_fn=None, backend: str = "torch", chunk=None):
     """A block drafter's loss on the policy's own forward -> (loss, metrics); the arguments as draft_ttt.ttt_loss's
-    (this rank's share of the loss under CP; metrics global, per trained slot). anchors: per sequence; gamma: the
-    position weights' decay (None: default_gamma(block_size)); seed: the anchors' seed; chunk: rows per chunk of the
-    streamed loss (None or 0: draft_loss.chunk_rows's byte budget; the tests hold the dense reference)."""
+    (this rank's share of the loss under CP; metrics global, per trained slot). backend: the run's --attn_backend,
+    its anchor kernel anchor_backend(backend); anchors: per sequence; gamma: the position weights' decay (None:
+    default_gamma(block_size)); seed: the anchors' seed; chunk: rows per chunk of the streamed loss (None or 0:
+    draft_loss.chunk_rows's byte budget; the tests hold the dense reference)."""
     ring = as_ring(group)
     T = tokens.shape[0]
     halo = max(draft.teacher_offsets) + 1
@@ -126,7 +135,7 @@ def train_blocks(draft, taps, tokens, cu_seqlens, teacher_logits=None, *, teache
     a = sample_anchors(tokens, cu_seqlens, loss_mask, anchors, seed, ring, position_ids)
     valid, src, count = block_targets(loss_mask, cu_seqlens, a, draft.teacher_offsets, halo, ring)
     h = draft.block_forward(taps, tokens, cu_seqlens, a, position_ids=position_ids, group=ring, attn_fn=attn_fn,
-                            backend=backend)  # (N, W, H)
+                            backend=anchor_backend(backend))  # (N, W, H)
     g = default_gamma(draft.cfg.block_size) if gamma is None else float(gamma)
     def slot_tokens(k):  # (N,) x_{a+k}: the token at each anchor's slot k (0 past the sequence's end)
         return (tokens if k == 0 else cp_shift(tokens, cu_seqlens, k, group=ring, fill=0)[0])[a]
