@@ -28,7 +28,7 @@ from harness.logger import BACKENDS, parse_backends
 from parallel.cli import HELP_ALL, grouped_help, print_help, wants_help
 from parallel.cli import show_value as _show
 from harness.config_checks import (_TYPE_CHECKS, AUTO_FLAG, FLAG, _block_ok, _installed, _parses, _problem,
-                                    _taps_ok, _update_sizes, _writable_dir, above, at_least, one_of)
+                                    _taps_ok, _update_sizes, _writable_dir, above, at_least, backend_problem, one_of)
 from harness.drafters import FAMILIES as DRAFTERS
 from harness.flag_groups import GROUPS
 from harness.presets import PRESETS
@@ -46,7 +46,7 @@ class Config:
     rl_seed: int = -1  # the RL phase (prompts, rollouts, shuffles, cold-start draft, offline arm); -1: = seed
     threads: int = 1  # 1 is robust on a shared 2-core machine (2 threads spin-wait when cores are busy)
     warmup_threads: int = 2  # the warm-ups run alone (under torchrun on rank 0 while the others wait): use the cores
-    device: str = "auto"  # auto: each process's own GPU when CUDA is present and every local rank gets one, else CPU
+    device: str = "auto"  # auto: each process's own GPU when CUDA is present (none for a rank: an error), else CPU
     out: str = ""  # "" -> runs/<name>
     cache_dir: str = "cache"  # where the warm-ups are cached, keyed by every input and the code that computes them
     # task (tasks/protocol.py; the built-in one: tasks/task.py)
@@ -185,12 +185,16 @@ class Config:
     def attn_backend_on(self, device) -> str:
         """--attn_backend as run on `device`: auto is the fused Triton kernel where the models live on CUDA (the torch
         kernel, a Python loop over tiles, is launch-bound on a GPU; without triton installed, torch), and torch, the
-        reference, on CPU."""
-        if self.attn_backend != "auto":
-            return self.attn_backend
-        import importlib.util
-        cuda = torch.device(device).type == "cuda"
-        return "triton" if cuda and importlib.util.find_spec("triton") is not None else "torch"
+        reference, on CPU. An explicit backend `device` cannot run is a ValueError naming --attn_backend and the device
+        (config_checks.backend_problem); mesh.make_mesh asks as soon as the device is known, before any work."""
+        device = torch.device(device)
+        if self.attn_backend == "auto":
+            import importlib.util
+            return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") is not None else "torch"
+        problem = backend_problem(self, device)
+        if problem:
+            raise ValueError(f"--attn_backend={self.attn_backend} with the models on {device}: {problem}")
+        return self.attn_backend
 
     def arm(self, name: str) -> bool:
         """Is the control `name` ("frozen", "cold", "offline") or the KL log ("kl") on: its flag, where auto is on in

@@ -2,7 +2,8 @@
 flag), the type checks and the helpers some rows call (can this directory be written, does the policy have these
 layers, which sizes do the updates cut).
 
-May import parallel, tasks and model (the presets), nothing of harness but presets.
+May import parallel, tasks and model (the presets), nothing of harness but presets; backend_problem imports
+backends.attention_flash when it asks flash-attn itself.
 """
 from __future__ import annotations
 
@@ -61,6 +62,39 @@ def _installed(backends) -> bool:
     """Every --log backend's package is importable (tensorboard, wandb), found without importing it."""
     import importlib.util
     return all(importlib.util.find_spec(b) is not None for b in backends if b != "jsonl")
+
+
+def backend_problem(c, device) -> str | None:
+    """Why c.attn_backend cannot run with the models on `device` (a torch.device), or None. torch runs anywhere.
+    triton: the triton package and a CUDA device, or on the CPU Triton's interpreter (TRITON_INTERPRET=1, set
+    before launch: how the tests run its kernels). flash: a CUDA device, flash-attn importable at its minimum
+    version (backends/attention_flash.flash_interface, the backend's own check), fp16/bf16 models (its kernels take
+    no fp32), and with a block drafter also triton: a block's anchor attention runs there
+    (draft_block.anchor_backend)."""
+    import importlib.util
+    b, cuda, triton = c.attn_backend, device.type == "cuda", importlib.util.find_spec("triton") is not None
+    cpu_hint = "on the CPU use --attn_backend torch (auto picks it)"
+    if b == "triton" and not triton:
+        return "needs the triton package (pip install triton; it comes with torch's CUDA builds)"
+    if b == "triton" and not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return (f"needs a CUDA device; {cpu_hint}, or set TRITON_INTERPRET=1 before launch to run Triton's "
+                "kernels in its interpreter (slow: for tests)")
+    if b != "flash":
+        return None
+    if not cuda:
+        return f"needs a CUDA device (flash-attn has no CPU kernels); {cpu_hint}"
+    if c.dtype == "fp32":
+        return ("flash-attn takes fp16/bf16 only, got --dtype=fp32; use --dtype bf16 (auto on CUDA) or "
+                "--attn_backend triton")
+    if c.drafter != "eagle3" and not c.no_spec and not triton:
+        return (f"with --drafter {c.drafter} needs the triton package too (a block's anchor attention has "
+                "per-anchor key ends that flash-attn lacks: it runs on triton)")
+    from backends.attention_flash import flash_interface
+    try:
+        flash_interface()
+    except RuntimeError as e:
+        return str(e)
+    return None
 
 
 def _policy_layers(c) -> int | None:

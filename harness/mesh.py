@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -131,17 +132,46 @@ def rank_world() -> tuple:
 
 
 def pick_device(cfg: Config) -> torch.device:
-    """Where this process's models live. cfg.device "auto": its own GPU (LOCAL_RANK under torchrun) when CUDA is present
-    and every process on the node gets one (NCCL cannot share a GPU between ranks), else the CPU."""
-    n_local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    """Where this process's models live. The process is local rank r = LOCAL_RANK of the n = LOCAL_WORLD_SIZE processes
+    on its node (torchrun's env; 0 of 1 without it) and sees g = torch.cuda.device_count() GPUs:
+
+        --device cpu, or auto without CUDA   the CPU
+        g >= n                               cuda:r   every process sees the node's GPUs (torchrun): rank r takes GPU r
+        g == 1                               cuda:0   each process is bound to its own GPU (CUDA_VISIBLE_DEVICES with
+                                                      one device per process, e.g. SLURM's --gpus-per-task=1)
+        else (1 < g < n)                     ValueError: no rank can be given its own GPU
+
+    auto and cuda alike: with CUDA present a rank never falls back to the CPU (NCCL cannot share a GPU between ranks;
+    --device cpu runs on the CPU on purpose). The error is one line naming LOCAL_RANK, LOCAL_WORLD_SIZE, g and
+    CUDA_VISIBLE_DEVICES, and what to do. Under g == 1 two ranks could still be bound to one GPU: make_mesh checks
+    that every rank of a host holds a different GPU once the process group exists (shared_gpus)."""
     if cfg.device == "cpu" or not torch.cuda.is_available():  # Config rejects device="cuda" without CUDA
         return torch.device("cpu")
-    if n_local > torch.cuda.device_count():
-        if cfg.device == "cuda":
-            raise ValueError(f"device='cuda': {n_local} processes on this node but {torch.cuda.device_count()} GPU(s); "
-                             "each rank needs its own GPU (or run with --device=cpu)")
-        return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    n_local, g = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
+    r = int(os.environ.get("LOCAL_RANK", "0"))
+    if g >= n_local:
+        return torch.device("cuda", r)
+    if g == 1:
+        return torch.device("cuda", 0)
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    raise ValueError(f"--device={cfg.device}: LOCAL_RANK={r} of LOCAL_WORLD_SIZE={n_local} processes on this node sees "
+                     f"{g} GPUs" + (f" (CUDA_VISIBLE_DEVICES={cvd})" if cvd is not None else "") + ", so not every "
+                     f"rank can have its own GPU; launch at most {g} processes per node, or bind one GPU to each "
+                     "process (CUDA_VISIBLE_DEVICES), or run on the CPU on purpose with --device cpu")
+
+
+def shared_gpus(seen: list) -> str | None:
+    """seen[rank] = (host, GPU uuid) of every rank: None when no two ranks of a host hold the same GPU, else a line
+    naming the first GPU held twice, its host and its ranks."""
+    holders = {}
+    for rank, key in enumerate(seen):
+        holders.setdefault(tuple(key), []).append(rank)
+    for (host, uuid), ranks in holders.items():
+        if len(ranks) > 1:
+            return (f"--device: ranks {', '.join(map(str, ranks))} on host {host} share one GPU ({uuid}); each rank "
+                    "needs its own GPU (NCCL cannot share one): launch at most one process per visible GPU, or run on "
+                    "the CPU on purpose with --device cpu")
+    return None
 
 
 def model_dtype(cfg: Config, device: torch.device) -> torch.dtype:
@@ -159,8 +189,10 @@ def make_mesh(cfg: Config) -> Mesh:
     """WORLD_SIZE 1 (or unset): the 1 x 1 x 1 mesh. Else torchrun's env contract (RANK, WORLD_SIZE, LOCAL_RANK,
     MASTER_ADDR/PORT) -> process group (gloo for CPU tensors, NCCL for CUDA ones) and the DP x PP x CP grid. Every
     collective and point-to-point wait (every sub-group's too) waits at most cfg.dist_timeout s, so a dead or stopped
-    rank makes its peers fail instead of hang."""
+    rank makes its peers fail instead of hang. A device no rank can own, or an --attn_backend it cannot run, ends
+    the run here, before any model is built (pick_device, Config.attn_backend_on)."""
     dev = pick_device(cfg)
+    cfg.attn_backend_on(dev)  # refuses a backend this device cannot run; the build resolves it again (cheap)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return Mesh(Grid(), dev)
@@ -175,6 +207,10 @@ def make_mesh(cfg: Config) -> Mesh:
         torch.cuda.set_device(dev)
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.dist_timeout))
+    if dev.type == "cuda":  # before any NCCL communicator: every rank gathers the same list and raises the same line
+        problem = shared_gpus(gather_all((socket.gethostname(), str(torch.cuda.get_device_properties(dev).uuid))))
+        if problem:
+            raise ValueError(problem)
     set_timeout(cfg.dist_timeout)  # every sub-group and point-to-point wait too (parallel/waits.py)
     return Mesh(Grid.build(pp=cfg.pp, cp=cfg.cp, dp=dp, device=dev), dev, dist.get_rank(), world,
                 int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

@@ -74,8 +74,8 @@ def test_device_cuda_without_cuda_is_an_error():
 
 
 def test_pick_device_one_gpu_per_rank(monkeypatch):
-    """auto: the process's own GPU when every local rank gets one, else the CPU; cuda: an error instead. (CUDA is
-    faked here: pick_device only reads the counts, it allocates nothing.)"""
+    """auto and cuda: the process's own GPU when every local rank gets one, else an error, never the CPU (CUDA is
+    faked here: pick_device only reads the counts, it allocates nothing; tests/test_startup_checks.py has the rest)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
@@ -84,9 +84,9 @@ def test_pick_device_one_gpu_per_rank(monkeypatch):
     assert pick_device(Config(device="cuda")) == torch.device("cuda", 1)
     assert pick_device(Config(device="cpu")) == torch.device("cpu")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # 4 ranks, 2 GPUs: NCCL cannot share one
-    assert pick_device(Config(device="auto")) == torch.device("cpu")
-    with pytest.raises(ValueError, match="device='cuda': 4 processes on this node but 2 GPU"):
-        pick_device(Config(device="cuda"))
+    for device in ("auto", "cuda"):
+        with pytest.raises(ValueError, match=f"--device={device}: LOCAL_RANK=1 of LOCAL_WORLD_SIZE=4 .* sees 2 GPUs"):
+            pick_device(Config(device=device))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert pick_device(Config(device="auto")) == torch.device("cpu")
 
