@@ -9,8 +9,9 @@
 #   3. train.py in HF mode under torchrun over the node's GPUs -- pp x cp where there are several (NCCL: the pipeline,
 #      TapChannel, the zigzag ring) -- for 2 RL steps, bf16, with --attn_backend=triton and --activation_checkpointing
 #      (as the 8B plan runs), then the block drafter (--drafter=dflash: the anchor kernels) on triton, then the
-#      EAGLE-3 run with flash; each run's summary.json checked (finite numbers; a field may be null only where the run
-#      legitimately has none: kl_last without a reference model).
+#      block drafter with flash (the policy on flash-attn, the blocks' anchor attention on triton:
+#      draft_block.anchor_backend); each run's summary.json checked (finite numbers; a field may be null only where
+#      the run legitimately has none: kl_last without a reference model).
 # One line per stage on stdout; a failure names its stage, a stage that runs out of time says so; flash-attn missing
 # makes its stages "skipped", never "ok". The last line counts the stages ok / skipped / failed; the exit status is 0
 # iff none failed. The output tails go to bench/results/gpu_smoke.md.
@@ -31,7 +32,7 @@ WORK=${SMOKE_WORK:-/tmp/cospec_gpu_smoke}
 DEVICE=${SMOKE_DEVICE:-cuda}
 VOCAB=${SMOKE_VOCAB:-151936}  # Qwen3's
 BACKENDS=${SMOKE_BACKENDS:-triton flash}
-DRAFTERS=${SMOKE_DRAFTERS:-eagle3 dflash}  # with the first backend; the others train eagle3 only
+DRAFTERS=${SMOKE_DRAFTERS:-eagle3 dflash}  # with the first backend; the others train dflash only
 # stage limits (s): versions, numerical tests, checkpoint, then per training run (the first one compiles the
 # kernels, a longer limit) the run and its summary
 L_VERSIONS=20 L_NUMERICS=150 L_CKPT=45 L_TRAIN_FIRST=150 L_TRAIN=100 L_SUMMARY=10
@@ -203,7 +204,7 @@ train_stage() {  # train_stage BACKEND DRAFTER LIMIT [FLAGS...]: 2 RL steps in H
   && stage "summary of the $backend $drafter run" "$L_SUMMARY" python -c "$SUMMARY_CHECK" "$run"
 }
 # The first run with activation checkpointing (the 8B plan's setting) and the longer limit (it compiles the kernels);
-# the first backend trains every drafter, the others eagle3.
+# the first backend trains every drafter, the others dflash (flash: the blocks' anchor attention on triton).
 FIRST=1
 for backend in $BACKENDS; do
   for drafter in $DRAFTERS; do
@@ -211,7 +212,7 @@ for backend in $BACKENDS; do
     else train_stage "$backend" "$drafter" "$L_TRAIN"; fi
     FIRST=0
   done
-  DRAFTERS=eagle3
+  DRAFTERS=dflash
 done
 
 note "stages: $OK ok, $SKIPPED skipped, $FAILED failed"
