@@ -3,7 +3,7 @@ replicas -- the same optimisation step as the single-process rl_loop.cotrain_ste
 train.py runs at every world size (one process: the 1 x 1 x 1 grid, no process group); cotrain_step is the readable
 reference it is tested against. Its draft hook (on the last stage, after each forward) computes every trained draft's
 loss on the taps; the experiment's watched control arms attach to it through `watch` (harness/watch.py), and the
-step's sums travel as one named record (StepTotals).
+step's sums travel as one named record (parallel/step_totals.py).
 
 Why the split of the work does not change the step (rl_loop's module docstring has the math):
   1. Policy. Every normalisation of rl_loop.aggregate is LINEAR in the per-token losses l_t, so the minibatch loss is
@@ -19,10 +19,11 @@ Why the split of the work does not change the step (rl_loop's module docstring h
   4. DP. PipelineSchedule averages grads over replicas; every loss returned to it is scaled by dp, so the average is the
      sum over replicas = the single-process gradient. Gradient clipping uses the global norm (sum of squares over the
      PP stages, the tied embedding counted once); then each stage steps its own optimizer, the last stage the drafts.
+  5. pi_old. An RL step's first update reads it from its own forward (detached); a later update from old_logp, one
+     no-grad forward of the same path taken before the first update. The rollout's log-probs are only compared.
 
-After the update `refit` re-assembles the full policy and drafts on every rank for the next rollouts (in
-production an inference engine refit with the new weights). This rank's stage is not a copy: its parameters are the
-full policy's own tensors for the layers it trains (stage_of), so refit copies only the other stages' layers.
+After the update `refit` re-assembles the full policy and drafts on every rank for the next rollouts. This rank's
+stage is not a copy: its parameters are the full policy's own tensors (stage_of), so refit copies the other stages'.
 
     python -m pytest -q tests/test_dist_step.py   # 5 (dp, pp, cp) layouts + 7 variants vs one process, 4 gloo ranks
     torchrun --standalone --nproc_per_node=4 train.py --preset smoke        # the loop that calls it (pp=2, cp=2)
@@ -32,16 +33,16 @@ Letters: T packed tokens (this rank's shard under CP), S sequences, M micro-batc
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from branch_mask import cu_to, pad_ring_of_one, position_ids
-from parallel.consistency import check_same_cu_seqlens
+from parallel.consistency import check_same_cu_seqlens, check_same_weights
 from backends.fused_logprob import token_logp as fused_token_logp
 from parallel.grid import Grid
+from parallel.step_totals import StepTotals
 from model import EMBED_TAP, Transformer
 from modeling.mixed_precision import clip_grads_, grads_of, master_optimizer
 from parallel.pp_schedule import split_layers
@@ -108,40 +109,6 @@ def _pad_even(mb: Microbatch) -> Microbatch:
     return Microbatch(pad.pad(mb.tokens), pad.cu_seqlens, position_ids(pad.cu_seqlens), extra)
 
 
-# ------------------------------------------------------------------------------------------------------ the record
-@dataclass
-class StepTotals:
-    """What one update sums, by name: fp64 tensors on the stage's device, added to by the loss and the draft hook with
-    no host sync, then summed over the world in ONE all-reduce (`all_reduced`). Only last-stage ranks add anything;
-    each adds its CP / DP share (the times: its own divided by cp * dp, so the sum is the last stage's mean)."""
-    clipped: torch.Tensor  # () sum_t m_t [rho_t clipped]      m_t = 1 on a trained response token (per prediction)
-    ratio: torch.Tensor  # () sum_t m_t rho_t
-    k3: torch.Tensor  # () sum_t m_t k3_t
-    tokens: torch.Tensor  # () sum_t m_t
-    draft_seconds: torch.Tensor  # () wall seconds in the draft hook and its backward, the watched arms' excluded
-    watch_seconds: torch.Tensor  # () wall seconds of the watched arms (DistCotrainer's `watch`)
-    draft_cpu_seconds: torch.Tensor  # () the same two in CPU seconds
-    watch_cpu_seconds: torch.Tensor
-    loss_draft: torch.Tensor  # (K,) each trained draft's loss, averaged over the micro-batches
-
-    @classmethod
-    def zeros(cls, n_drafts: int, device) -> "StepTotals":
-        return cls(*(torch.zeros(() if f.name != "loss_draft" else (n_drafts,), dtype=torch.float64, device=device)
-                     for f in fields(cls)))
-
-    def all_reduced(self) -> "StepTotals":
-        """The world's sum, from one all-reduce of the fields packed in order (one process: the same values)."""
-        parts = [getattr(self, f.name) for f in fields(self)]
-        flat = torch.cat([t.reshape(-1) for t in parts])
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flat)
-        return StepTotals(*(t.view_as(p) for t, p in zip(flat.split([p.numel() for p in parts]), parts)))
-
-    def mean(self, name: str) -> float:
-        """A policy statistic's mean over the step's trained tokens (clip_frac, ratio, k3)."""
-        return float(getattr(self, name)) / max(float(self.tokens), 1.0)
-
-
 # ------------------------------------------------------------------------------------------------------ the update
 class DistCotrainer:
     """This rank's share of the policy update: its stage of the policy with its optimizer, and (used on the last stage)
@@ -162,10 +129,9 @@ class DistCotrainer:
         attn_fn; "torch" / "triton" / "flash": every attention of the step, at any cp (a ring of one at cp = 1), is
         attention_cp.ring_branch_attention with that block kernel. logprob_chunk > 0: no (T, V) logits on the last
         stage: GRPO's log-probs come from the final hidden through fused_logprob.token_logp and the drafts' teacher is
-        the final hidden + LM head, streamed (draft_loss.Teacher), their loss in chunks of the same rows
-        (0: draft_loss.chunk_rows's default). zero1: the stage's optimizer state sharded over its
-        DP x CP ranks (parallel/zero1.py), the same update. The drafts read e(x_{i+d}) from the embedding tap
-        (stage 0's, through TapChannel), never from the full policy copy, which serves the rollouts only.
+        the final hidden + LM head, streamed (draft_loss.Teacher), their loss in chunks of the same rows (0:
+        draft_loss.chunk_rows's default). zero1: the stage's optimizer state sharded over its DP x CP ranks
+        (parallel/zero1.py). The drafts read e(x_{i+d}) from the embedding tap (stage 0's, through TapChannel).
         activation_checkpointing: each decoder layer of the stage is recomputed in backward.
         watch: None, or the experiment's observer of drafts NOT trained on the rollouts (harness/watch.py's DraftWatch:
         the frozen and offline-extended control arms), read in the same draft hook from the same taps, forward only --
@@ -187,10 +153,11 @@ class DistCotrainer:
         self.split = split_layers(cfg.num_hidden_layers, grid.pp)
         self.stage = stage_of(policy, self.split, grid.pp_rank,  # aliases the policy's tensors, see stage_of
                               activation_checkpointing=activation_checkpointing)  # recompute each layer in backward
-        embed = policy.embed.weight.data_ptr()
+        self._homes = homes(policy)  # where each policy tensor lives before the optimizer may move it
         # fp32: make_opt (ZeRO-1: sharded over the stage group); bf16: fp32 masters, grads accumulated in fp32
         self.opt = master_optimizer(self.stage.parameters(), make_opt, grid.stage_group if zero1 else None)
-        self._reattach(policy, embed)
+        self.policy = policy
+        self.reshare()
         self.last = self.stage.is_last
         taps = sorted({l for tr in self.drafts for l in tr.draft.tap_layers}
                       | {l for d in self._watched() for l in d.tap_layers})
@@ -201,26 +168,29 @@ class DistCotrainer:
                                       attn_fn=attn_fn if grid.cp == 1 or attn_backend else None,
                                       draft_params=dparams, logits=not self.logprob_chunk)
 
-    def step(self, batch: RolloutBatch, cfg: GRPOConfig, micro_batches=1, train_drafts=True, on_policy=False) -> dict:
-        """One update (train_drafts False: the policy's alone; on_policy: pi_old = this forward's, as cotrain_step)."""
+    def step(self, batch: RolloutBatch, cfg: GRPOConfig, micro_batches=1, train_drafts=True, on_policy=False,
+             pi_old: dict | None = None) -> dict:
+        """One update. train_drafts False: the policy's alone. pi_old, the denominator of the ratio: on_policy -- this
+        forward's own log-probs, detached (an RL step's first update, as cotrain_step); else `pi_old` from
+        old_logp(batch) taken before the step's first update; else batch.old_logp as given (cotrain_step's
+        contract). batch.old_logp is compared with pi_old either way ("token_mult_prob_error")."""
         g, K = self.grid, len(self.drafts)
-        mbs = microbatches(batch, grpo_weights(batch, cfg, micro_batches), micro_batches, g,
-                           pad_even=self.attn_backend is not None)
-        check_same_cu_seqlens([mb.cu_seqlens for mb in mbs], g.cp_group)  # once per step: 8 bytes, no per-call sync
+        mbs = self._microbatches(batch, cfg, micro_batches)
+        if pi_old is not None and self.last and sorted(pi_old) != sorted(mb.extra["chunk"] for mb in mbs):
+            raise ValueError(f"pi_old: holds micro-batches {sorted(pi_old)}, this rank trains "
+                             f"{sorted(mb.extra['chunk'] for mb in mbs)}: take it with old_logp(batch) on the same "
+                             f"batch and micro_batches={micro_batches}")
         dev = next(self.stage.parameters()).device
-        mbs = [Microbatch(mb.tokens.to(dev), cu_to(mb.cu_seqlens, dev),  # with its host copy
-                          None if mb.position_ids is None else mb.position_ids.to(dev),
-                          {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in mb.extra.items()})
-               for mb in mbs]
         tot, metrics = StepTotals.zeros(K, dev), {}  # metrics: (micro-batch, draft) -> its draft_ttt metrics
 
         def loss_fn(z, mb):  # logits (T, V), or the final hidden (T, H) when fused -> dp * this rank's share of L
             e = mb.extra
             logp = self._token_logp(z, e["tgt"], cfg.temperature)  # (T,) per prediction: log p_tau(x_{p+1} | x_<=p)
-            old = logp.detach() if on_policy else e["old"]  # ratio exactly 1, not a bf16 rollout's ~1e-3 off
+            old = logp.detach() if on_policy else e["old"] if pi_old is None else pi_old[e["chunk"]]
             l, clipped, kl = token_losses(logp, old, e["adv"], e["ref"], cfg)
             with torch.no_grad():
                 m = e["resp"].double()
+                tot.gen_err += (torch.exp((e["old"].double() - old.double()).abs()) * m).sum()
                 tot.clipped += (clipped.double() * m).sum()
                 tot.ratio += (torch.exp(logp - old).double() * m).sum()
                 tot.k3 += (kl.double() * m).sum()
@@ -260,9 +230,31 @@ class DistCotrainer:
                 "draft_metrics": pooled[:K], "watch_metrics": pooled[K:],
                 "watch_seconds": float(tot.watch_seconds), "watch_cpu_seconds": float(tot.watch_cpu_seconds),
                 "own_cpu_seconds": own, "clip_frac": tot.mean("clipped"), "ratio": tot.mean("ratio"),
-                "k3": tot.mean("k3"), "grad_norm": grad_norm, "p2p_bytes": res.p2p_bytes, "tap_bytes": res.tap_bytes,
+                "k3": tot.mean("k3"), "token_mult_prob_error": tot.mean("gen_err"), "grad_norm": grad_norm,
+                "p2p_bytes": res.p2p_bytes, "tap_bytes": res.tap_bytes,
                 "draft_seconds": float(tot.draft_seconds), "draft_cpu_seconds": float(tot.draft_cpu_seconds),
                 "loss_total": res.loss + sum(tr.lam * x for tr, x in zip(self.drafts, draft_losses))}
+
+    def old_logp(self, batch: RolloutBatch, cfg: GRPOConfig, micro_batches=1) -> dict:
+        """pi_old for an update that is not the RL step's first: {micro-batch: (T,) log p_tau per prediction} of this
+        rank's share of `batch` under the weights as they are now, from one no-grad forward through the update's own
+        path (the stages, the ring, the LM head as step() forms them). Take it for every later minibatch before the
+        first update moves the weights; pass it to step(pi_old=). Empty on every stage but the last."""
+        mbs = self._microbatches(batch, cfg, micro_batches)
+        out = self.sched.forward(mbs, lambda z, mb: self._token_logp(z, mb.extra["tgt"], cfg.temperature))
+        return {mb.extra["chunk"]: lp for mb, lp in zip(mbs, out)}
+
+    def _microbatches(self, batch: RolloutBatch, cfg: GRPOConfig, micro_batches: int) -> list:
+        """This rank's micro-batches of `batch` (microbatches above), on the stage's device."""
+        g = self.grid
+        mbs = microbatches(batch, grpo_weights(batch, cfg, micro_batches), micro_batches, g,
+                           pad_even=self.attn_backend is not None)
+        check_same_cu_seqlens([mb.cu_seqlens for mb in mbs], g.cp_group)  # once per step: 8 bytes, no per-call sync
+        dev = next(self.stage.parameters()).device
+        return [Microbatch(mb.tokens.to(dev), cu_to(mb.cu_seqlens, dev),  # with its host copy
+                           None if mb.position_ids is None else mb.position_ids.to(dev),
+                           {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in mb.extra.items()})
+                for mb in mbs]
 
     def _draft_loss_on(self, d, tau: float):
         """read(draft, trainer) -> (loss, metrics): `draft`'s loss (drafter.py; EAGLE-3: TTT) on micro-batch d's
@@ -331,31 +323,32 @@ class DistCotrainer:
         return total
 
     # --------------------------------------------------------------------------------------------------- refit
-    def _reattach(self, policy, embed: int):
-        """The optimizer may have moved the parameters into a flat buffer (ZeRO-1, bf16 masters: zero1.ShardedOptimizer
-        rebinds .data), the policy's aliased embedding with them: drafts holding the old storage (Eagle3Draft.attach,
-        data_ptr `embed`) share the new one again. A draft attached to the policy but given to neither `drafts` nor
-        `watch` must call attach(policy) itself after this constructor."""
-        if policy.embed.weight.data_ptr() == embed:
-            return
+    def reshare(self):
+        """A draft holds the policy's embedding and (block drafts) LM head as detached buffers aliasing their storage
+        (drafter.py: attach). What re-homes a parameter -- the optimizer's flat buffer under ZeRO-1 or bf16 masters
+        (parallel/zero1.py rebinds .data), a cast -- would leave such a buffer on the old storage, silently: a draft
+        training against a frozen head. So each draft buffer (trained and watched drafts) that held a policy tensor's
+        storage is pointed at its storage now. After the optimizer is built and every refit: pointers compared only."""
+        live = dict(self.policy.named_parameters())
         for d in [tr.draft for tr in self.drafts] + self._watched():
-            e = getattr(d, "embed_weight", None)
-            if e is not None and e.data_ptr() == embed:
-                d.attach(policy)
+            for name, buf in list(d.named_buffers(recurse=False)):
+                home = self._homes.get(buf.data_ptr())
+                if home is not None and live[home].data_ptr() != buf.data_ptr():
+                    d.register_buffer(name, live[home].detach(), persistent=name not in d._non_persistent_buffers_set)
+        self._homes = homes(self.policy)
 
     @torch.no_grad()
-    def refit(self, policy):
+    def refit(self, policy) -> dict:
         """Re-assemble the full policy and drafts on every rank from the updated PP stages, for the next rollouts.
+        Returns {"policy" / "draft k": fingerprint} after checking that every rank holds the same ones (consistency.py).
 
         This rank's own stage needs no copy: its parameters are the policy's (stage_of), already updated in place.
         Stage s broadcasts its weights (one flat bucket) over the pipeline group; every other rank copies them IN PLACE
-        into its full copy (so drafts attached to its embedding see the new one); the last stage then broadcasts the
-        drafts. CP and DP peers hold identical stages after the step, so the pipeline group alone suffices. This is the
-        "weight sync" of an RL system: with an inference engine (vLLM / SGLang) as the rollout worker, the trainer's
-        stages push the same per-stage tensors, named as in the HF checkpoint (model.layers.{i}.*, so no renaming),
-        to the engine's ranks -- over NCCL broadcast or CUDA IPC when co-located -- and the engine loads them in place
-        (vLLM's load_weights / SGLang's update_weights_from_distributed), re-sharding for its own TP layout, then
-        drops its KV cache. Here the "engine" is speculative.generate on a full fp copy in each process."""
+        into its full copy (drafts sharing its tensors see the new values: reshare); the last stage then broadcasts
+        the drafts. CP and DP peers hold identical stages after the step, so the pipeline group suffices. This is an
+        RL system's "weight sync": an inference engine as the rollout worker (vLLM / SGLang) loads the same
+        per-stage tensors, named as in the HF checkpoint, in place (vLLM's load_weights), then drops its KV cache.
+        Here the "engine" is speculative.generate on a full copy in each process (serving/vllm_engine.py: vLLM's)."""
         g = self.grid
         full = policy.state_dict()
         mine = self.stage.state_dict()
@@ -384,6 +377,15 @@ class DistCotrainer:
                 for p in tr.draft.parameters():
                     p.copy_(flat[i:i + p.numel()].view_as(p))
                     i += p.numel()
+        self.reshare()
+        parts = {"policy": list(policy.parameters()), **{f"draft {k}": [*tr.draft.parameters(), *tr.draft.buffers()]
+                                                          for k, tr in enumerate(self.drafts)}}
+        return check_same_weights(parts)  # every rank's rollout copies agree, the drafts' shared buffers included
+
+
+def homes(model) -> dict:
+    """{data_ptr: parameter name} of every parameter of `model`: where its storage is now (DistCotrainer.reshare)."""
+    return {p.data_ptr(): n for n, p in model.named_parameters()}
 
 
 def stage_of(policy, split, s: int, activation_checkpointing: bool = False) -> Transformer:

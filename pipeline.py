@@ -215,6 +215,31 @@ class PipelineSchedule:
         self._saved = self._mbs = None
         return StepResult(loss, draft, self._p2p_bytes, tap_bytes, self._draft_seconds, self._draft_cpu)
 
+    @torch.no_grad()
+    def forward(self, microbatches, out_fn: Callable) -> list:
+        """The forwards alone, no gradient, no taps, no draft: F(0) .. F(M-1) in order, AFAB's first half and its
+        point-to-point plan. The last stage returns [out_fn(logits (T, V) or final hidden (T, H), mb)] per microbatch,
+        every other stage []. What an update reads before it moves the weights (pi_old) comes from here: the same
+        stages, attention and LM head as step()'s forward."""
+        mbs = list(microbatches)
+        if not mbs:
+            raise ValueError("microbatches: got M=0; a forward needs M >= 1")
+        self._mbs, self._saved, self._p2p_bytes = mbs, {}, 0
+        acts = [("F", m) for m in range(len(mbs))]
+        plan = p2p_plan(acts, self.grid.pp_rank, self.grid.pp)
+        pending, outs = self._exchange(plan[0], None), []
+        for i, (_, m) in enumerate(acts):
+            got = pending.wait()  # sync point: this microbatch's activations are here
+            mb = self._mbs[m]
+            x = mb.tokens if self.first else got
+            out = self.stage(x, mb.cu_seqlens, mb.position_ids, attn_fn=self.attn_fn, logits=self.logits)
+            if self.last:
+                outs.append(out_fn(out.logits if self.logits else out.hidden, mb))
+            pending = self._exchange(plan[i + 1], None if self.last else out.hidden)
+        pending.wait()
+        self._mbs = self._saved = None
+        return outs
+
     def _forward(self, m: int, got):
         """F(m); returns the stage output to send on (None on the last stage)."""
         mb = self._mbs[m]

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 
 HEADER = (f"{'step':>4} {'reward':>6} {'acc':>5} {'expl':>5} {'len':>5} {'KL':>6} {'zero':>4} {'clip':>5} "
           f"{'accept':>6} {'tau^c':>5} {'tau^f':>5} {'tau^o':>5} {'tok/s':>6} {'t_roll':>6} {'r_max':>5} {'r_min':>5} "
-          f"{'t_pol':>5} {'t_dft':>5}")  # r_max / r_min: the slowest / fastest rank's share of the rollout phase
+          f"{'t_pol':>5} {'t_dft':>5} {'lp_err':>6}")  # r_max / r_min: the slowest / fastest rank's rollout seconds;
+# lp_err: token_mult_prob_error, mean exp|log pi_gen - log pi_old| over the trained tokens (1: rollout and update agree)
 
 
 class Report:
@@ -73,7 +74,7 @@ class Report:
                    f"{row['clip_frac']:5.3f} "
                    f"{_num(row['accept_len'], 6)} {tau} {row['rollout_tok_s']:6.0f} "
                    f"{t['rollout']:6.2f} {max(ranks):5.2f} {min(ranks):5.2f} {t['policy_train']:5.2f} "
-                   f"{t['draft_train']:5.2f}")
+                   f"{t['draft_train']:5.2f} {_num(row.get('token_mult_prob_error'), 6, 4)}")
 
     def eval(self, ev: dict | None):  # None: nothing to report (not rank 0, or no evaluation this step)
         if ev is None:

@@ -6,16 +6,22 @@ only, a 1/n share of the policy's updates; on the others the pipeline runs witho
 GRPO's update. The offline-extended control is given the same number of TTT steps ("trained as much").
 
     up = update(s, batch, timer)      # {"loss_policy", "loss_draft", "kl", "clip_frac", "ratio", "grad_norm",
+                                      #  "token_mult_prob_error", "weights_fingerprint",
                                       #  "tau_hat_<arm>", "alpha_<arm>" for every arm}
 
   1. KL drift    KL(pi_t || pi_0) from the rollouts themselves (rl_loop.rollout_kl: no extra forward);
   2. shuffle     the batch's sequences in a random order, cut into `updates` minibatches (one stream on every rank);
-  3. step        dist_step.DistCotrainer.step: ONE policy forward per micro-batch through the pipeline stages (CP inside
-                 each stage), GRPO on its log-probs, every draft's TTT loss on its taps (TapChannel) on the last stage;
-                 the first update's pi_old is that forward's own log-probs (detached: the ratio starts at exactly 1,
-                 where the rollout's bf16 log-probs from the decode kernels differ by ~1e-3), later ones' the rollout's;
+  3. pi_old      from the training forward for every update, never from the rollout: the first update reads its own
+                 forward's log-probs (detached: the ratio starts at exactly 1), every later minibatch's come from one
+                 no-grad forward through the same path before the first update moves the weights
+                 (DistCotrainer.old_logp). The rollout's log-probs (the decode kernels': in bf16 ~1e-3 off) are only
+                 compared with them: token_mult_prob_error = mean_t exp|log pi_gen - log pi_old| (NeMo-RL's name;
+                 1 when the two paths agree);
+     step        dist_step.DistCotrainer.step: ONE policy forward per micro-batch through the pipeline stages (CP inside
+                 each stage), GRPO on its log-probs, every draft's loss on its taps (TapChannel) on the last stage;
                  rl_loop.cotrain_step is the naive single-process reference it equals (tests/test_dist_step.py);
-  4. refit       the full policy and drafts re-assembled from the stages (DistCotrainer.refit).
+  4. refit       the full policy and drafts re-assembled from the stages (DistCotrainer.refit), then checked: every
+                 rank's copies have the same fingerprint (parallel/consistency.py), recorded as weights_fingerprint.
   5. control     the offline-extended arm's steps on fresh pi_0 samples (offline_arm.py; sampled on every rank,
                  trained on rank 0, then broadcast): as many TTT steps as the co-trained draft took this step,
                  timed apart ("offline"): it is the control's cost, not the co-trained run's.
@@ -54,11 +60,13 @@ def update(s: Setup, batch: RolloutBatch, timer: dict, step: int = 1) -> dict:
     kl = rollout_kl(batch) if batch.ref_logp is not None else None  # None: no reference held (cfg.needs_ref)
     perm = torch.randperm(batch.num_seqs, generator=s.perm_gen)
     trains = [c.trains_drafts((step - 1) * c.updates + j) for j in range(c.updates)]
+    minibatches = [batch.select(idx.sort().values) for idx in perm.chunk(c.updates)]
+    pi_old = [None] + [s.cotrainer.old_logp(b, s.grpo, c.micro_batches) for b in minibatches[1:]]  # before any update
     stats = []
-    for j, (idx, train) in enumerate(zip(perm.chunk(c.updates), trains)):
-        stats.append(s.cotrainer.step(batch.select(idx.sort().values), s.grpo, c.micro_batches, train_drafts=train,
-                                      on_policy=j == 0))  # the first: pi_old is the forward's own log-probs
-        s.cotrainer.refit(s.policy)
+    for j, (b, train) in enumerate(zip(minibatches, trains)):
+        stats.append(s.cotrainer.step(b, s.grpo, c.micro_batches, train_drafts=train, on_policy=j == 0,
+                                      pi_old=pi_old[j]))  # the first: pi_old is the forward's own log-probs
+        prints = s.cotrainer.refit(s.policy)  # raises unless every rank holds the same copies
     timer["draft_train"] = timer.get("draft_train", 0.0) + sum(st["draft_seconds"] for st in stats)
     timer["watch"] = timer.get("watch", 0.0) + sum(st["watch_seconds"] for st in stats)  # the controls' metrics
     timer["policy_train"] = timer.get("policy_train", 0.0) + time.perf_counter() - t0 - sum(
@@ -69,9 +77,11 @@ def update(s: Setup, batch: RolloutBatch, timer: dict, step: int = 1) -> dict:
     if s.offline is not None and any(trains):
         timer.update(s.offline.step(sum(trains)))  # as many TTT steps; every rank samples its share, rank 0 trains
         s.offline.broadcast()
-    out = {k: sum(st[k] for st in stats) / len(stats) for k in ("loss_policy", "clip_frac", "ratio", "grad_norm")}
+    out = {k: sum(st[k] for st in stats) / len(stats)
+           for k in ("loss_policy", "clip_frac", "ratio", "grad_norm", "token_mult_prob_error")}
     out.update(draft_metrics(s, [st for st, train in zip(stats, trains) if train]))
     out["kl"] = kl
+    out["weights_fingerprint"] = {k: f"{v % 2**64:016x}" for k, v in prints.items()}  # the same on every rank
     return out
 
 
