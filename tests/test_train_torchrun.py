@@ -1,6 +1,7 @@
 """End to end under torchrun: `--preset smoke` on a 4-process gloo mesh (pp = 2, cp = 2) from an empty cache, the
 suite's end-to-end check: its summary shows the effects -- the rollout reward rises, the co-trained draft accepts at
-least as much as the frozen one, nothing is NaN. ~2.5-5 min on 2 cores; one test with a hard timeout (a hang fails).
+least as much as the frozen one, nothing is NaN. ~2.5-5 min on 2 cores, with a hard timeout (a hang fails). Then the
+GPU node's configuration (bf16, ZeRO-1, DFlash, an untied head) for three RL steps, every refit checked across ranks.
 Marked slow: `pytest -q -m slow` runs it, and CI does."""
 import json
 import math
@@ -34,3 +35,28 @@ def test_smoke_under_torchrun_pp2_cp2(tmp_path):
     # CPU seconds per phase, summed over the 4 ranks: the drafts' on the last stage, none of them negative
     assert all(v >= 0 for m in rows if m["kind"] == "train" for v in m["time"]["cpu"].values())
     assert s["time_s"]["cpu"]["draft_train"] > 0
+
+
+def test_gpu_configuration_under_torchrun_every_refit_agrees(tmp_path):
+    """The node's configuration on 4 gloo ranks (pp = 2, cp = 2): bf16 working weights with fp32 masters, ZeRO-1, the
+    DFlash draft, the tiny policy's untied LM head; short warm-ups (bf16 matmuls are slow on a CPU: the SFT warm-up
+    alone would take minutes). Every refit checks that the ranks' policy and draft fingerprints agree (the run stops
+    otherwise); each step's record carries them, and the draft's changes from step to step (it trains). ~2.5 min with
+    other work running."""
+    out = tmp_path / "run"
+    r = run_torchrun(["train.py", "--preset=smoke", "--dtype=bf16", "--zero1", "--drafter=dflash", "--steps=3",
+                      "--eval_every=3", "--sft_steps=30", "--draft_warmup_steps=4", f"--out={out}",
+                      f"--cache_dir={tmp_path / 'cache'}"], 4, timeout=600)
+    assert r.returncode == 0, why(r)
+    assert "mesh: dp=1 x pp=2 x cp=2" in r.stdout
+    config = json.loads((out / "config.json").read_text())
+    assert (config["dtype"], config["zero1"], config["drafter"]) == ("bf16", True, "dflash"), config
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [m for m in rows if m["kind"] == "train"]
+    assert [m["step"] for m in train] == [1, 2, 3]
+    assert all(math.isfinite(v) for m in rows for v in m.values() if isinstance(v, float))
+    prints = [m["weights_fingerprint"] for m in train]
+    assert all("policy" in p and "draft 0" in p for p in prints), prints  # draft 0: the co-trained one
+    assert len({p["draft 0"] for p in prints}) == 3  # the draft trains at every step (the policy moves only where a
+    # group's rewards differ: after 30 SFT steps few do)
+    assert all(1.0 <= m["token_mult_prob_error"] < 1.1 for m in train), [m["token_mult_prob_error"] for m in train]
