@@ -8,7 +8,8 @@ p the policy's and q the draft's next-token distributions, both at temperature t
   3. accept:  d_j with probability min(1, p_j(d_j) / q_j(d_j)), left to right; n = number accepted before the first
               rejection; then y ~ norm(max(p_{n+1} - q_{n+1}, 0)) (residual), or y ~ p_{k+1} when n = k (bonus)
   4. commit:  d_1..d_n, y; roll both KV caches back past the rejected entries (rows advance by different amounts)
-and `finish` truncates each row at EOS / max_new_tokens.
+and `finish` truncates each row at max_new_tokens and through its first EOS: any of the ids eos_id lists (an HF
+checkpoint's generation config may list several, Qwen3's two).
 Every emitted token is distributed exactly as policy sampling [Leviathan et al. 2023; Chen et al. 2023]; tau = 0 is
 greedy (accept iff d_j = argmax p_j) and reproduces plain greedy decoding token for token. The acceptance length,
 bonus included (1.0 = no speedup), is defined here, once:
@@ -29,19 +30,19 @@ measured costs and acceptance). k = 0 proposes nothing: the step is plain autore
 
     python speculative.py      # tiny random policy + draft: greedy exactness and the stats of a sampled rollout
 
-Letters: B batch rows, k draft tokens per step, V vocab, H hidden.
+Letters: B batch rows, k draft tokens per step, V vocab, H hidden, E EOS ids.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Sequence
 
 import torch
 
 from decoding import speculative_tree
 from decoding.draft_trunk import DraftTrunk
-from decoding.generate_args import check_generate_args, draft_shape
+from decoding.generate_args import check_generate_args, draft_shape, eos_list
 from decoding.k_control import FixedK
 from decoding.row_streams import multinomial, uniform
 from decoding.spec_rule import accept_prob, probs, residual, sample
@@ -72,7 +73,7 @@ class SpecStats:
 
 @dataclass
 class Rollout:
-    tokens: list  # per prompt: (n_b,) generated ids, prompt excluded, ending with eos_id if it was produced
+    tokens: list  # per prompt: (n_b,) generated ids, prompt excluded, ending with an EOS id if one was produced
     logprobs: list  # per prompt: (n_b,) per token (rl_loop.py: indexing), [b][j] the policy's log-prob of tokens[b][j]
     stats: SpecStats
 
@@ -112,7 +113,7 @@ class _Decode:
     """The state of one generate call. Rows are compacted as they finish: `live` maps a batch row to its prompt."""
     k: int  # this step's draft tokens (the controller's choice; 0: autoregressive)
     temperature: float
-    eos_id: Optional[int]
+    eos: torch.Tensor  # (E,) the ids that end a row, on the device (E = 0: rows end at max_new_tokens only)
     max_new_tokens: int
     generator: object  # a torch.Generator (None: torch's global one) or RowStreams (decoding/row_streams.py)
     toks: torch.Tensor  # (B, width) generated ids per prompt; finished rows keep writing harmlessly past their end
@@ -142,12 +143,13 @@ class _Decode:
 
 @torch.inference_mode()
 def generate(target: Transformer, draft=None, prompts=(), *, max_new_tokens: int, num_draft_tokens: int = 0,
-             temperature: float = 1.0, eos_id: Optional[int] = None, generator=None, tree=None, adapt=None,
-             kv_block: int = None) -> Rollout:
+             temperature: float = 1.0, eos_id: int | Sequence[int] | None = None, generator=None, tree=None,
+             adapt=None, kv_block: int = None) -> Rollout:
     """Sample up to max_new_tokens per prompt (ragged prompts, per-row EOS) with speculative decoding:
     prefill, then per step compact -> k from the controller -> propose (k draft tokens) -> verify (one policy
     forward) -> commit.
 
+    eos_id: an int, a list or tuple of ints (a row ends at the first token that is any of them, kept), or None.
     draft=None or num_draft_tokens=0: plain autoregressive sampling through the same code (the baseline).
     tree=(b_1, ..., b_k): a tree draft instead of the chain (speculative_tree.py; num_draft_tokens must be 0 or k);
     None or () is the chain. generator: a torch.Generator (one stream for the batch), or row_streams.RowStreams with
@@ -183,6 +185,7 @@ def prefill(target, draft, prompts, k: int, temperature, eos_id, max_new_tokens,
     """Step 0. One policy forward over the right-padded prompts (each row then rolls back to its own length), the
     first token y ~ p(. | prompt), and the draft's trunk over the prompt: entry j = (token j+1, taps at j), the last
     one fed the sampled y. k: the most draft tokens a step proposes (a tree's depth); draft None: plain sampling.
+    eos_id: as generate takes it; its ids go to the device once, as the (E,) tensor every step compares against.
     max_len bounds the caches; they allocate the prompt rounded up to a block and grow from there (kv_block)."""
     dev = next(target.parameters()).device
     B, K = len(prompts), k
@@ -201,11 +204,12 @@ def prefill(target, draft, prompts, k: int, temperature, eos_id, max_new_tokens,
     z = out.logits  # (B, V) at each row's last prompt token only: no (B, S, V) logits
     y, _ = sample(z, temperature, generator)
     width = max_new_tokens + 2 * (k + 1)
-    s = _Decode(k, temperature, eos_id, max_new_tokens, generator,
+    eos = torch.tensor(eos_list(eos_id), dtype=torch.long, device=dev)  # (E,)
+    s = _Decode(k, temperature, eos, max_new_tokens, generator,
                 toks=torch.zeros(B, width, dtype=torch.long, device=dev),
                 lps=torch.zeros(B, width, dtype=at_least_f32(z).dtype, device=dev),
                 n_gen=torch.ones(B, dtype=torch.long, device=dev), live=rows, y=y,
-                done=(max_new_tokens <= 1) | ((y == eos_id) if eos_id is not None else torch.zeros_like(y, dtype=bool)),
+                done=(max_new_tokens <= 1) | is_eos(y, eos),
                 pcache=pcache, reached=torch.zeros(max(K, 1), dtype=torch.long, device=dev),
                 accepted=torch.zeros(max(K, 1), dtype=torch.long, device=dev), tree=tree, K=K)
     s.toks[:, 0], s.lps[:, 0] = y, _logprob(z[:, None], y[:, None], temperature)[:, 0]
@@ -274,16 +278,20 @@ def verify_step(target, s: _Decode, d, q):
     return block, z, n, out.taps
 
 
-def kept_tokens(block, n, n_gen, active, eos_id, max_new_tokens):
+def is_eos(tokens, eos):
+    """tokens (...) -> (...) bool: the token is one of the ids eos (E,). A broadcast compare over (..., E): the same
+    element-wise ops at any E, no host sync (torch.isin switches to a sort-based path once the id list is long)."""
+    return (tokens[..., None] == eos).any(-1)
+
+
+def kept_tokens(block, n, n_gen, active, eos, max_new_tokens):
     """(b,) tokens each row KEEPS from this verification forward: n + 1 (the accepted drafts and the token after them),
-    cut after the first EOS among them and at the row's remaining budget max_new_tokens - n_gen; 0 for rows already
-    finished. This is the numerator of the acceptance length (module docstring): a forward in which a row stops
-    counts only what that row keeps."""
+    cut after the first EOS (any id of eos (E,)) among them and at the row's remaining budget max_new_tokens - n_gen;
+    0 for rows already finished. This is the numerator of the acceptance length (module docstring): a forward in
+    which a row stops counts only what that row keeps."""
     cols = torch.arange(block.shape[1], device=block.device)
-    kept = n + 1
-    if eos_id is not None:
-        is_eos = (block == eos_id) & (cols[None] <= n[:, None])  # (b, k+1) EOS among the n + 1 new tokens
-        kept = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, kept)  # through the first EOS
+    hit = is_eos(block, eos) & (cols[None] <= n[:, None])  # (b, k+1) EOS among the n + 1 new tokens
+    kept = torch.where(hit.any(1), hit.long().argmax(1) + 1, n + 1)  # through the first EOS
     kept = torch.minimum(kept, max_new_tokens - n_gen)
     return torch.where(active, kept, 0)
 
@@ -298,9 +306,8 @@ def commit(s: _Decode, block, z, n):
     idx = g[:, None] + cols  # (b, k+1) output columns
     s.toks[s.live[:, None], idx] = block
     s.lps[s.live[:, None], idx] = _logprob(z, block, s.temperature)
-    kept = kept_tokens(block, n, g, active, s.eos_id, s.max_new_tokens)
-    if s.eos_id is not None:
-        s.done = s.done | ((block == s.eos_id) & (cols[None] <= n[:, None]) & active[:, None]).any(1)
+    kept = kept_tokens(block, n, g, active, s.eos, s.max_new_tokens)
+    s.done = s.done | (is_eos(block, s.eos) & (cols[None] <= n[:, None]) & active[:, None]).any(1)
     g = g + kept
     s.n_gen[s.live] = g
     s.done = s.done | (g >= s.max_new_tokens)
@@ -328,10 +335,8 @@ def commit(s: _Decode, block, z, n):
 def finish(s: _Decode, seconds: float) -> Rollout:
     """Step 5. Truncate each row at max_new_tokens and after its first EOS; the statistics."""
     n_keep = s.n_gen.clamp(max=s.max_new_tokens)
-    if s.eos_id is not None:
-        is_eos = (s.toks == s.eos_id) & (torch.arange(s.toks.shape[1], device=s.toks.device)[None] < n_keep[:, None])
-        first = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, n_keep)
-        n_keep = torch.minimum(n_keep, first)
+    hit = is_eos(s.toks, s.eos) & (torch.arange(s.toks.shape[1], device=s.toks.device)[None] < n_keep[:, None])
+    n_keep = torch.minimum(n_keep, torch.where(hit.any(1), hit.float().argmax(1) + 1, n_keep))  # (B,)
     n_keep, st = n_keep.tolist(), s.stats
     st.seconds, st.row_steps, st.kept = seconds, int(s.row_steps), int(s.accept_sum)
     st.acceptance_length = st.kept / max(st.row_steps, 1)

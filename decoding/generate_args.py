@@ -26,9 +26,9 @@ def check_generate_args(target, draft, prompts, max_new_tokens: int, k: int, tem
     if not (target.is_first and target.is_last):
         raise ValueError("target: generation needs the whole policy, not a pipeline-stage slice")
     V = target.cfg.vocab_size
-    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, int) or not 0 <= eos_id < V):
-        raise ValueError(f"eos_id={eos_id!r}: expected an int token id in [0, vocab_size={V}) or None (a row would "
-                         "never stop at an id the policy cannot sample)")
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < V for i in eos_list(eos_id)):
+        raise ValueError(f"eos_id={eos_id!r}: expected an int token id in [0, vocab_size={V}), a list or tuple of "
+                         "them, or None (a row would never stop at an id the policy cannot sample)")
     ids = torch.cat(list(prompts))  # one min/max for the whole batch: two host syncs, not two per prompt
     if int(ids.min()) < 0 or int(ids.max()) >= V:
         i = next(i for i, p in enumerate(prompts) if int(p.min()) < 0 or int(p.max()) >= V)
@@ -41,6 +41,14 @@ def check_generate_args(target, draft, prompts, max_new_tokens: int, k: int, tem
         if dc.hidden_size != c.hidden_size or dc.target_num_layers != c.num_hidden_layers:
             raise ValueError(f"draft: built for hidden_size={dc.hidden_size} / {dc.target_num_layers} layers, the "
                              f"target has {c.hidden_size} / {c.num_hidden_layers}")
+
+
+def eos_list(eos_id) -> list:
+    """generate's eos_id -> the ids that end a row: None -> [], a list or tuple -> its items, anything else -> [it]
+    (check_generate_args then checks each is an int token id)."""
+    if eos_id is None:
+        return []
+    return list(eos_id) if isinstance(eos_id, (list, tuple)) else [eos_id]
 
 
 def draft_shape(draft, tree, num_draft_tokens: int, adapt=None):

@@ -261,7 +261,7 @@ def test_acceptance_hand_count():
                rejects at once and its correction is EOS: keeps 1.      kept 1 + 1 over 2 active rows
     acceptance length = (8 + 2) / (3 + 2) = 2.0, where counting n + 1 per forward would say (4 + 4 + 2 + 4 + 1) / 5:
     the uncut length vLLM's counters give, 1 + (3 + 3 + 1 + 3 + 0) / 5 = 3.0."""
-    k, B, eos = 3, 3, 9
+    k, B, eos = 3, 3, torch.tensor([9])  # (E,) the ids that end a row
     s = speculative._Decode(k, 1.0, eos, 6, None, toks=torch.zeros(B, 6 + 2 * (k + 1), dtype=torch.long),
                             lps=torch.zeros(B, 6 + 2 * (k + 1)), n_gen=torch.ones(B, dtype=torch.long),
                             live=torch.arange(B), y=torch.tensor([1, 1, 1]), done=torch.zeros(B, dtype=torch.bool),
