@@ -74,7 +74,7 @@ def builtin(cfg, Ns, B, repeats):
             g = torch.Generator().manual_seed(seed)
             r = speculative.generate(policy, drafts[n], prompts, max_new_tokens=tsk.max_new_tokens,
                                      num_draft_tokens=cfg.num_draft_tokens, temperature=cfg.temperature,
-                                     eos_id=tsk.tok.eos_id, generator=g)
+                                     eos_id=tsk.tok.eos_ids, generator=g)
             rows[n]["accept"].append(r.stats.acceptance_length)
             rows[n]["step_s"].append(step_time(drafts[n], B, repeats, seed))
     out = []

@@ -38,7 +38,7 @@ def cospec_cell(policy, draft, prompts, k, T, max_tokens, eos):
 
 
 def vllm_cell(eng, prompts, T, max_tokens, eos, spec):
-    o = eng.generate([p.tolist() for p in prompts], temperature=T, max_tokens=max_tokens, stop=[eos], spec=spec)
+    o = eng.generate([p.tolist() for p in prompts], temperature=T, max_tokens=max_tokens, stop=eos, spec=spec)
     return sum(len(t[0]) for t in o.tokens) / o.wall_s, o.acceptance_length
 
 
@@ -55,12 +55,13 @@ def main():
     torch.set_num_threads(1)
     policy = from_pretrained(os.path.join(a.run, "policy")).eval()
     draft = Eagle3Draft.from_export(os.path.join(a.run, "draft"), policy).eval()
-    src, eos = task.CountUpTask(), task.Tokenizer().eos_id
+    src = task.CountUpTask()
+    eos = src.tok.eos_ids  # every id that ends a row: both engines stop on them
     batches = [int(b) for b in a.batches.split(",")]
     pool = [src.encode_prompt(p) for p in src.eval_set(max(batches))]
     rows, load = [], os.getloadavg()
     with VllmEngine(os.path.join(a.run, "policy"), os.path.join(a.run, "draft"), k=a.k) as eng:
-        check = checked_engine(eng, [p.tolist() for p in pool[:8]], stop=[eos])
+        check = checked_engine(eng, [p.tolist() for p in pool[:8]], stop=eos)
         for T in (0.0, 1.0):
             for B in batches:
                 cells = {"vllm_spec": [], "vllm_ar": [], "cospec_spec": [], "cospec_ar": []}

@@ -52,7 +52,7 @@ def start_engine(s: Setup, out_dir: str, log=print):
         log(f"rollout engine: vLLM without a draft (plain GRPO), started in {sum(eng.started.values()):.0f}s")
         return eng
     prompts = [s.task.encode_prompt(p).tolist() for p in s.eval_problems[:8]]
-    r = checked_engine(eng, prompts, stop=[s.task.tok.eos_id])
+    r = checked_engine(eng, prompts, stop=s.task.tok.eos_ids)
     log(f"rollout engine: vLLM, started in {sum(eng.started.values()):.0f}s; losslessness check passed (support "
         f"{r['support']:.3f}, TV {r['tv']:.3f}; expand workaround {'applied' if r['workaround'] else 'not needed'})")
     return eng
@@ -81,7 +81,7 @@ def engine_generate(s: Setup, prompts: list, keys: torch.Tensor) -> tuple:
     """harness/rollout.generate's contract from the engine: (tokens, log-probs, stats); row i's seed from keys[i]."""
     c = s.cfg
     out = s.engine.generate([p.tolist() for p in prompts], temperature=c.temperature,
-                            max_tokens=s.task.max_new_tokens, stop=[s.task.tok.eos_id],
+                            max_tokens=s.task.max_new_tokens, stop=s.task.tok.eos_ids,
                             seeds=[int(k) % (2 ** 31) for k in keys], spec=not c.no_spec)
     toks = [torch.tensor(t[0], dtype=torch.long) for t in out.tokens]
     lps = [recompute_logp(s.policy, p.cpu(), t, c.temperature) for p, t in zip(prompts, toks)]

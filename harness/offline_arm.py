@@ -69,7 +69,7 @@ class OfflineArm:
         for j, rows in row_blocks(len(prompts), c.rollout_batch, *rank_world()):
             mine.append((j, [t.cpu() for t in speculative.generate(
                 self.ref, None, prompts[rows.start: rows.stop], max_new_tokens=self.task.max_new_tokens,
-                temperature=c.temperature, eos_id=self.task.tok.eos_id,
+                temperature=c.temperature, eos_id=self.task.tok.eos_ids,
                 generator=RowStreams(keys[rows.start: rows.stop].to(self.dev))).tokens]))
         toks = [t for _, b in sorted((b for part in gather_all(mine) for b in part), key=lambda b: b[0]) for t in b]
         zeros = torch.zeros(len(prompts))

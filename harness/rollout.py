@@ -63,7 +63,7 @@ def generate(s: Setup, draft, prompts: list, keys: torch.Tensor, k=None):
         r = speculative.generate(s.policy, draft, prompts[i: i + c.rollout_batch],
                                  max_new_tokens=s.task.max_new_tokens,
                                  num_draft_tokens=(k or c.num_draft_tokens) if draft is not None else 0,
-                                 temperature=c.temperature, eos_id=s.task.tok.eos_id,
+                                 temperature=c.temperature, eos_id=s.task.tok.eos_ids,
                                  generator=RowStreams(keys[i: i + c.rollout_batch].to(s.gen.device)),
                                  tree=c.tree if not k or k == len(c.tree) else None,  # eval's own k: a chain
                                  adapt=s.adapt if auto else None)

@@ -271,7 +271,7 @@ def warm_draft(policy: Transformer, spec: DraftSpec, *, cache_dir: str = "cache"
     def sample(items: range) -> list:
         return [r.cpu() for r in speculative.generate(
             policy, None, prompts[items.start: items.stop], max_new_tokens=spec.max_new_tokens, temperature=1.0,
-            eos_id=tsk.tok.eos_id, generator=RowStreams(keys[items.start: items.stop].to(dev))).tokens]
+            eos_id=tsk.tok.eos_ids, generator=RowStreams(keys[items.start: items.stop].to(dev))).tokens]
     responses = gather_blocks(pool, spec.rows, sample, group)
     torch.manual_seed(seed)
     ids = select_draft_vocab(responses, policy.cfg.vocab_size, draft_vocab) if draft_vocab else None
@@ -337,7 +337,7 @@ def evaluate_policy(policy, tsk, problems, max_new_tokens: int, *, temperature: 
     for i in range(0, len(prompts), rows):
         resp += [r.cpu() for r in speculative.generate(policy, None, prompts[i: i + rows],
                                                        max_new_tokens=max_new_tokens, temperature=temperature,
-                                                       eos_id=tsk.tok.eos_id, generator=g).tokens]
+                                                       eos_id=tsk.tok.eos_ids, generator=g).tokens]
     R, parts = tsk.score(problems, resp)
     return {"reward": float(R.mean()), "correct": float(parts["correct"].mean()),
             "explicit": float(parts["explicit"].mean()) if "explicit" in parts else 0.0,

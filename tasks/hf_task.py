@@ -19,7 +19,7 @@ Usage (the same interface as task.CountUpTask, so the experiment runs on either)
     t = HFTask(model_dir, "prompts.jsonl", prompt_key="prompt", answer_key="answer", chat_template="")
     problems = t.sample(8, random.Random(0))            # or t.eval_set(64): the fixed held-out split
     prompts = [t.encode_prompt(p) for p in problems]    # 1-D LongTensors, BOS as the tokenizer wants it
-    R, parts = t.score(problems, responses)             # responses: generated ids, maybe ending in t.tok.eos_id
+    R, parts = t.score(problems, responses)             # responses: generated ids, maybe ending in one of t.tok.eos_ids
 """
 from __future__ import annotations
 
@@ -138,7 +138,8 @@ def _read(model_dir: str, name: str) -> dict:  # {} when the checkpoint has no s
 
 class HFTokenizer:
     """tokenizer.json behind task.Tokenizer's interface: encode (no special tokens), decode (ends at any EOS, drops
-    special tokens), bos_id / eos_id / pad_id / mask_id (None without one), vocab_size (largest id + 1)."""
+    special tokens), eos_ids (every id that ends a response), bos_id / eos_id (eos_ids[0]) / pad_id / mask_id (None
+    without one), vocab_size (largest id + 1)."""
 
     def __init__(self, model_dir: str):
         path = os.path.join(model_dir, "tokenizer.json")
@@ -151,7 +152,7 @@ class HFTokenizer:
         if not self.eos_ids:
             raise ValueError(f"model={model_dir!r}: no EOS token in generation_config.json, config.json or "
                              "tokenizer_config.json; generation could never stop")
-        self.eos_id = self.eos_ids[0]  # the one id the decoders stop on; decode() stops on any of eos_ids
+        self.eos_id = self.eos_ids[0]  # the pad fallback; decoding and decode() stop on any of eos_ids
         self.bos_id = (self._ids("bos", files) or [None])[0]
         self.pad_id = (self._ids("pad", files) or [self.eos_id])[0]  # no pad token: pad with EOS, as HF does
         self.mask_id = (self._ids("mask", files) or [None])[0]  # a block drafter's MASK (harness/drafters.py)

@@ -2,14 +2,16 @@
 
 A task is any object with these members (typing.Protocol: no base class to inherit):
 
-    tok                 .vocab_size (the policy's vocabulary), .eos_id (generation stops on it), .encode / .decode
+    tok                 .vocab_size (the policy's vocabulary), .eos_ids (every id that ends a response: generation
+                        stops at the first of any of them), .encode / .decode
     max_new_tokens      the response budget of every rollout (--max_new_tokens > 0 overrides it)
     sample(k, rng, split="train") -> list       k problems of the "train" or the held-out "eval" split
     eval_set(k, seed=1234) -> list              the fixed held-out problems every eval step uses
     encode_prompt(p) -> (Tp,) LongTensor        what the policy is prompted with
-    score(problems, responses) -> (R (B,), parts)   rewards of generated responses (1-D ids, maybe ending in
-                                                    eos_id); parts["correct"] (B,) always, parts["explicit"] (B,)
-                                                    optionally (the built-in task's format term; 0 in the logs else)
+    score(problems, responses) -> (R (B,), parts)   rewards of generated responses (1-D ids, maybe ending in an
+                                                    id of eos_ids); parts["correct"] (B,) always,
+                                                    parts["explicit"] (B,) optionally (the built-in task's format
+                                                    term; 0 in the logs else)
     fingerprint() -> dict                       every setting that shapes its prompts, demonstrations and rewards
                                                 (JSON-serialisable): the warm-ups' cache keys read it
 
@@ -35,7 +37,7 @@ import torch
 
 class Tokenizer(Protocol):
     vocab_size: int
-    eos_id: int
+    eos_ids: list[int]  # every id that ends a response (an HF checkpoint's generation config may list several)
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -98,6 +100,9 @@ def make_task(name: str, cfg) -> Task:
     missing = [m for m in REQUIRED if not hasattr(tsk, m)]
     if missing:
         raise ValueError(f"--task={name}: the task lacks {', '.join(missing)} (tasks/protocol.py lists the members)")
+    if not isinstance(getattr(tsk.tok, "eos_ids", None), (list, tuple)):
+        raise ValueError(f"--task={name}: expected tok.eos_ids, a list of the ids that end a response "
+                         "(tasks/protocol.py)")
     return tsk
 
 

@@ -46,6 +46,7 @@ class Tokenizer:
         self.vocab = tuple(vocab)
         self.id = {s: i for i, s in enumerate(self.vocab)}
         self.pad_id, self.bos_id, self.eos_id = self.id[PAD], self.id[BOS], self.id[EOS]
+        self.eos_ids = [self.eos_id]  # every id that ends a response (tasks/protocol.py): here the one <eos>
 
     @property
     def vocab_size(self) -> int:
@@ -58,10 +59,10 @@ class Tokenizer:
         return [self.id[c] for c in text]
 
     def decode(self, ids) -> str:
-        """ids -> text; <eos> ends the text, <bos>/<pad> are dropped."""
+        """ids -> text; the text ends before the first id in eos_ids, <bos>/<pad> are dropped."""
         out = []
         for i in (ids.tolist() if isinstance(ids, torch.Tensor) else ids):
-            if i == self.eos_id:
+            if i in self.eos_ids:
                 break
             if i not in (self.bos_id, self.pad_id):
                 out.append(self.vocab[i])
@@ -204,7 +205,7 @@ def score(tok: Tokenizer, problems: list[Problem], responses: list[torch.Tensor]
     R, correct, explicit = [], [], []
     for p, r in zip(problems, responses):
         ids = r.tolist()
-        ended = tok.eos_id in ids
+        ended = any(i in tok.eos_ids for i in ids)
         rew, parts = reward(p, tok.decode(ids), ended, format_weight)
         R.append(rew)
         correct.append(parts["correct"])
@@ -214,7 +215,7 @@ def score(tok: Tokenizer, problems: list[Problem], responses: list[torch.Tensor]
 
 class CountUpTask:
     """The built-in task behind the interface the experiment uses (tasks/protocol.py; hf_task.HFTask has it too):
-    tok (eos_id, encode/decode), sample(k, rng, split), eval_set(k, seed), encode_prompt(p) -> (Tp,) ids,
+    tok (eos_ids, encode/decode), sample(k, rng, split), eval_set(k, seed), encode_prompt(p) -> (Tp,) ids,
     score(problems, responses) -> (R (B,), {"correct": (B,), "explicit": (B,)}), max_new_tokens, fingerprint(), and
     the SFT demonstrations encode_demo(p, rng), each step explicit with probability p_explicit."""
 

@@ -416,7 +416,7 @@ def test_the_rollouts_report_the_k_auto_ran(mismatched):
     policy, draft = mismatched
     cfg = SimpleNamespace(num_draft_tokens="auto", max_draft_tokens=3, rollout_batch=4, temperature=1.0, tree=())
     s = SimpleNamespace(cfg=cfg, adapt=None, policy=policy, gen=torch.Generator(),
-                        task=SimpleNamespace(max_new_tokens=8, tok=SimpleNamespace(eos_id=None)))
+                        task=SimpleNamespace(max_new_tokens=8, tok=SimpleNamespace(eos_ids=[])))
     prompts, keys = [torch.tensor([1, 4, 2])] * 6, torch.arange(6)
     _, _, st = rollout_generate(s, draft, prompts, keys)  # two calls: 4 + 2 rows
     first = s.adapt
