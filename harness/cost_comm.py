@@ -32,7 +32,9 @@ Per update, after the pipeline (every rank at once):
         the pickled metrics) on the world                                      W > 1
     refit (dist_step.DistCotrainer.refit, pp > 1): pp broadcasts of the stages' weights and one of each trained
         draft over the pipeline group; a rank sends its own stage and receives the rest: (P + drafts P_d) b bytes
-        moved per rank
+        moved per rank; then (W > 1) one all_gather of the models' fingerprints (8 bytes each) on the world
+
+Per later update's pi_old, a stage pass forward only ("forward"): the forward's K/V hops and the activations' send.
 
 Per RL step: one all-reduce of the phases' CPU seconds (harness/update.world_cpu, W > 1).
 
@@ -65,13 +67,16 @@ def comm_counts(a: Arch, w, T: float, act_bytes: float = 4.0) -> dict:
     per micro-batch and rank."""
     Ls, kv, cp, pp, dp = a.layers / w.pp, a.kv_dim, w.cp, w.pp, w.dp  # T: per micro-batch, M_r = w.mb per rank
     stage_ops = stage_bytes = 0.0
+    fwd_ops = fwd_bytes = 0.0  # a no-grad forward's (pi_old): its K/V hops and the activations' send
     if cp > 1:
         fwd = (cp - 1) * (2 if w.checkpointing else 1)  # K/V hops of the forward (twice with checkpointing)
         stage_ops += Ls * (fwd + (cp - 1) + cp)
         stage_bytes += Ls * ((fwd + cp - 1) * 2 * T * kv * act_bytes + cp * 2 * T * kv * 4)
+        fwd_ops, fwd_bytes = Ls * (cp - 1), Ls * (cp - 1) * 2 * T * kv * act_bytes
     if pp > 1:
         stage_ops += 1
         stage_bytes += T * a.hidden * act_bytes
+        fwd_ops, fwd_bytes = fwd_ops + 1, fwd_bytes + T * a.hidden * act_bytes
     n_taps = remote_taps(a.layers, pp)
     stage_params = a.params / pp
     post_ops = post_bytes = 0.0
@@ -85,11 +90,14 @@ def comm_counts(a: Arch, w, T: float, act_bytes: float = 4.0) -> dict:
     # the micro-batches' boundaries checked alike over CP; the pipeline's last batch
     if w.world > 1:
         post_ops += 3  # the statistics: one all-reduce, one all_gather_object (two gathers)
+    if w.world > 1 and w.refit_check:  # the refit's check: one fingerprint per model (consistency.check_same_weights)
+        post_ops, post_bytes = post_ops + 1, post_bytes + 8 * (1 + w.drafts)
     if pp > 1:
         post_ops += pp + w.drafts
         post_bytes += (a.params + w.drafts * Arch.draft_of(a, 3, w.draft_vocab).params) * act_bytes
     return {"stage": (stage_ops, stage_bytes), "taps": (n_taps * w.mb, n_taps * w.mb * T * a.hidden * act_bytes),
-            "post": (post_ops, post_bytes), "step": (1.0 if w.world > 1 else 0.0, 0.0)}
+            "post": (post_ops, post_bytes), "step": (1.0 if w.world > 1 else 0.0, 0.0),
+            "forward": (fwd_ops, fwd_bytes)}
 
 
 def comm_seconds(dev: Device, ops_bytes: tuple) -> float:

@@ -52,7 +52,10 @@ one stage rank: T = rows (p + r) / (u M_r dp cp) tokens, S = rows / (u M_r dp) s
                o_tok_fb: per token outside the layers -- embedding, final norm, LM-head log-probs, GRPO loss)
     update  = u ((M_r + pp - 1) t_stage + AdamW 28 bytes / weight / BW + o_upd) x C(A)  A = dp cp (M_r = 1:
               + u ((M_r + pp - 1) comm_stage + comm_post + share comm_taps)     one stage at a time), W (M_r > 1)
-              + comm_step
+              + (u - 1) ((M_r + pp - 1) (t_fwd x C(A) + comm_fwd)) + comm_step
+              (t_fwd: a stage's no-grad forward, pi_old of every update but the first, taken before it:
+               (L/pp) (dense T / F_t + attn T / F_a + o_layer + cp S o_seq) + [last] head(T) / F_t; comm_fwd the
+               forward's share of comm_stage. Workload.pi_old_forward False: runs that read pi_old from the rollout)
               (o_upd: per optimisation step, the host's: GRPO weights and packing, zero_grad, grad clip, the
                optimizer's own work, the refit of the rollout copy)
     comm_x  = ops o_comm + bytes / BW_comm, counted per rank from the mesh (harness/cost_comm.py): comm_stage the
@@ -130,6 +133,8 @@ class Workload:
     checkpointing: bool = False  # activation checkpointing: the update's forward runs twice
     draft_vocab: int = 0  # the draft head's vocabulary (0: the policy's)
     draft_share: float = 1.0  # share of the updates that train the drafts (a draft-training budget, --draft_every)
+    pi_old_forward: bool = True  # updates after the first read pi_old from a no-grad forward (DistCotrainer.old_logp)
+    refit_check: bool = True  # every refit gathers the models' fingerprints over the world (consistency.py)
 
     def __post_init__(self):
         """Every field in its range (CHECKS), all problems in one line: `--dp=-2: expected an integer >= 1`."""
@@ -170,6 +175,8 @@ CHECKS = {  # Workload's fields: (test(value, workload), what is expected); 0 is
     "updates": _int(1), "micro_batches": _int(1), "ttt_passes": _int(1), "drafts": _int(0),
     "pp": _int(1), "cp": _int(1), "dp": _int(1), "checkpointing": ((lambda v, w: isinstance(v, bool)), "true or false"),
     "draft_vocab": _int(0), "draft_share": _real(0, 1, "in [0, 1]"),
+    "pi_old_forward": ((lambda v, w: isinstance(v, bool)), "true or false"),
+    "refit_check": ((lambda v, w: isinstance(v, bool)), "true or false"),
 }
 
 
@@ -250,8 +257,14 @@ def update(a: Arch, dev: Device, w: Workload) -> float:
     n = comm_counts(a, w, T, dev.wbytes)  # 0 on one process; o_comm, BW_comm are probed at the run's process count
     comm = ((w.mb + w.pp - 1) * comm_seconds(dev, n["stage"]) + comm_seconds(dev, n["post"])
             + w.draft_share * comm_seconds(dev, n["taps"]))
-    return w.updates * (((w.mb + w.pp - 1) * stage + adam) * _contention(active, dev) + comm) + comm_seconds(
+    total = w.updates * (((w.mb + w.pp - 1) * stage + adam) * _contention(active, dev) + comm) + comm_seconds(
         dev, n["step"])
+    if w.pi_old_forward and w.updates > 1:  # pi_old: one no-grad forward per later update, before the first
+        fwd = (a.layers / w.pp * (dense_flops(a, T) / dev.Ft + attn_flops(a, T, ctx) / dev.Fa + dev.o("o_layer")
+                                  + w.cp * S * dev.o("o_seq")) + head_flops(a, T) / dev.Ft)
+        fwd_comm = comm_seconds(dev, n["forward"])
+        total += (w.updates - 1) * (w.mb + w.pp - 1) * (fwd * _contention(active, dev) + fwd_comm)
+    return total
 
 
 def draft_opt(dev: Device, w: Workload, drafts: int) -> float:
@@ -312,6 +325,8 @@ HELP = {  # the CLI's flags: Workload's fields
     "checkpointing": "activation checkpointing in the update (4x instead of 3x the forward)",
     "draft_vocab": "the draft head's vocabulary (0: the policy's)",
     "draft_share": "share of the updates that train the drafts (1: every update)",
+    "pi_old_forward": "updates after the first take pi_old from one no-grad forward each (false: from the rollout)",
+    "refit_check": "every refit compares the models' fingerprints across the ranks (one all_gather)",
 }
 
 

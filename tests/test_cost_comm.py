@@ -144,16 +144,19 @@ def test_counts_and_seconds_by_hand():
     hops + 1 pipeline batch = 9 ops; bytes 2 x ((1 + 1) x 2 T kv 4 + 2 x 2 T kv 4) + T H 4 = 4096 + 512. After
     the pipeline: the tied embedding (2 V H 4 = 640 B), the CP bucket (2 x 1192 weights x 4), the loss over CP and
     PP, the norm over PP, the boundaries over CP, the pipeline's last batch, 3 statistics ops, 2 stage + 2 draft
-    broadcasts (P + 2 P_d = 2384 + 2 x 976 weights x 4 B) = 14 ops, 27520 B. Taps: the embedding and layers 0, 1
-    live on stage 0: 3. <1 s."""
+    broadcasts (P + 2 P_d = 2384 + 2 x 976 weights x 4 B), the refit's fingerprints (3 models x 8 B) = 15 ops,
+    27544 B. Taps: the embedding and layers 0, 1 live on stage 0: 3. The second update's pi_old forward, per stage
+    pass: 2 layers x 1 K/V hop + 1 pipeline send = 3 ops, 2 x 2 T kv 4 + T H 4 = 1536 B. <1 s."""
     a = Arch(4, 8, 2, 1, 4, 16, 10, tied=True)
     w = Workload(rows=8, prompt_len=2, resp_len=6, updates=2, micro_batches=1, pp=2, cp=2, drafts=2)
     n = comm_counts(a, w, T=16, act_bytes=4)
-    assert n == {"stage": (9, 4608), "post": (14, 27520), "taps": (3, 3 * 16 * 8 * 4), "step": (1.0, 0.0)}
+    assert n == {"stage": (9, 4608), "post": (15, 27544), "taps": (3, 3 * 16 * 8 * 4), "step": (1.0, 0.0),
+                 "forward": (3, 1536)}
     assert comm_counts(a, Workload(rows=8, prompt_len=2, resp_len=6), T=64)["post"] == (0, 0)  # one process: none
     dev = Device(cores=1, overheads={"o_comm": 1e-3}, BW_comm=1e6)  # 1 core: the compute runs x C(A) = 2 or 4
     bare = Device(cores=1)
     assert comm_seconds(dev, n["stage"]) == pytest.approx(9e-3 + 4608e-6)
-    # u ((M + pp - 1) stage + post + share taps) + step, no contention factor (probed at the run's process count)
-    want = 2 * (2 * (9e-3 + 4608e-6) + (14e-3 + 27520e-6) + (3e-3 + 1536e-6)) + 1e-3
+    # u ((M + pp - 1) stage + post + share taps) + (u - 1) (M + pp - 1) forward + step, no contention factor (probed
+    # at the run's process count)
+    want = 2 * (2 * (9e-3 + 4608e-6) + (15e-3 + 27544e-6) + (3e-3 + 1536e-6)) + 2 * (3e-3 + 1536e-6) + 1e-3
     assert update(a, dev, w) - update(a, bare, w) == pytest.approx(want)
