@@ -230,7 +230,8 @@ class DistCotrainer:
                 "draft_metrics": pooled[:K], "watch_metrics": pooled[K:],
                 "watch_seconds": float(tot.watch_seconds), "watch_cpu_seconds": float(tot.watch_cpu_seconds),
                 "own_cpu_seconds": own, "clip_frac": tot.mean("clipped"), "ratio": tot.mean("ratio"),
-                "k3": tot.mean("k3"), "token_mult_prob_error": tot.mean("gen_err"), "grad_norm": grad_norm,
+                "k3": tot.mean("k3"), "grad_norm": grad_norm,
+                "token_mult_prob_error": tot.mean("gen_err") if float(tot.tokens) else None,  # None: no trained token
                 "p2p_bytes": res.p2p_bytes, "tap_bytes": res.tap_bytes,
                 "draft_seconds": float(tot.draft_seconds), "draft_cpu_seconds": float(tot.draft_cpu_seconds),
                 "loss_total": res.loss + sum(tr.lam * x for tr, x in zip(self.drafts, draft_losses))}

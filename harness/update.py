@@ -77,8 +77,9 @@ def update(s: Setup, batch: RolloutBatch, timer: dict, step: int = 1) -> dict:
     if s.offline is not None and any(trains):
         timer.update(s.offline.step(sum(trains)))  # as many TTT steps; every rank samples its share, rank 0 trains
         s.offline.broadcast()
-    out = {k: sum(st[k] for st in stats) / len(stats)
-           for k in ("loss_policy", "clip_frac", "ratio", "grad_norm", "token_mult_prob_error")}
+    out = {k: sum(st[k] for st in stats) / len(stats) for k in ("loss_policy", "clip_frac", "ratio", "grad_norm")}
+    errs = [st["token_mult_prob_error"] for st in stats if st["token_mult_prob_error"] is not None]
+    out["token_mult_prob_error"] = sum(errs) / len(errs) if errs else None  # None: no trained token this step
     out.update(draft_metrics(s, [st for st, train in zip(stats, trains) if train]))
     out["kl"] = kl
     out["weights_fingerprint"] = {k: f"{v % 2**64:016x}" for k, v in prints.items()}  # the same on every rank

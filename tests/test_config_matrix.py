@@ -16,7 +16,7 @@ forward (DistCotrainer.old_logp) before the first update, the first update on-po
      rank trains them);
   3. after every refit, every rank's rollout copies (the policy; each draft with its shared buffers) have the same
      fingerprint (refit checks it and raises; the test compares the returned fingerprints too).
-~45 s in a full-suite run on 2 cores (bf16 matmuls are slow on a CPU).
+~20 s on a quiet 2-core machine (56 s with other work beside it).
 """
 import copy
 import itertools

@@ -41,8 +41,8 @@ def test_gpu_configuration_under_torchrun_every_refit_agrees(tmp_path):
     """The node's configuration on 4 gloo ranks (pp = 2, cp = 2): bf16 working weights with fp32 masters, ZeRO-1, the
     DFlash draft, the tiny policy's untied LM head; short warm-ups (bf16 matmuls are slow on a CPU: the SFT warm-up
     alone would take minutes). Every refit checks that the ranks' policy and draft fingerprints agree (the run stops
-    otherwise); each step's record carries them, and the draft's changes from step to step (it trains). ~2.5 min with
-    other work running."""
+    otherwise); each step's record carries them, and the draft's changes from step to step (it trains). ~30 s on a
+    quiet 2-core machine."""
     out = tmp_path / "run"
     r = run_torchrun(["train.py", "--preset=smoke", "--dtype=bf16", "--zero1", "--drafter=dflash", "--steps=3",
                       "--eval_every=3", "--sft_steps=30", "--draft_warmup_steps=4", f"--out={out}",
@@ -59,4 +59,5 @@ def test_gpu_configuration_under_torchrun_every_refit_agrees(tmp_path):
     assert all("policy" in p and "draft 0" in p for p in prints), prints  # draft 0: the co-trained one
     assert len({p["draft 0"] for p in prints}) == 3  # the draft trains at every step (the policy moves only where a
     # group's rewards differ: after 30 SFT steps few do)
-    assert all(1.0 <= m["token_mult_prob_error"] < 1.1 for m in train), [m["token_mult_prob_error"] for m in train]
+    errs = [m["token_mult_prob_error"] for m in train]  # None: every group's rewards equal, no trained token
+    assert all(e is None or 1.0 <= e < 1.1 for e in errs), errs
