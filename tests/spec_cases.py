@@ -1,5 +1,6 @@
 """Shared cases for the lossless-sampling tests (chain: test_speculative.py, tree: test_tree.py): a tiny-vocabulary
-policy with a deliberately mismatched draft, and the exact distribution of its first three tokens by enumeration."""
+policy with a deliberately mismatched draft, the exact distribution of its first three tokens by enumeration, and a
+draft trained briefly on a policy's own continuations (test_tree.py, test_eos_ids.py)."""
 import torch
 
 from draft import Eagle3Draft
@@ -19,6 +20,24 @@ def make_small_vocab_pair():
     with torch.no_grad():
         draft.lm_head.weight.normal_(0, 1.0)
     return policy, draft
+
+
+def briefly_trained_draft(policy, prompts, continuations):
+    """An EAGLE-3 draft trained 30 TTT steps (hard labels, 2 passes) on prompt + continuation sequences of `policy`:
+    good but not perfect, so both accepted paths and rejections occur."""
+    from branch_mask import cu_seqlens_from_lengths
+    seqs = [torch.cat([p, o]) for p, o in zip(prompts, continuations)]
+    tokens, cu = torch.cat(seqs), cu_seqlens_from_lengths([len(s) for s in seqs])
+    draft = Eagle3Draft.from_target(policy)
+    with torch.no_grad():
+        out = policy(tokens, cu, tap_layers=draft.tap_layers)
+    opt = torch.optim.Adam(draft.parameters(), lr=1e-2)
+    for _ in range(30):
+        loss, _ = draft.ttt_loss(out.taps, tokens, cu, out.logits, num_passes=2, hard_labels=True)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return draft
 
 
 def exact_first3(policy, prompt, tau):

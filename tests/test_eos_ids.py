@@ -11,13 +11,11 @@ import pytest
 import torch
 
 import speculative
-from branch_mask import cu_seqlens_from_lengths
 from decoding.k_control import KSchedule
 from decoding.row_streams import RowStreams, row_keys
-from draft import Eagle3Draft
 from hf_util import EOS, write_jsonl, write_tiny_llama
 from model import ModelConfig, Transformer, greedy_generate
-from spec_cases import SWITCHING
+from spec_cases import SWITCHING, briefly_trained_draft
 from speculative import generate
 from tasks.protocol import make_task
 from tasks.task import CountUpTask
@@ -41,17 +39,7 @@ def case():
     torch.manual_seed(0)
     policy = Transformer(ModelConfig.preset("tiny")).double().eval()
     train = [torch.randint(97, (int(n),), generator=g) for n in torch.randint(2, 6, (12,), generator=g)]
-    seqs = [torch.cat([p, o]) for p, o in zip(train, greedy_generate(policy, train, N_NEW))]
-    tokens, cu = torch.cat(seqs), cu_seqlens_from_lengths([len(s) for s in seqs])
-    draft = Eagle3Draft.from_target(policy)
-    with torch.no_grad():
-        out = policy(tokens, cu, tap_layers=draft.tap_layers)
-    opt = torch.optim.Adam(draft.parameters(), lr=1e-2)
-    for _ in range(30):
-        loss, _ = draft.ttt_loss(out.taps, tokens, cu, out.logits, num_passes=2, hard_labels=True)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    draft = briefly_trained_draft(policy, train, greedy_generate(policy, train, N_NEW))
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(97, (int(n),), generator=g) for n in torch.randint(1, 8, (6,), generator=g)]
     ref = greedy_generate(policy, prompts, N_NEW)

@@ -8,7 +8,6 @@
    bound for this metric).
 ~6 s in all on 2 cores.
 """
-import copy
 from types import SimpleNamespace
 
 import pytest

@@ -12,10 +12,9 @@ import torch
 import speculative
 from decoding import speculative_tree
 from branch_mask import cu_seqlens_from_lengths
-from draft import Eagle3Draft
 from modeling.kv_cache import TreeLayout
 from model import ModelConfig, Transformer, greedy_generate
-from spec_cases import exact_first3, make_small_vocab_pair
+from spec_cases import briefly_trained_draft, exact_first3, make_small_vocab_pair
 from speculative import generate
 from decoding.speculative_tree import Tree, tree_rule, tree_rule_naive
 
@@ -39,17 +38,7 @@ def pair():
     torch.manual_seed(0)
     policy = Transformer(ModelConfig.preset("tiny")).double().eval()
     prompts = ragged_prompts(0, 12, policy.cfg.vocab_size, 2, 5)
-    tokens, cu = packed([torch.cat([p, o]) for p, o in zip(prompts, greedy_generate(policy, prompts, 24))])
-    draft = Eagle3Draft.from_target(policy)
-    with torch.no_grad():
-        out = policy(tokens, cu, tap_layers=draft.tap_layers)
-    opt = torch.optim.Adam(draft.parameters(), lr=1e-2)
-    for _ in range(30):
-        loss, _ = draft.ttt_loss(out.taps, tokens, cu, out.logits, num_passes=2, hard_labels=True)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return policy, draft.eval()
+    return policy, briefly_trained_draft(policy, prompts, greedy_generate(policy, prompts, 24)).eval()
 
 
 # ----------------------------------------------------------------------------------- the tree, its mask, the cache
