@@ -313,8 +313,8 @@ class DistCotrainer:
         skip = {id(st.embed.weight)} if (g.pp > 1 and self.last and st.cfg.tie_word_embeddings) else set()
         grads = grads_of([p for p in st.parameters() if id(p) not in skip])  # fp32 .main_grad under bf16
         sq = torch.zeros((), dtype=torch.float64, device=next(st.parameters()).device)
-        for gr in grads:
-            sq = sq + gr.double().pow(2).sum()
+        for gr in grads:  # ||g||^2 summed in fp64 from each tensor's own norm: no fp64 copy of a (V, H) gradient
+            sq = sq + torch.linalg.vector_norm(gr).double().square()
         if g.pp > 1:
             dist.all_reduce(sq, group=g.pp_group)
         total = float(sq.sqrt())
