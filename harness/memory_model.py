@@ -16,14 +16,16 @@ Per rank of pipeline stage s (the stage's DP x CP ranks are alike; global rank 0
     tap_slots    TapChannel's landing slots on the last stage: one (T_mb, H) per tapped layer of an earlier stage
   transient (a phase's peak; the run's peak is the larger phase)
     rollout      kv_cache (policy: layers x B x Hkv x L x D x 2, L grown in blocks to the longest row, at worst the
-                 budget: kv_slots; the draft's one layer) + verify_logits (the
+                 budget: kv_slots; the draft's: EAGLE-3's one layer, a block draft's L_d with room for its block)
+                 + verify_logits (the
                  verification's vocabulary-sized working set) + prefill (prefill_bytes: the policy's taps over the
                  prompts, held while the draft's trunk runs over them, a layer's working set, and one block of the
                  cached attention's mask); or the reference forward's working set over rollout_batch
                  sequences, whichever is larger (the caches are freed first)
     update       activations (saved for backward: in-flight micro-batches x layers x T x per-token bytes; with
                  --activation_checkpointing only the layer inputs, plus one layer recomputed), draft_activations (every
-                 trained arm's TTT graph for one micro-batch, alive until their one backward), logits_chunks (the
+                 trained arm's graph for one micro-batch, alive until their one backward: draft_act_bytes, TTT's
+                 passes or a block family's anchors), logits_chunks (the
                  streamed LM head's blocks), head_buffers (fp32 (V, H) gradient partials of the streamed heads, the
                  policy's and each trained draft's) and comm_buffers (pipeline p2p, ring K/V); or, after the
                  backward, one at a time: reduce_bucket (the gradient reduction's bucket), optimizer_step (step_bytes:
@@ -53,12 +55,13 @@ from modeling.kv_cache import BLOCK
 from modeling.layers import CACHED_SCORES_MIB
 from pipeline import REDUCE_BUCKET_MIB
 from draft import DraftConfig, Eagle3Draft
+from draft_dflash import default_dflash_taps
 from model import ModelConfig, Transformer, default_tap_layers
 from parallel.pp_schedule import schedule_actions, split_layers
 
 VERIFY_BLOCKS = 4  # fp32 (B, k+1, V) blocks live at the verification's peak (p, q, the residual), + one (B, V)
 LOGIT_BLOCKS = 3  # fp32 (rows, V) blocks live in a streamed LM-head chunk (logits, softmax, its gradient)
-HEAD_BLOCKS = (4, 2)  # fp32 (V, H) blocks in the update's backward: the policy's streamed head, + per trained draft
+HEAD_BLOCKS = (4, 1)  # fp32 (V, H) blocks in the update's backward: the policy's streamed head, + per trained draft
 
 
 @dataclass
@@ -89,8 +92,10 @@ def nccl_groups(cfg, run: Run) -> int:
 
 
 def taps_of(cfg, run: Run) -> tuple:
-    """The policy layers the drafts read (the embedding tap aside)."""
-    return tuple(run.tap_layers or cfg.tap_layers or default_tap_layers(run.model.num_hidden_layers))
+    """The policy layers the drafts read (the embedding tap aside): --tap_layers, else the family's default rule."""
+    n = run.model.num_hidden_layers
+    default = default_tap_layers(n) if getattr(cfg, "drafter", "eagle3") == "eagle3" else default_dflash_taps(n)
+    return tuple(run.tap_layers or cfg.tap_layers or default)
 
 
 def held_copies(cfg) -> dict:
@@ -116,7 +121,8 @@ def draft_tokens(cfg) -> int:
 def _numel(module) -> tuple:
     """(trainable parameters, bytes of buffers) of a module built on the meta device."""
     return (sum(p.numel() for p in module.parameters()),
-            sum(b.numel() * b.element_size() for n, b in module.named_buffers() if n != "embed_weight"))
+            sum(b.numel() * b.element_size() for n, b in module.named_buffers()
+                if n not in ("embed_weight", "head_weight")))  # the policy's, shared (drafter.py: attach)
 
 
 _NUMEL: dict = {}  # (the model's repr, layers) -> parameters: building 36 layers on meta takes ~0.1 s
@@ -132,13 +138,28 @@ def stage_numel(m: ModelConfig, layers: tuple) -> int:
 
 
 def draft_numel(m: ModelConfig, cfg, taps: tuple) -> tuple:
-    """(parameters, buffer bytes) of one EAGLE-3 draft arm of this policy (draft.Eagle3Draft.from_target's shape)."""
-    dc = DraftConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-                     num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
-                     head_dim=m.head_dim, tap_layers=taps, target_num_layers=m.num_hidden_layers,
-                     draft_vocab_size=cfg.draft_vocab or None)
+    """(parameters, buffer bytes) of one draft arm of this policy, of the run's family (--drafter), built on the meta
+    device: EAGLE-3 as draft.Eagle3Draft.from_target shapes it; a block family as harness/drafters.build_draft
+    does (--draft_layers, --block_size, --markov_rank: DSpark's Markov head is two (V, r) tables)."""
+    family = getattr(cfg, "drafter", "eagle3")
+    key = (repr(m), family, taps, cfg.draft_vocab, getattr(cfg, "draft_layers", 0), getattr(cfg, "markov_rank", 0),
+           getattr(cfg, "block_slots", 0))
+    if key in _NUMEL:
+        return _NUMEL[key]
     with torch.device("meta"):
-        return _numel(Eagle3Draft(dc, torch.empty(m.vocab_size, m.hidden_size)))
+        if family == "eagle3":
+            dc = DraftConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size,
+                             intermediate_size=m.intermediate_size, num_attention_heads=m.num_attention_heads,
+                             num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim, tap_layers=taps,
+                             target_num_layers=m.num_hidden_layers, draft_vocab_size=cfg.draft_vocab or None)
+            out = _numel(Eagle3Draft(dc, torch.empty(m.vocab_size, m.hidden_size)))
+        else:
+            from harness.drafters import build_draft
+            opts = dict(mask_token_id=0, block_size=max(cfg.block_slots, 2), num_layers=cfg.draft_layers,
+                        markov_rank=cfg.markov_rank)  # the MASK id changes no size
+            out = _numel(build_draft(family, Transformer(m), opts, tap_layers=taps))
+    _NUMEL[key] = out
+    return out
 
 
 def in_flight(schedule: str, pp: int, stage: int, M: int) -> int:
@@ -168,6 +189,24 @@ def draft_pass_bytes(m: ModelConfig, b: int) -> int:
     H, Q, KV = m.hidden_size, m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
     return (4 * norm_bytes(H, b) + 2 * H * b + b * (2 * Q + 2 * KV) + 4 * m.num_attention_heads
             + 4 * m.intermediate_size * b + 12)
+
+
+def draft_act_bytes(cfg, run: Run, T: float, b: int) -> float:
+    """What one trained draft saves for backward over a micro-batch of T tokens on one CP rank.
+      EAGLE-3   T (P draft_pass_bytes + (taps + 1) H b): every position, each of the P TTT passes, and the taps
+      blocks    T (taps H b + 2 norm(H) + L_d 4 KV b): fc's concatenated taps, the context and its norms, each draft
+                layer's injected K / V; + N W (L_d layer_bytes + norm(H) + 12): the N anchors' W-slot blocks through
+                the L_d layers (q / k RMS-normed), the final norm and the streamed loss's normalisers per slot. N: --anchors
+                per sequence of the micro-batch, spread over the CP ranks by position."""
+    m, H = run.model, run.model.hidden_size
+    n_taps = len(taps_of(cfg, run))
+    if getattr(cfg, "drafter", "eagle3") == "eagle3":
+        return T * (cfg.ttt_passes * draft_pass_bytes(m, b) + (n_taps + 1) * H * b)
+    KV, L_d = m.num_key_value_heads * m.head_dim, cfg.draft_layers
+    seqs = cfg.prompts_per_step * cfg.group_size / cfg.updates / cfg.micro_batches / run.cp  # per CP rank
+    slots = seqs * cfg.anchors * max(cfg.block_slots, 2)
+    return (T * (n_taps * H * b + 2 * norm_bytes(H, b) + L_d * 4 * KV * b)
+            + slots * (L_d * layer_bytes(m, b, qk_norm=True) + norm_bytes(H, b) + 12))
 
 
 def micro_batch(cfg, run: Run) -> tuple:
@@ -234,7 +273,10 @@ def rollout_transient(cfg, run: Run, max_new_tokens: int, longest_new: int = Non
     B = min(cfg.rollout_batch, rows)
     L = kv_slots(run.prompt, max_new_tokens, longest_new, k)
     per_layer = 2 * B * m.num_key_value_heads * L * m.head_dim * b
-    kv = per_layer * (m.num_hidden_layers + (0 if cfg.no_spec else 1))  # the policy's layers and the draft's one
+    block = getattr(cfg, "drafter", "eagle3") != "eagle3"  # the draft's cache: EAGLE-3's one layer; a block
+    W, Ld = (cfg.block_slots if block else 0), (0 if cfg.no_spec else cfg.draft_layers if block else 1)  # draft's
+    kv = per_layer * m.num_hidden_layers + Ld * 2 * B * m.num_key_value_heads * m.head_dim * b * kv_slots(
+        run.prompt + W, max_new_tokens, longest_new, k)  # L_d layers, with room for its block (+ W)
     verify = (VERIFY_BLOCKS * (k + 1) + 1) * B * m.vocab_size * 4
     Q, KV, I, H = (m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim, m.intermediate_size,
                    m.hidden_size)
@@ -280,8 +322,7 @@ def update_transient(cfg, run: Run, stage: int) -> dict:
     else:
         acts = live * T * per_tok
     trained = sum(1 for kind, where in held_copies(cfg).values() if where == "last")
-    n_taps = len(taps_of(cfg, run))
-    dacts = trained * T * (cfg.ttt_passes * draft_pass_bytes(m, b) + (n_taps + 1) * H * b) if last else 0
+    dacts = trained * draft_act_bytes(cfg, run, T, b) if last else 0
     rows = min(T, _rows(cfg, m))
     logits = LOGIT_BLOCKS * rows * m.vocab_size * 4 if last else 0
     heads = (HEAD_BLOCKS[0] + HEAD_BLOCKS[1] * trained) * m.vocab_size * H * 4 if last else 0
