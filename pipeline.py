@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from branch_mask import cu_seqlens_from_lengths
 from parallel.grid import Grid
-from parallel.waits import wait_all
+from parallel.waits import backend_of, wait_all
 from parallel.pp_schedule import SCHEDULES, p2p_plan, schedule_actions, split_layers
 from model import EMBED_TAP, ModelConfig, Transformer, check_tap_layers
 from tapchannel import TapChannel
@@ -110,11 +110,11 @@ class _Batch:
     (parallel/waits.py; labels name each transfer in its error), and returns the received buffer, if any. The sent
     tensors stay referenced until then."""
 
-    def __init__(self, works, ops, buf, labels=()):
-        self.works, self.ops, self.buf, self.labels = works, ops, buf, labels
+    def __init__(self, works, ops, buf, labels=(), backend=None):
+        self.works, self.ops, self.buf, self.labels, self.backend = works, ops, buf, labels, backend
 
-    def wait(self):
-        wait_all(self.works, self.labels)
+    def wait(self):  # NCCL: the stream waits, the host runs on; gloo: the host waits, within --dist_timeout
+        wait_all(self.works, self.labels, self.backend)
         self.works = self.ops = ()
         return self.buf
 
@@ -292,7 +292,8 @@ class PipelineSchedule:
                 shape = self._recv_shape(m) if what == "act" else self._saved[m][1].shape
                 buf = torch.empty(shape, dtype=self.dtype, device=self.device)
                 p2p.append(dist.P2POp(dist.irecv, buf, self.grid.pp_ranks[peer], self.grid.pp_group))
-        return _Batch(dist.batch_isend_irecv(p2p) if p2p else [], p2p, buf, labels)
+        backend = backend_of(self.grid.pp_group, p2p[0].tensor) if p2p else None
+        return _Batch(dist.batch_isend_irecv(p2p) if p2p else [], p2p, buf, labels, backend)
 
     def _recv_shape(self, m: int):
         return self._mbs[m].tokens.shape[0], self.H

@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from model import EMBED_TAP, check_tap_layers
-from parallel.waits import wait_all
+from parallel.waits import backend_of, wait_all
 
 
 def tap_owners(split, tap_layers) -> dict:
@@ -142,7 +142,8 @@ class TapChannel:
         taps = {layer: t.detach() for layer, t in local_taps.items()}
         for layer, work, view in self._posted.pop(m):
             src = next(s for s in self.sources if layer in self.layers_of[s])
-            wait_all([work], [f"TapChannel recv of tap {layer} for microbatch {m} from stage {src}"])  # sync point
+            wait_all([work], [f"TapChannel recv of tap {layer} for microbatch {m} from stage {src}"],
+                     backend_of(self.group, view))  # NCCL: the draft's stream waits; gloo: the host
             taps[layer] = view
         self._held = m
         return dict(sorted(taps.items()))
@@ -156,7 +157,8 @@ class TapChannel:
     # ------------------------------------------------------------------------------------------------------ both
     def finish(self):
         """End of step: wait for this rank's sends to leave (sources), check every microbatch was received (last)."""
-        wait_all([w for w, _ in self._sends], [f"TapChannel send of taps to stage {self.last}"])
+        wait_all([w for w, _ in self._sends], [f"TapChannel send of taps to stage {self.last}"],
+                 backend_of(self.group, self._sends[0][1]) if self._sends else None)
         self._sends = []
         if self._posted or self._held is not None:
             raise RuntimeError(f"TapChannel.finish: microbatch {sorted(self._posted) or self._held} was posted but "

@@ -211,6 +211,7 @@ class CommRecorder:
 
     def __init__(self):
         self.raw, self.n, self.depth, self.waited = [], 0, 0, set()
+        self.wait_timeouts = {}  # call id -> the timeout of each wait() on its works (None: a stream wait on NCCL)
 
     def __enter__(self):
         self.saved = {op: getattr(c10d, op) for op in self.P2P + self.COLL + ("batch_isend_irecv",)}
@@ -277,6 +278,7 @@ class _Work:
 
     def wait(self, *args, **kw):
         self._rec._wait(self._cid)
+        self._rec.wait_timeouts.setdefault(self._cid, []).append(args[0] if args else kw.get("timeout"))
         return self._work.wait(*args, **kw)
 
     def __getattr__(self, name):

@@ -34,6 +34,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from parallel.waits import backend_of
+
 _W = None  # the fixed weights, made once (same on every rank: seeded, on the CPU)
 
 
@@ -59,14 +61,15 @@ def check_same_cu_seqlens(cu_seqlens_list, group=None, what: str = "cu_seqlens")
     """Collective over `group` (every rank calls it, once per step): raise on EVERY rank if any rank's boundaries
     differ, naming the ranks that disagree with rank 0 of the group. group=None or a group of one: no-op.
 
-    `cu_seqlens_list`: the step's micro-batch cu_seqlens, in order (one tensor is fine too). On NCCL the 8-byte
-    fingerprint travels on this process's current CUDA device; on gloo on the CPU."""
+    `cu_seqlens_list`: the step's micro-batch cu_seqlens, in order (one tensor is fine too). The 8-byte fingerprint
+    travels on the CPU wherever the group runs CPU tensors (gloo; on a GPU node's "cpu:gloo,cuda:nccl" groups too, so
+    the check never waits for the GPU's stream), else (a group of NCCL only) on this process's current CUDA device."""
     if isinstance(cu_seqlens_list, torch.Tensor):
         cu_seqlens_list = [cu_seqlens_list]
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
     f = fingerprint(cu_seqlens_list)
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    dev = "cpu" if backend_of(group, "cpu") else torch.device("cuda", torch.cuda.current_device())
     everyone = [torch.empty((), dtype=torch.int64, device=dev) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, f.to(dev), group=group)
     got = [int(x) for x in everyone]  # the one host sync

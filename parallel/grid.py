@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from parallel.waits import timeout
+from parallel.waits import backend_of, timeout
 
 
 def mesh_groups(pp: int, cp: int, dp: int) -> list:
@@ -112,9 +112,11 @@ def warm_up_links(grid: Grid, device=None) -> None:
     communicators in opposite orders wait for each other forever. In one global order the earliest unfinished entry
     always has all its members waiting on it, so every entry completes. gloo connects at new_group: a no-op there
     in effect (a few tiny messages). device: where the step's tensors live, which picks the backend of a mixed
-    process group (default: the current GPU if the group is NCCL only, else the CPU)."""
+    process group (default: the current GPU where the default group runs CUDA tensors on NCCL -- a "nccl" or a
+    "cpu:gloo,cuda:nccl" group -- else the CPU)."""
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        on_nccl = torch.cuda.is_available() and backend_of(None, "cuda") == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if on_nccl else "cpu"
     rank, x = dist.get_rank(), torch.zeros(1, device=device)
     for kind, name, ranks in warm_up_plan(grid.pp, grid.cp, grid.dp):
         if kind == "coll" and rank in ranks:

@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from parallel.waits import wait_all
+from parallel.waits import backend_of, wait_all
 
 
 # ----------------------------------------------------------------------------------------- the CP communication ring
@@ -48,12 +48,12 @@ class _Pending:
             w()
 
 
-class _DistPending:  # torch.distributed Works: waited within --dist_timeout, each labelled for the error message
-    def __init__(self, works, labels, keep):
-        self.works, self.labels, self.keep = works, labels, keep
+class _DistPending:  # torch.distributed Works, each labelled for the error message; waited as their backend wants
+    def __init__(self, works, labels, keep, backend):
+        self.works, self.labels, self.keep, self.backend = works, labels, keep, backend
 
-    def wait(self):
-        wait_all(self.works, self.labels)
+    def wait(self):  # NCCL: the stream waits, the host runs on; gloo: the host waits, within --dist_timeout
+        wait_all(self.works, self.labels, self.backend)
 
 
 class DistRing(Ring):
@@ -68,7 +68,8 @@ class DistRing(Ring):
         ops += [dist.P2POp(dist.irecv, buf, peer(src), self.group) for src, buf in recvs]
         labels = [f"CP {what}: send to rank {peer(dst)}" for dst, _ in sends]
         labels += [f"CP {what}: recv from rank {peer(src)}" for src, _ in recvs]
-        return _DistPending(dist.batch_isend_irecv(ops) if ops else [], labels, keep=ops)
+        backend = backend_of(self.group, ops[0].tensor) if ops else None  # a CUDA tensor on cpu:gloo,cuda:nccl: NCCL
+        return _DistPending(dist.batch_isend_irecv(ops) if ops else [], labels, keep=ops, backend=backend)
 
 
 class ThreadRing(Ring):

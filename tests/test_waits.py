@@ -19,6 +19,8 @@ import sys
 import time
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from parallel import waits
 
@@ -55,16 +57,34 @@ def test_wait_all_names_the_rank_and_the_wait():
 
 def test_nccl_waits_do_not_poll_gloo_waits_are_bounded():
     """The dispatch by backend: NCCL's works get a plain wait() (the stream waits; the watchdog bounds it), gloo's and
-    those without a process group get a timeout; a failure is named the same way on both."""
+    those of no known backend (None) get a timeout; a failure is named the same way on both."""
     nccl, gloo, none = _Work(), _Work(), _Work()
     waits.wait_all([nccl], ["CP ring recv"], backend="nccl")
     waits.wait_all([gloo], ["CP ring recv"], backend="gloo")
-    waits.wait_all([none], ["CP ring recv"])  # no process group here: bounded
+    waits.wait_all([none], ["CP ring recv"])  # no backend known (no process group): bounded
     assert nccl.timeouts == [None]
     assert gloo.timeouts[0] > datetime.timedelta(0) and none.timeouts[0] > datetime.timedelta(0)
     late = _Work(RuntimeError("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=RECV)"))
     with pytest.raises(waits.WaitTimeout, match=r"^rank 0: TapChannel recv timed out after 1800 s"):
         waits.wait_all([late], ["TapChannel recv"], backend="nccl")
+
+
+def test_backend_of_reads_the_group_per_device_type(monkeypatch):
+    """backend_of: a composite group ("cpu:gloo,cuda:nccl", what make_mesh creates on a GPU node) runs CUDA tensors on
+    NCCL and CPU tensors on gloo; a group made with one name runs every device type it supports; no process group:
+    None (a bounded wait). A tensor's device picks the entry."""
+    import torch
+    import torch.distributed as dist
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    for name, want in (("cpu:gloo,cuda:nccl", {"cuda": "nccl", "cpu": "gloo"}), ("nccl", {"cuda": "nccl", "cpu": None}),
+                       ("gloo", {"cuda": "gloo", "cpu": "gloo"})):
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, name=name: name)
+        got = {kind: waits.backend_of(None, kind) for kind in want}
+        assert got == want, (name, got)
+        assert waits.backend_of(object(), torch.device("cuda", 1)) == want["cuda"]
+        assert waits.backend_of(object(), torch.zeros(1)) == want["cpu"]  # a CPU tensor
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    assert waits.backend_of(None, "cuda") is None
 
 
 DRIVER = """
