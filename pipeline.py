@@ -244,7 +244,7 @@ class PipelineSchedule:
         """F(m); returns the stage output to send on (None on the last stage)."""
         mb = self._mbs[m]
         if self.last:
-            self._post_taps(m)  # every source has sent m's taps by now: a device sync cannot wait on a later send
+            self._post_taps(m)  # no source waits on this stage to send m's taps: a device sync here completes
         x = mb.tokens if self.first else self._input(m, got)
         out = self.stage(x, mb.cu_seqlens, mb.position_ids, attn_fn=self.attn_fn,
                          tap_layers=self.local_taps if self._draft_hook is not None else (), logits=self.logits)

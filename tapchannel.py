@@ -16,23 +16,26 @@ get tap h_l(m) of microbatch m from stage s to the last stage:
      stream), so no tap message is ever matched against, or queued behind, a schedule message. Each tap crosses once,
      straight from the stage that made it to the last stage:
        source, right after F(m):   isend(h_l(m).detach())     for each tap l it owns; never waits on it until finish()
-       last stage, F(m) starts:    post(m): irecv into one landing slot per source  -- every source has sent m by now
+       last stage, F(m) starts:    post(m): irecv into one landing slot per source  -- no source waits here to send m
        last stage, draft needs m:  recv(m) waits for m's messages   -- the only wait on the channel
        last stage, after the draft: release(m) frees the slot for m + 1
      Taps produced on the last stage itself are used in place. No gradient crosses stages: the draft learns from the
      policy's features, it does not train the policy.
 
 Why it cannot deadlock: a source's isend never blocks, and a source waits on its sends only in finish(), after its
-last schedule action. The last stage posts m's receives when its own F(m) starts, i.e. after every stage's F(m) ran
-(F(m) on stage s+1 needs stage s's activation of m, sent before s's taps of m), so every receive it ever has posted
-has its send already issued. That is the point of posting late rather than ahead: a device-wide synchronisation on
-the last stage (cudaDeviceSynchronize, or the caching allocator's retry after an out-of-memory, in the memory-tight
-regime of a real run) waits for every receive the rank has posted. A receive posted for m + depth ahead of time has
-its send only after the source's B(m + depth - (P - s)), which needs this stage's gradient: a sync in between would
-hang until the watchdog fires. Posted at F(m), a receive's send is already in flight, so any sync completes. Under
-NCCL a send may also wait for its receive and communicators are created lazily, so the mesh creates them all up front
-(grid.warm_up_links) and nccl_check.py replays the whole step under NCCL's rules, device syncs included, for every
-layout.
+last schedule action. The last stage posts m's receives when its own F(m) starts; a source issues m's sends right
+after its own F(m), with nothing between the two that waits on the last stage. On NCCL every wait is a stream wait
+(parallel/waits.py: the host runs on, later calls queue behind it on the device), so the last stage's host may post
+m's receives before a source's host has issued m's sends; what matters is that every posted receive's send gets
+issued without this rank moving on. That is the point of posting late rather than ahead: a device-wide
+synchronisation on the last stage (cudaDeviceSynchronize, or the caching allocator's retry after an out-of-memory, in
+the memory-tight regime of a real run) blocks its host until every receive it has posted completes. A source's host
+reaches m's sends unless it blocks first at a host or device sync of its own, and before its F(m) those wait only for
+calls of microbatches the last stage has finished with before its F(m) (1F1B and AFAB alike). A receive posted for
+m + depth ahead of time has its send only after the source's B(m + depth - (P - s)), which needs this stage's
+gradient: a sync in between would hang until the watchdog fires. Under NCCL a send may also wait for its receive and
+communicators are created lazily, so the mesh creates them all up front (grid.warm_up_links) and nccl_check.py replays
+the whole step under NCCL's rules, stream-ordered waits and device syncs in every action included, for every layout.
 
 Sources may run ahead of the last stage by up to pp_schedule.tap_depth microbatches (1F1B: min(M, P); AFAB: M); their
 pending isends hold their tensors until the last stage posts the matching receive. At most one microbatch is posted
@@ -118,7 +121,7 @@ class TapChannel:
                 self._slots[s] = torch.empty(need, dtype=dtype, device=device)
 
     def post(self, m: int):
-        """Last stage, as F(m) starts (every source has issued its sends of m): post m's receives, in source and
+        """Last stage, as F(m) starts (no source waits on this stage to send m): post m's receives, in source and
         layer order. Microbatches are posted in order, each once the previous one is released."""
         if m != self._next or self._held is not None or self._posted:
             raise RuntimeError(f"TapChannel.post({m}): expected microbatch {self._next}, posted once the previous one "

@@ -6,7 +6,9 @@ A trace is a list of events per rank:
     ("call", id, kind, group, ops)    kind "p2p" (a single isend/irecv/send/recv), "batch" (one batch_isend_irecv)
                                       or "coll"; group = (name, ranks); ops = ((op, peer, bytes), ...), op "send" or
                                       "recv" with a global peer, or a collective's name with peer None
-    ("wait", id)                      the host (and so the compute stream) waits for that call
+    ("wait", id)                      the compute stream waits for that call (NCCL: the host runs on)
+    ("host",)                         a host sync point (.item(), .tolist(), a copy to the host, an object
+                                      collective): the host waits for every call this rank has waited on
     ("sync",)                         a device-wide synchronisation (cudaDeviceSynchronize; the caching allocator's
                                       retry after an out-of-memory): waits for every call this rank has issued
 
@@ -48,6 +50,9 @@ class _Trace:
 
     def sync(self):
         self.events.append(("sync",))
+
+    def host(self):
+        self.events.append(("host",))
 
 
 def layout_traces(pp, cp, dp, schedule, M, *, taps=(), n_layers=None, draft_cp=False, tied=True, warm=True,
@@ -109,6 +114,7 @@ def step_trace(pp, cp, dp, d, s, c, schedule, M, taps, n_layers, draft_cp, tied,
                 t.wait(t.call("coll", G[name], [("all_reduce", None, None)]))
     if pp > 1:
         t.wait(t.call("coll", G["pp"], [("broadcast", None, None)]))
+    t.host()  # the step's losses, read on the host
     return t.events
 
 
@@ -156,6 +162,7 @@ class _StepGen:
                 self.t.wait(cid)
             if self.draft_ring:
                 self.ring()
+            self.t.host()  # the draft's metrics, read on the host (one tolist per draft per microbatch)
             if self.device_sync:
                 self.t.sync()  # ... or while the draft's loss and backward allocate
             if self.post_ahead and m + self.depth < self.M:  # the old TapChannel.release(m)
@@ -288,11 +295,14 @@ class _Work:
 def comparable(events) -> list:
     """A trace reduced to what recorded and generated traces must share: each run of CP-group events (the ring's
     exchanges and their waits inside one action) becomes one "cp" mark; the waits on TapChannel's sends are dropped
-    (the real code skips those it has seen complete, a matter of timing); collectives' bytes dropped; ids renumbered."""
+    (the real code skips those it has seen complete, a matter of timing); host syncs dropped (a recorded draft hook may
+    be a stand-in); collectives' bytes dropped; ids renumbered."""
     ids, out, cp_calls = {}, [], set()
     tap_sends = {ev[1] for ev in events if ev[0] == "call" and ev[3][0] == "tap" and ev[4][0][0] == "send"
                  and ev[2] == "p2p"}
     for ev in events:
+        if ev[0] == "host":
+            continue
         if ev[0] == "sync":
             item = ev
         elif ev[0] == "call" and ev[3][0] == "cp" and ev[2] == "batch":

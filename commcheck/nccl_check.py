@@ -10,18 +10,26 @@ gloo forgives what NCCL does not: it connects every group at new_group and buffe
        rendezvous with the matching receive (the k-th send a -> b on a communicator matches the k-th receive);
        a batch (one NCCL group) runs all its ops at once and completes when all have matched; a collective
        completes when every member runs it;
-    4. a rank's later ops wait for what it has waited on (host wait = the compute stream waits), so an op issued
-       after wait(x) starts only once x is complete;
-    5. a device-wide synchronisation (cudaDeviceSynchronize; the caching allocator's retry after an out-of-memory,
-       which can strike wherever a rank allocates) waits for every call the rank has issued, its receives included:
-       nothing after it is issued until all of them are complete.
+    4. a wait is a stream wait (parallel/waits.py: Work.wait() without a timeout): the compute stream waits for the
+       call and the host runs on. A call issued after it queues behind it on the device (its NCCL stream waits for the
+       compute stream's state at issue), so it starts only once every call the rank had waited on is complete;
+    5. what blocks the host: a host sync point (("host",): .item(), a copy to the host, an object collective; it waits
+       for every call the rank has waited on), and a device-wide synchronisation (("sync",): cudaDeviceSynchronize,
+       the caching allocator's retry after an out-of-memory, which can strike wherever a rank allocates; it waits for
+       every call the rank has issued, its unwaited receives included). Nothing after either is issued until then.
+
+waits="host" replays rule 4 as the host waiting at every wait (gloo's bounded waits; NCCL's with a timeout, which
+poll). It never passes a trace that waits="stream" fails: a host that blocks less issues the same calls in the same
+order, no later, under the same device-side rules; so a trace that passes under "host" passes under "stream", and
+"stream" differs only where a host-blocking event (a creation, a sync) follows a wait.
 
 simulate() runs these rules to a fixed point; ranks left blocked are a deadlock, reported with the ops that wait on
 each other. Traces come from two places that the tests show equal: comm_trace.CommRecorder logs what the real code
 issues under gloo (torch.distributed patched), and comm_trace.layout_traces generates it from the schedule's own plan
 (pp_schedule.p2p_plan, grid.warm_up_plan, TapChannel's ring), which is fast enough to sweep every layout.
+Recorded traces of whole train.py runs (rollout, updates, refit, eval, checkpoint) live in commcheck/traces/.
 
-The trace format (("call", id, kind, group, ops) and ("wait", id) per rank) is comm_trace.py's.
+The trace format (("call", id, kind, group, ops), ("wait", id), ("host",) and ("sync",) per rank) is comm_trace.py's.
 
     python -m commcheck.nccl_check   # sweep pp 2-4 x M 1-8 x cp 1-2 x dp 1-2 x drafts (with device syncs too), then
                                      # the old bugs
@@ -32,6 +40,8 @@ from collections import defaultdict, deque
 
 from commcheck.comm_trace import layout_traces
 from model import EMBED_TAP, default_tap_layers
+
+WAITS = ("stream", "host")
 
 
 # ------------------------------------------------------------------------------------------------ the NCCL model
@@ -46,18 +56,29 @@ def comm_of(rank: int, kind: str, group, ops):
 def _describe(ev):
     if ev[0] == "wait":
         return f"wait #{ev[1]}"
-    if ev[0] == "sync":
-        return "device sync"
+    if ev[0] in ("sync", "host"):
+        return {"sync": "device sync", "host": "host sync"}[ev[0]]
     _, cid, kind, (name, ranks), ops = ev
     body = ", ".join(f"{op} {'->' if op == 'send' else '<-' if op == 'recv' else ''}"
                      f"{'' if peer is None else f' rank {peer}'}".strip() for op, peer, _ in ops)
     return f"#{cid} {kind} [{body}] on {name}{list(ranks)}"
 
 
-def simulate(traces: dict) -> list:
-    """Replay {rank: events} under the rules above. Returns [] if every rank finishes, else one line per blocked rank
-    (and per mismatch) naming what it waits for and where the partner op is."""
-    pc = {r: 0 for r in traces}
+class _Rank:
+    """One rank's host and device state: where its host is, its issued calls per communicator, the calls it waited
+    on (rule 4) and those still open."""
+
+    def __init__(self, r, events):
+        self.r, self.events, self.pc, self.waited, self.open = r, events, 0, [], 0
+
+
+def simulate(traces: dict, waits: str = "stream") -> list:
+    """Replay {rank: events} under the rules above (waits: "stream", NCCL's, or "host", every wait blocking the
+    host). Returns [] if every rank finishes, else one line per blocked rank (and per mismatch) naming what it waits
+    for and where the partner op is."""
+    if waits not in WAITS:
+        raise ValueError(f"waits={waits!r}: expected one of {WAITS}")
+    st = {r: _Rank(r, evs) for r, evs in traces.items()}
     created, want = set(), {}  # communicators made; rank -> communicator it blocks on creating (rule 1)
     queue = defaultdict(deque)  # (rank, communicator) -> issued, unfinished calls, in issue order (rule 2)
     seq = defaultdict(int)  # ops issued so far per (communicator, src, dst, op) or (communicator, rank, "coll")
@@ -67,15 +88,12 @@ def simulate(traces: dict) -> list:
     moved = True
     while moved:
         moved = False
-        for r, evs in traces.items():
-            while pc[r] < len(evs):
-                ev = evs[pc[r]]
-                if ev[0] == "wait":
-                    if (r, ev[1]) not in done:
-                        break  # rule 4: nothing after a wait is issued before it returns
-                elif ev[0] == "sync":
-                    if any(q for (r_, _), q in queue.items() if r_ == r):
-                        break  # rule 5: a device sync waits for everything this rank has issued
+        for r, me in st.items():
+            while me.pc < len(me.events):
+                ev = me.events[me.pc]
+                if ev[0] != "call":
+                    if _host_blocked(me, ev, waits, done):
+                        break
                 else:
                     key, who = comm_of(r, *ev[2:5])
                     if key not in created:
@@ -85,16 +103,32 @@ def simulate(traces: dict) -> list:
                         created.add(key)
                         for m in who:
                             want.pop(m)
-                    queue[(r, key)].append(_issue(r, ev, key, seq))
-                pc[r] += 1
+                    me.waited = [c for c in me.waited if (r, c) not in done]
+                    queue[(r, key)].append(_issue(r, ev, key, seq, list(me.waited)))
+                    me.open += 1
+                me.pc += 1
                 moved = True
-        moved = _match(queue, members, done, errors) or moved
-    return errors + _blocked(traces, pc, want, queue)
+        moved = _match(queue, members, done, errors, st) or moved
+    return errors + _blocked(st, want, queue, done)
 
 
-def _issue(r, ev, key, seq) -> dict:
-    """A call as it sits in its communicator's queue: its ops, each named by its place in the matching order."""
-    call = {"rank": r, "cid": ev[1], "ev": ev, "key": key, "ids": []}
+def _host_blocked(me, ev, waits, done) -> bool:
+    """Rules 4 and 5 on the host: does the event stop it here? A stream wait only records the call waited on."""
+    if ev[0] == "wait":
+        if waits == "host":
+            return (me.r, ev[1]) not in done
+        me.waited.append(ev[1])
+        return False
+    if ev[0] == "host":
+        me.waited = [c for c in me.waited if (me.r, c) not in done]
+        return bool(me.waited)
+    return me.open > 0  # "sync": everything issued
+
+
+def _issue(r, ev, key, seq, after) -> dict:
+    """A call as it sits in its communicator's queue: its ops, each named by its place in the matching order, and the
+    waited calls it queues behind on the device (rule 4)."""
+    call = {"rank": r, "cid": ev[1], "ev": ev, "key": key, "ids": [], "after": after}
     for op, peer, nbytes in ev[4]:
         if op in ("send", "recv"):
             src, dst = (r, peer) if op == "send" else (peer, r)
@@ -107,11 +141,17 @@ def _issue(r, ev, key, seq) -> dict:
     return call
 
 
-def _match(queue, members, done, errors) -> bool:
-    """Rule 3 on the calls at the head of their queues; completes calls whose ops have all met. True if any op met."""
+def _ready(call, done) -> bool:
+    call["after"] = [c for c in call["after"] if (call["rank"], c) not in done]
+    return not call["after"]
+
+
+def _match(queue, members, done, errors, st) -> bool:
+    """Rule 3 on the calls at the head of their queues whose stream waits are over (rule 4); completes calls whose
+    ops have all met. True if any op met."""
     active = defaultdict(dict)  # op identity -> {"send"/"recv" or member rank: (call, op, bytes)}
     for q in queue.values():
-        if q:
+        if q and _ready(q[0], done):
             for ident, op, nbytes in q[0]["ids"]:
                 active[ident][op if op in ("send", "recv") else q[0]["rank"]] = (q[0], op, nbytes)
     progressed = False
@@ -128,42 +168,57 @@ def _match(queue, members, done, errors) -> bool:
     for (r, _), q in queue.items():
         while q and not q[0]["ids"]:
             done.add((r, q.popleft()["cid"]))
+            st[r].open -= 1
     return progressed
 
 
-def _blocked(traces, pc, want, queue) -> list:
-    """The deadlock, rank by rank: what each blocked rank waits for, and where its partners are."""
+def _blocked(st, want, queue, done) -> list:
+    """The deadlock, rank by rank: where each blocked rank's host is, what its calls wait for, where the partners
+    are."""
     lines = []
-    pending = {(c["rank"], c["cid"]): c for q in queue.values() for c in q}
-    for r, evs in traces.items():
-        if pc[r] == len(evs) and not any(k[0] == r for k, q in queue.items() if q):
+    pending = defaultdict(list)  # rank -> its unfinished calls, in issue order
+    for (r, _), q in queue.items():
+        pending[r] += q
+    for r, me in st.items():
+        mine = sorted(pending[r], key=lambda c: c["cid"])
+        at = me.events[me.pc] if me.pc < len(me.events) else None
+        if at is None and not mine:
             continue
-        at = evs[pc[r]] if pc[r] < len(evs) else None
         if r in want:
             key = want[r]
             others = [m for m in comm_of(r, at[2], at[3], at[4])[1] if want.get(m) != key]
             lines.append(f"rank {r}: blocks creating the communicator {key} for {_describe(at)}; rank(s) "
-                         f"{others} never join: " + "; ".join(f"rank {m} is at {_where(traces, pc, m)}"
-                                                              for m in others))
+                         f"{others} never join: " + "; ".join(f"rank {m} is at {_where(st, m)}" for m in others))
         elif at is not None and at[0] == "sync":
-            lines.append(f"rank {r}: device sync waits for " + "; ".join(
-                f"{_describe(q[0]['ev'])}: {_why(r, q[0], queue, traces, pc)}" for k, q in queue.items()
-                if k[0] == r and q))
+            lines.append(f"rank {r}: device sync waits for " + _calls(r, [q[0] for k, q in queue.items()
+                                                                          if k[0] == r and q], queue, st, done))
+        elif at is not None and at[0] == "host":
+            lines.append(f"rank {r}: host sync waits for " + _calls(r, [c for c in mine if c["cid"] in me.waited],
+                                                                    queue, st, done))
         elif at is not None:
-            call = pending.get((r, at[1]))
-            why = _why(r, call, queue, traces, pc) if call else "?"
-            lines.append(f"rank {r}: {_describe(at)} of {_describe(call['ev']) if call else '?'}: {why}")
+            lines.append(f"rank {r}: {_describe(at)} of " + _calls(r, [c for c in mine if c["cid"] == at[1]], queue,
+                                                                   st, done))
         else:
-            lines.append(f"rank {r}: finished with ops never matched: "
-                         + "; ".join(_describe(c["ev"]) for k, q in queue.items() if k[0] == r for c in q))
+            lines.append(f"rank {r}: finished issuing, ops never matched: " + _calls(r, mine, queue, st, done))
     return lines
 
 
-def _where(traces, pc, r):
-    return _describe(traces[r][pc[r]]) if pc[r] < len(traces[r]) else "the end of its trace"
+def _calls(r, calls, queue, st, done, most=3) -> str:
+    """Each call and why it has not completed; the calls that could run first (not queued behind a wait), at most
+    `most` of them."""
+    calls = sorted(calls, key=lambda c: not _ready(c, done))
+    more = f"; and {len(calls) - most} more" if len(calls) > most else ""
+    return "; ".join(f"{_describe(c['ev'])}: {_why(r, c, queue, st, done)}" for c in calls[:most]) + more or "?"
 
 
-def _why(r, call, queue, traces, pc):
+def _where(st, r):
+    me = st[r]
+    return _describe(me.events[me.pc]) if me.pc < len(me.events) else "the end of its trace"
+
+
+def _why(r, call, queue, st, done):
+    if not _ready(call, done):
+        return f"queued on the stream behind its wait #{call['after'][0]}"
     q = queue[(r, call["key"])]
     if q[0] is not call:
         return f"queued behind {_describe(q[0]['ev'])} on the same communicator"
@@ -175,8 +230,7 @@ def _why(r, call, queue, traces, pc):
         peer = ident[2] if op == "send" else ident[1]
         partner = next((c for c in queue[(peer, ident[0])] if any(x[0] == ident for x in c["ids"])), None)
         if partner is None:
-            out.append(f"its {op} with rank {peer} is not issued there yet (rank {peer} is at "
-                       f"{_where(traces, pc, peer)})")
+            out.append(f"its {op} with rank {peer} is not issued there yet (rank {peer} is at {_where(st, peer)})")
         else:
             head = queue[(peer, ident[0])][0]
             out.append(f"its {op} with rank {peer} is queued there behind {_describe(head['ev'])}")
@@ -184,9 +238,9 @@ def _why(r, call, queue, traces, pc):
 
 
 # ------------------------------------------------------------------------------------------------------------- demo
-def sweep(pps=(2, 3, 4), Ms=range(1, 9), cps=(1, 2), dps=(1, 2), **old) -> dict:
-    """{(pp, cp, dp, schedule, drafts): [M that deadlock]} over the grid; old = layout_traces flags (warm, fused,
-    device_sync, post_ahead)."""
+def sweep(pps=(2, 3, 4), Ms=range(1, 9), cps=(1, 2), dps=(1, 2), waits="stream", **old) -> dict:
+    """{(pp, cp, dp, schedule, drafts): [M that deadlock]} over the grid, replayed with `waits` (simulate's); old =
+    layout_traces flags (warm, fused, device_sync, post_ahead)."""
     n = max(pps) * 2
     taps = default_tap_layers(n) + (EMBED_TAP,)
     out = {}
@@ -198,7 +252,7 @@ def sweep(pps=(2, 3, 4), Ms=range(1, 9), cps=(1, 2), dps=(1, 2), **old) -> dict:
                         out[(pp, cp, dp, schedule, draft)] = [
                             M for M in Ms if simulate(layout_traces(pp, cp, dp, schedule, M, n_layers=n,
                                                                     taps=taps if draft else (), draft_cp=draft,
-                                                                    **old))]
+                                                                    **old), waits)]
     return out
 
 
@@ -211,11 +265,13 @@ if __name__ == "__main__":
                           dict(device_sync=True, post_ahead=True)),
                          ("old 1F1B, warmed up", dict(fused=False)),
                          ("old, no warm-up", dict(fused=False, warm=False, post_ahead=True))):
-        res = sweep(**flags)
-        bad = {k: v for k, v in res.items() if v}
-        print(f"{title}: {len(res) - len(bad)} of {len(res)} layouts deadlock-free for every M in 1..8")
-        for (pp, cp, dp, schedule, draft), Ms in list(bad.items())[:4]:
-            print(f"  pp={pp} cp={cp} dp={dp} {schedule} drafts={draft}: deadlocks at M = {Ms}")
+        for waits in WAITS:
+            res = sweep(waits=waits, **flags)
+            bad = {k: v for k, v in res.items() if v}
+            print(f"{title}, {waits} waits: {len(res) - len(bad)} of {len(res)} layouts deadlock-free for every M "
+                  "in 1..8")
+            for (pp, cp, dp, schedule, draft), Ms in list(bad.items())[:2]:
+                print(f"  pp={pp} cp={cp} dp={dp} {schedule} drafts={draft}: deadlocks at M = {Ms}")
     taps = default_tap_layers(4) + (EMBED_TAP,)
     for title, flags in (("old crossed init (pp=2, M=2, no warm-up)", dict(warm=False, fused=False, post_ahead=True)),
                          ("old 1F1B send/send (pp=2, M=2)", dict(fused=False))):

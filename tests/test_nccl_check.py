@@ -44,6 +44,32 @@ def test_simulator_rules_on_hand_made_traces():
     assert len(err) == 2 and "never join" in err[0], err
 
 
+def test_stream_waits_queue_later_calls_and_block_the_host_only_at_a_sync():
+    """Rule 4 (NCCL's waits, parallel/waits.py): after a stream wait the host runs on, and what it issues next starts
+    on the device only once the waited call is complete; the host blocks at a host sync. Rank 0 waits for a receive,
+    then must join a communicator that rank 1 creates before it sends: under stream waits rank 0's host gets there;
+    with a host sync after the wait (or every wait blocking the host, waits="host") both ranks hang."""
+    pp, new = ("pp", (0, 1)), ("g", (0, 1))
+    warm = [_call(9, "coll", pp, ("all_reduce", None, None)), ("wait", 9)]
+    r0 = warm + [_call(1, "batch", pp, ("recv", 1, 4)), ("wait", 1), _call(2, "coll", new, ("all_reduce", None, None)),
+                 ("wait", 2)]
+    r1 = warm + [_call(1, "coll", new, ("all_reduce", None, None)), _call(2, "batch", pp, ("send", 0, 4)), ("wait", 2)]
+    assert simulate({0: r0, 1: r1}) == []
+    err = simulate({0: r0, 1: r1}, waits="host")
+    assert len(err) == 2 and "rank 0: wait #1 of #1 batch [recv <- rank 1]" in err[0], err
+    assert "blocks creating the communicator" in err[1], err
+    err = simulate({0: r0[:4] + [("host",)] + r0[4:], 1: r1})
+    assert err[0].startswith("rank 0: host sync waits for #1 batch [recv <- rank 1] on pp"), err
+    # each rank's send is issued after a stream wait on the other's: both hosts finish, the device order hangs
+    cross = {r: warm + [_call(1, "batch", pp, ("recv", 1 - r, 4)), ("wait", 1), _call(2, "batch", pp,
+                                                                                       ("send", 1 - r, 4))]
+             for r in (0, 1)}
+    err = simulate(cross)
+    assert len(err) == 2 and all("queued on the stream behind its wait #1" in e for e in err), err
+    with pytest.raises(ValueError, match="waits='poll': expected one of"):
+        simulate(cross, waits="poll")
+
+
 # ------------------------------------------------------------------------------------- the old and the new schedule
 def test_flags_the_old_crossed_communicator_creation():
     """Before the warm-up: the last stage first touches TapChannel's pair (the old irecvs posted at begin), stage 0
