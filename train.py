@@ -33,7 +33,9 @@ harness/rollout.py) -> gather (every rank gets the whole batch) -> update (GRPO 
 CP inside each stage and the draft's TTT loss on the last stage; harness/update.py, dist_step.py) -> refit (the full
 copies) -> eval (every rank its blocks; harness/eval_arms.py) / log (rank 0; harness/report.py) -> checkpoint
 (checkpoints/resume.py). Models
-live on each rank's own GPU when CUDA is present (--device=auto; mesh.pick_device), else on the CPU.
+live on each rank's own GPU when CUDA is present (--device=auto; mesh.pick_device), else on the CPU. Before any work,
+each rank plans its memory on its device (harness/fit_check.py): a run that does not fit stops in one line naming the
+flags that make it fit.
 
     torchrun --standalone --nproc_per_node=4 train.py                         # the default run on pp=2 x cp=2
     torchrun --standalone --nproc_per_node=4 train.py --draft runs/default/draft   # start from a served EAGLE-3 draft
@@ -65,6 +67,7 @@ from harness.config import Config, parse_args
 from harness.engine_rollout import ENGINE_GAP_TOL, start_engine
 from harness.eval_arms import evaluate
 from harness.experiment import build
+from harness.fit_check import fit
 from serving.engine_check import acceptance_gap
 from serving.export import write_servables
 from harness.mesh import make_mesh
@@ -83,6 +86,7 @@ def train(cfg: Config) -> dict:
     # ---- setup: threads, the mesh (one process: 1 x 1 x 1), what rank 0 shows and writes
     t_start = time.perf_counter()
     torch.set_num_threads(cfg.threads)
+    cfg = fit(cfg)  # the memory plan on this device before any work: one line naming the flags if it does not fit
     mesh = make_mesh(cfg)
     out_dir = cfg.out or os.path.join("runs", cfg.name)
     g, say = mesh.grid, (print if mesh.main else (lambda *a, **k: None))

@@ -109,7 +109,8 @@ class Config:
     lr: float = 5e-4  # the drift: leaves the SFT style while held-out accuracy rises (0: the no-drift control)
     grad_clip: float = 1.0  # gradient-norm clip of the policy's update
     updates: int = 2  # optimisation steps per rollout batch (minibatches), old log-probs from the rollout
-    micro_batches: int = 1  # gradient accumulation inside one update
+    micro_batches: int | str = 1  # gradient accumulation inside one update; auto: the fewest the memory plan fits
+    micro_batch_tokens: int = 0  # > 0: micro_batches = the fewest whose micro-batch holds <= this many tokens per rank
     eps_low: float = 0.2  # PPO clip below: the ratio is clipped to [1 - eps_low, 1 + eps_high]
     eps_high: float = 0.28  # PPO clip above (asymmetric, "clip-higher")
     beta: float = 0.0  # k3 KL penalty to the frozen reference (0: drift is measured, not penalised)
@@ -127,7 +128,9 @@ class Config:
     dp: int = 0  # data-parallel replicas (0: world size / (pp * cp))
     schedule: str = "1f1b"  # parallel/pp_schedule.SCHEDULES
     activation_checkpointing: bool = False  # recompute each decoder layer in the update's backward (memory for time)
-    zero1: bool | str = False  # shard a stage's AdamW m, v, masters over its DP x CP ranks; auto: as memory_plan says
+    zero1: bool | str = "auto"  # shard a stage's AdamW m, v, masters over its DP x CP ranks; auto: where the plan needs
+    fit_check: bool = True  # refuse to start a run whose memory plan exceeds the device (harness/fit_check.py)
+    device_gib: float = 0.0  # GiB each rank may hold, for the fit check (0: the GPU's, or the host's over its ranks)
     # memory and kernels at scale: see docs/memory.md
     attn_backend: str = "auto"  # auto (CUDA: fused triton; CPU: torch, the reference) | torch | triton | flash (CUDA)
     chunk_mib: float = 256.0  # MiB of fp32 logits per chunk of log-probs and draft loss (0: unfused (T, V) logits)
@@ -319,10 +322,11 @@ CHECKS = {
     "grad_clip":          above(0),  # a negative bound flips the gradient: the update would ascend
     "updates":            ((lambda v, c: 1 <= v <= c.prompts_per_step * c.group_size),
                            "in [1, prompts_per_step * group_size = {prompts_per_step} * {group_size}]"),
-    "micro_batches":      ((lambda v, c: v >= 1 and all(n % v == 0 for n in _update_sizes(c))),
-                           "a divisor of each update's sequences (prompts_per_step * group_size = {prompts_per_step} "
-                           "* {group_size} sequences in updates={updates} minibatches, each cut into micro_batches "
-                           "equal micro-batches)"),
+    "micro_batches":      ((lambda v, c: v == "auto" or type(v) is int and v >= 1 and all(
+                               n % v == 0 for n in _update_sizes(c))),
+                           "auto, or a divisor of each update's sequences (prompts_per_step * group_size = "
+                           "{prompts_per_step} * {group_size} sequences in updates={updates} minibatches, each cut "
+                           "into micro_batches equal micro-batches)"),
     "eps_low":            ((lambda v, c: 0 <= v < 1), "in [0, 1)"),
     "eps_high":           at_least(0),
     "beta":               at_least(0),
@@ -340,6 +344,9 @@ CHECKS = {
     "schedule":           one_of(*SCHEDULES),
     "activation_checkpointing": FLAG,
     "zero1":              ((lambda v, c: v is True or v is False or v == "auto"), "true, false or auto"),
+    "fit_check":          FLAG,
+    "device_gib":         at_least(0),
+    "micro_batch_tokens": at_least(0),
     "attn_backend":       one_of("auto", "torch", "triton", "flash"),
     "dtype":              one_of("auto", "bf16", "fp32"),
     "chunk_mib":          ((lambda v, c: v >= 0), ">= 0 (0 = the unfused (T, V) logits, the reference path)"),

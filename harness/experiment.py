@@ -153,7 +153,8 @@ def build(cfg: Config, mesh: Mesh, log=print) -> Setup:
         attn_backend=cfg.attn_backend_on(mesh.device),
         logprob_chunk=budget_rows(s.policy.cfg.vocab_size, cfg.chunk_mib),
         activation_checkpointing=cfg.activation_checkpointing,
-        zero1=resolve_zero1(cfg, s.policy.cfg, mesh.grid, mesh.device, s.task.max_new_tokens),  # --zero1=auto: the plan
+        zero1=resolve_zero1(cfg, s.policy.cfg, mesh.grid, mesh.device, s.task.max_new_tokens,  # auto: the plan
+                            device_bytes=cfg.device_gib * 2**30 if cfg.device_gib else None),
         watch=draft_watch(s))
     return s
 

@@ -24,7 +24,7 @@ GROUPS = (
      ("pp", "cp", "dp", "schedule")),
     ("RL (GRPO)", False,
      ("steps", "prompts_per_step", "group_size", "temperature", "lr", "grad_clip", "updates", "micro_batches",
-      "eps_low", "eps_high", "beta", "std_norm", "loss_norm")),
+      "micro_batch_tokens", "eps_low", "eps_high", "beta", "std_norm", "loss_norm")),
     ("model and data: a model preset with the built-in task, or HF mode: --model=DIR (an HF checkpoint: Llama / "
      "Qwen2 / Qwen3 + tokenizer.json) with --data=prompts.jsonl (the checkpoint as the policy, no SFT; a math-answer "
      "reward)", False,
@@ -39,7 +39,7 @@ GROUPS = (
       "eval_draft_tokens", "bootstrap")),
     ("memory, kernels and precision (docs/memory.md): bf16 runs every forward and KV cache in bf16 and keeps fp32 "
      "masters, grads and AdamW state", False,
-     ("attn_backend", "chunk_mib", "dtype", "activation_checkpointing", "zero1")),
+     ("attn_backend", "chunk_mib", "dtype", "activation_checkpointing", "zero1", "fit_check", "device_gib")),
     ("run, checkpoints and logging", False,
      ("name", "out", "seed", "rl_seed", "device", "threads", "warmup_threads", "cache_dir", "ckpt_every", "resume",
       "overwrite", "resume_changed_inputs", "log", "dist_timeout")),

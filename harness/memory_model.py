@@ -195,9 +195,9 @@ def draft_act_bytes(cfg, run: Run, T: float, b: int) -> float:
     """What one trained draft saves for backward over a micro-batch of T tokens on one CP rank.
       EAGLE-3   T (P draft_pass_bytes + (taps + 1) H b): every position, each of the P TTT passes, and the taps
       blocks    T (taps H b + 2 norm(H) + L_d 4 KV b): fc's concatenated taps, the context and its norms, each draft
-                layer's injected K / V; + N W (L_d layer_bytes + norm(H) + 12): the N anchors' W-slot blocks through
-                the L_d layers (q / k RMS-normed), the final norm and the streamed loss's normalisers per slot. N: --anchors
-                per sequence of the micro-batch, spread over the CP ranks by position."""
+                layer's injected K / V; + N W (L_d layer_bytes + norm(H) + 12): the N anchors' W-slot blocks
+                through the L_d layers (q / k RMS-normed), the final norm and the streamed loss's normalisers per
+                slot. N: --anchors per sequence of the micro-batch, spread over the CP ranks by position."""
     m, H = run.model, run.model.hidden_size
     n_taps = len(taps_of(cfg, run))
     if getattr(cfg, "drafter", "eagle3") == "eagle3":
@@ -399,7 +399,7 @@ def resolve_zero1(cfg, model: ModelConfig, grid, device, max_new_tokens: int, de
     from dataclasses import replace
     plain = replace(cfg, zero1=False)
     run = Run(model, pp=grid.pp, cp=grid.cp, dp=grid.dp, seq=cfg.max_prompt_tokens + max_new_tokens,
-              prompt=cfg.max_prompt_tokens, dtype="fp32" if cfg.dtype == "fp32" else "bf16")
+              prompt=cfg.max_prompt_tokens, dtype="fp32" if cfg.dtype == "fp32" else "bf16", gpu=True)
     worst = max(rank_plan(plain, run, s, rank0=s == 0, max_new_tokens=max_new_tokens)["total"]
                 for s in range(grid.pp))
     return worst > device_bytes

@@ -22,10 +22,12 @@ buffers are stated constants (memory_model.CUDA_CONTEXT_GIB, NCCL_GIB_PER_GROUP)
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 
+import torch
+
 from harness import memory_model as mm
+from harness.fit_check import check_fit, model_config
 from harness.config import Config, help_text, parse_args
 from model import PRESETS as MODEL_PRESETS
 from model import check_tap_layers
@@ -35,20 +37,6 @@ GiB = 2 ** 30
 USAGE = ("usage: python -m harness.memory_plan [--model PRESET|DIR|config.json] [--gpus N] [--seq T] "
          "[--device_gib G] [--recommend] [train.py flags]")
 OWN = {"gpus": int, "seq": int, "device_gib": float, "recommend": bool}
-
-
-def model_config(spec: str, cfg: Config):
-    """--model as a model.ModelConfig: a preset (with the built-in task's vocabulary), a checkpoint directory or its
-    config.json."""
-    from serving.hf_io import config_from_hf, read_json
-    if spec in MODEL_PRESETS:
-        from harness.experiment import build_task
-        return dataclasses.replace(MODEL_PRESETS[spec], vocab_size=build_task(cfg).tok.vocab_size)
-    path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
-    if not os.path.isfile(path):
-        raise ValueError(f"--model={spec}: expected a preset ({', '.join(sorted(MODEL_PRESETS))}), an HF checkpoint "
-                         "directory or its config.json")
-    return config_from_hf(read_json(path), path)
 
 
 def parse(argv: list) -> tuple:
@@ -195,7 +183,9 @@ def main(argv=None):
         raise ValueError(f"--tap_layers={','.join(map(str, taps))}: expected 3 layer ids (the served format)")
     run = make_run(cfg, m, own)
     zero1 = mm.resolve_zero1(cfg, m, run, "cuda", run.seq - run.prompt, device_bytes=own["device_gib"] * GiB)
-    cfg = dataclasses.replace(cfg, zero1=zero1)
+    cfg = check_fit(dataclasses.replace(cfg, zero1=zero1, device_gib=own["device_gib"], fit_check=False,
+                                        max_prompt_tokens=run.prompt),  # --micro_batches auto, --micro_batch_tokens
+                    m, (run.pp, run.cp, run.dp), torch.device("cpu"), run.seq - run.prompt)
     print(table(cfg, run, plan(cfg, run), own["device_gib"]))
     if own["recommend"]:
         print(recommend(cfg, m, own))

@@ -58,7 +58,7 @@ BAD_VALUE = {
     "rl_seed": "-2", "eval_draft_tokens": "-1", "bootstrap": "0", "task": "nope",
     "ttt_decay": "1.5", "tap_layers": "0,1", "dtype": "fp16", "max_draft_tokens": "0",
     "frozen_arm": "maybe", "cold_arm": "yes", "offline_arm": "on", "log_kl": "2", "draft_every": "0",
-    "zero1": "maybe",
+    "zero1": "maybe", "device_gib": "-1", "micro_batch_tokens": "-5",
     "rollout_engine": "sglang",
     "drafter": "medusa", "block_size": "1", "anchors": "0", "block_gamma": "-1", "draft_layers": "0",
     "mask_token_id": "-2", "markov_rank": "0",

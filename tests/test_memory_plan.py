@@ -3,11 +3,12 @@
 Six runs at reduced size, each one real RL step of train.py's phases (harness/rollout.rollout, harness/update.update;
 the warm-ups at a few steps, cached per test): the built-in task in fp32 with every control arm; HF mode on a random
 Qwen3 at V = 151936 (the LM head streamed 6 rows at a time); bf16 with --activation_checkpointing; a DFlash and a
-DSpark draft; and pp 2 x cp 2 with --zero1 on 4 gloo processes (each rank checks its own stage). Every component the plan names is compared with
-the tracker's count of the same thing: persistent state by walking the objects (weights, grads, optimizer, each copy,
-the drafts' optimizers, TapChannel's slots), the KV caches at their largest (SpecStats.kv_peak_bytes), and the
-phases' transient peaks (the update's split into the policy's and the drafts' saved tensors, vocabulary-sized blocks
-and the rest) -- each within 15% (components under 1 KiB in both are too small to compare), the total within 10%.
+DSpark draft; and pp 2 x cp 2 with --zero1 on 4 gloo processes (each rank checks its own stage). Every component the
+plan names is compared with the tracker's count of the same thing: persistent state by walking the objects (weights,
+grads, optimizer, each copy, the drafts' optimizers, TapChannel's slots), the KV caches at their largest
+(SpecStats.kv_peak_bytes), and the phases' transient peaks (the update's split into the policy's and the drafts'
+saved tensors, vocabulary-sized blocks and the rest) -- each within 15% (components under 1 KiB in both are too
+small to compare), the total within 10%.
 RSS growth over the step is printed beside it, never asserted.
 
     python -m pytest -q -s tests/test_memory_plan.py      # -s prints the plan-vs-measured tables (docs/memory.md)

@@ -1,0 +1,194 @@
+"""The fit check: before any work, the memory plan of this run on this device, and a refusal in one line if it does
+not fit.
+
+A run that does not fit ends minutes in: after the checkpoint load, the warm-ups and the first rollout, in an
+allocator error that names no flag. Here every rank plans its stage first (harness/memory_model.py: weights,
+gradients, optimizer, every copy and draft, the rollout's and the update's peaks) against what it may hold:
+
+    capacity = --device_gib                         when given: try a GPU's memory on any machine
+             = the GPU's total memory               on CUDA (torch.cuda.get_device_properties)
+             = the host's memory / its local ranks  on the CPU (MemTotal: every rank reads the same number)
+
+and the largest rank over its capacity stops the run in one line: its stage, its planned GiB, its largest
+components, and the flags that make the plan fit (tried in this order, each kept only where it helps: --zero1,
+--micro_batches, --activation_checkpointing, --draft_vocab, --rollout_batch). --fit_check=false starts anyway. The
+same plan resolves --micro_batches=auto (the fewest micro-batches that fit) and --micro_batch_tokens (the fewest
+whose micro-batch holds at most that many tokens per CP rank). Every rank computes the same plan from the same
+inputs, so all of them refuse alike, with no collective.
+
+    python train.py --model <Qwen3-8B dir> --data p.jsonl --dtype bf16 --device_gib 79.1   # the refusal, on a CPU
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from harness import memory_model as mm
+
+GiB = 2 ** 30
+HINTS = {  # a component -> what makes it smaller
+    "activations": "--micro_batches, --activation_checkpointing", "optimizer": "--zero1", "grads": "--zero1",
+    "weights": "--pp", "logits_chunks": "--chunk_mib", "head_buffers": "--draft_vocab",
+    "draft_activations": "--micro_batches, --anchors, --draft_layers", "kv_cache": "--rollout_batch",
+    "verify_logits": "--rollout_batch, --num_draft_tokens", "reference_forward": "--rollout_batch",
+}
+
+
+def capacity(cfg, device: torch.device) -> tuple:
+    """(bytes one rank may hold, what that is) for `device`."""
+    if cfg.device_gib > 0:
+        return cfg.device_gib * GiB, f"--device_gib={cfg.device_gib:g}"
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory, torch.cuda.get_device_name(device)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total / local, f"the host's {total / GiB:.1f} GiB over its {local} rank(s)"
+
+
+def plan_of(cfg, model, mesh_dims: tuple, device: torch.device, max_new_tokens: int) -> list:
+    """rank_plan of every stage (stage 0 as global rank 0); --zero1 resolved (zero1_on)."""
+    run = make_run(cfg, model, mesh_dims, device, max_new_tokens)
+    return [mm.rank_plan(cfg, run, s, rank0=s == 0, max_new_tokens=max_new_tokens) for s in range(run.pp)]
+
+
+def make_run(cfg, model, mesh_dims: tuple, device: torch.device, max_new_tokens: int) -> mm.Run:
+    pp, cp, dp = mesh_dims
+    return mm.Run(model, pp=pp, cp=cp, dp=dp, seq=cfg.max_prompt_tokens + max_new_tokens,
+                  prompt=cfg.max_prompt_tokens, dtype=run_dtype(cfg, device),
+                  gpu=device.type == "cuda" or cfg.device_gib > 0)
+
+
+def zero1_on(cfg, model, mesh_dims: tuple, device: torch.device, max_new_tokens: int) -> bool:
+    """--zero1 as the build applies it (memory_model.resolve_zero1: auto is on where a GPU needs it), against this
+    capacity."""
+    pp, cp, dp = mesh_dims
+    return mm.resolve_zero1(cfg, model, mm.Run(model, pp=pp, cp=cp, dp=dp), device, max_new_tokens,
+                            device_bytes=capacity(cfg, device)[0] if device.type == "cuda" else None)
+
+
+def run_dtype(cfg, device) -> str:
+    return {"bf16": "bf16", "fp32": "fp32"}.get(cfg.dtype) or ("bf16" if device.type == "cuda" else "fp32")
+
+
+def divisors(n: int, lo: int) -> list:
+    return [d for d in range(max(lo, 1), n + 1) if n % d == 0]
+
+
+def sequences_per_update(cfg) -> int:
+    return -(-cfg.prompts_per_step * cfg.group_size // cfg.updates)
+
+
+def check_fit(cfg, model, mesh_dims: tuple, device: torch.device, max_new_tokens: int):
+    """The run's Config with --micro_batches resolved (auto, --micro_batch_tokens), after raising ValueError (one
+    line) where its largest rank's plan exceeds the capacity and --fit_check is on. --zero1 is planned as the build
+    resolves it and returned as given."""
+    pp, cp, dp = mesh_dims
+    n = sequences_per_update(cfg)
+    first = cfg if cfg.micro_batches != "auto" else dataclasses.replace(cfg, micro_batches=divisors(n, dp)[0])
+    given, cfg = cfg, dataclasses.replace(cfg, zero1=zero1_on(first, model, mesh_dims, device, max_new_tokens))
+    if cfg.micro_batch_tokens > 0:  # the fewest equal micro-batches of at most that many tokens per CP rank
+        seq = cfg.max_prompt_tokens + max_new_tokens
+        fits = [m for m in divisors(n, dp) if n / m * seq / cp <= cfg.micro_batch_tokens] or [n]
+        cfg = dataclasses.replace(cfg, micro_batches=fits[0])
+    cap, where = capacity(cfg, device)
+    total = lambda c: max(p["total"] for p in plan_of(c, model, mesh_dims, device, max_new_tokens))  # noqa: E731
+    if cfg.micro_batches == "auto":
+        cands = divisors(n, dp)
+        cfg = dataclasses.replace(cfg, micro_batches=next((m for m in cands if total(dataclasses.replace(
+            cfg, micro_batches=m)) <= cap), cands[-1]))
+    plans = plan_of(cfg, model, mesh_dims, device, max_new_tokens)
+    big = max(range(pp), key=lambda s: plans[s]["total"])
+    if plans[big]["total"] <= cap or not cfg.fit_check:
+        return dataclasses.replace(cfg, zero1=given.zero1)  # as given: the build resolves it alike
+    seq = cfg.max_prompt_tokens + max_new_tokens
+    count = ((lambda m: f"--micro_batch_tokens {int(n / m * seq / cp)}") if cfg.micro_batch_tokens > 0 else
+             (lambda m: f"--micro_batches {m}"))  # the flag the user sizes micro-batches with
+    raise ValueError(refusal(cfg, plans[big], big, cap, where, fixes(cfg, total, cap, n, dp, cp, model, count)))
+
+
+def fixes(cfg, total, cap: float, n: int, dp: int, cp: int, model, count) -> tuple:
+    """(the flags that make the plan fit, its GiB then) or (the flags tried, the least GiB) -- greedy, in order.
+    count(m): the flag that sets m micro-batches."""
+    flags, c, best = [], cfg, total(cfg)
+    steps = []
+    if not cfg.zero1 and dp * cp > 1:
+        steps.append(("--zero1", dict(zero1=True)))
+    steps += [(count(m), dict(micro_batches=m)) for m in divisors(n, dp) if m > cfg.micro_batches]
+    steps.append(("--activation_checkpointing", dict(activation_checkpointing=True)))
+    if cfg.drafter == "eagle3" and not cfg.no_spec and cfg.draft_vocab == 0 and model.vocab_size > 32000:
+        steps.append(("--draft_vocab 32000", dict(draft_vocab=32000)))
+    b = cfg.rollout_batch
+    while b > 1:
+        b //= 2
+        steps.append((f"--rollout_batch {b}", dict(rollout_batch=b)))
+    for flag, change in steps:
+        if best <= cap:
+            break
+        try:
+            trial = dataclasses.replace(c, **change)
+        except ValueError:  # a combination the run refuses
+            continue
+        t = total(trial)
+        if t < best:
+            if flags and flag.split()[0] == flags[-1].split()[0]:  # a larger value of the same flag
+                flags.pop()
+            flags.append(flag)
+            c, best = trial, t
+    return flags, best
+
+
+def refusal(cfg, plan: dict, stage: int, cap: float, where: str, fix: tuple) -> str:
+    """The one line: the rank, its plan against its capacity, the three largest components with what sizes them,
+    and the flags that fit (or that nothing tried does)."""
+    parts = {k: v for k, v in plan.items() if not k.endswith("_peak") and k not in ("persistent", "total")}
+    top = sorted(parts, key=parts.get, reverse=True)[:3]
+    hints = list(dict.fromkeys(h for h in (HINTS.get(k) or draft_hint(cfg, k) for k in top) if h))
+    flags, best = fix
+    then = (f"with {' '.join(flags)} it plans {best / GiB:.1f} GiB" if best <= cap else
+            f"none of --zero1, --micro_batches, --activation_checkpointing, --draft_vocab, --rollout_batch fits "
+            f"({best / GiB:.1f} GiB at best): a smaller draft or model, or more GPUs (--pp, --cp)")
+    return (f"fit check: a rank of pipeline stage {stage} plans {plan['total'] / GiB:.1f} GiB, over the "
+            f"{cap / GiB:.1f} GiB it may hold ({where}); largest: "
+            + ", ".join(f"{k} {parts[k] / GiB:.1f}" for k in top) + " GiB"
+            + (f" (sized by {'; '.join(hints)})" if hints else "") + f"; {then} (python -m harness.memory_plan "
+            "shows the plan; --fit_check=false starts anyway)")
+
+
+def draft_hint(cfg, component: str) -> str:
+    """What sizes a draft arm's copy (copy:<arm>) or the drafts' optimizer state ('' for other components)."""
+    if component in ("copy:policy", "copy:reference") or not (component.startswith("copy:")
+                                                               or component == "draft_optim"):
+        return ""
+    if cfg.drafter == "dspark":
+        return f"--markov_rank={cfg.markov_rank} (DSpark's two (V, r) Markov tables) and --draft_layers"
+    if cfg.drafter == "dflash":
+        return f"--draft_layers={cfg.draft_layers}"
+    return "--draft_vocab"
+
+def fit(cfg):
+    """check_fit for a launch, before its mesh: this process's device (mesh.pick_device), the mesh from torchrun's
+    WORLD_SIZE (as mesh.make_mesh derives it), the model's shape (a preset with the task's vocabulary, or an HF
+    checkpoint's config.json) and the task's response budget."""
+    from harness.experiment import build_task
+    from harness.mesh import pick_device
+    device, world = pick_device(cfg), int(os.environ.get("WORLD_SIZE", "1"))
+    dims = (1, 1, 1) if world == 1 else (cfg.pp, cfg.cp, cfg.dp or max(world // (cfg.pp * cfg.cp), 1))
+    tsk = build_task(cfg)
+    return check_fit(cfg, model_config(cfg.model, cfg), dims, device, tsk.max_new_tokens)
+
+
+def model_config(spec: str, cfg):
+    """--model as a model.ModelConfig: a preset (with the built-in task's vocabulary), a checkpoint directory or its
+    config.json."""
+    from harness.experiment import build_task
+    from model import PRESETS as MODEL_PRESETS
+    from serving.hf_io import config_from_hf, read_json
+    if spec in MODEL_PRESETS:
+        return dataclasses.replace(MODEL_PRESETS[spec], vocab_size=build_task(cfg).tok.vocab_size)
+    path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
+    if not os.path.isfile(path):
+        raise ValueError(f"--model={spec}: expected a preset ({', '.join(sorted(MODEL_PRESETS))}), an HF checkpoint "
+                         "directory or its config.json")
+    return config_from_hf(read_json(path), path)
