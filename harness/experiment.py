@@ -84,7 +84,7 @@ def build_policy(cfg: Config, tsk, log=print, device=None, mesh: Mesh | None = N
     or the HF checkpoint as is (loaded by one process per node at a time on GPUs: in_turns)."""
     dt = getattr(torch, run_dtype(cfg, device))
     if cfg.hf_mode:
-        policy = in_turns(mesh, lambda: from_pretrained(cfg.model, dtype=dt).to(device),
+        policy = in_turns(mesh, lambda: from_pretrained(cfg.model, dtype=dt, device=device),
                           "build: loading the HF checkpoint")
         key = hf_policy_key(cfg.model)
         n = sum(p.numel() for p in policy.parameters())

@@ -147,7 +147,7 @@ def warm_policy(spec: PolicySpec, *, cache_dir: str = "cache", log_every: int = 
     if main:
         clean_stale(path)
     if agree(complete(path), group):  # names the file of any unreadable or non-finite weight
-        return from_pretrained(path, dtype=dt).to(device), key, True
+        return from_pretrained(path, dtype=dt, device=device), key, True
     if main:
         missed(path, "policy SFT warm-up", "policy", spec)
     torch.manual_seed(spec.seed)
@@ -353,7 +353,7 @@ def main(c, dev):
     t0 = time.time()
     if c.hf_mode:  # the checkpoint as is (no SFT), in the run's dtype, as experiment.build_policy loads it
         dt = getattr(torch, run_dtype(c, dev))
-        policy, key, loaded = from_pretrained(c.model, dtype=dt).to(dev), hf_policy_key(c.model), True
+        policy, key, loaded = from_pretrained(c.model, dtype=dt, device=dev), hf_policy_key(c.model), True
     else:
         policy, key, loaded = warm_policy(PolicySpec.from_config(c, tsk, dev), cache_dir=c.cache_dir, device=dev,
                                           log_every=max(c.sft_steps // 12, 1), chunk_mib=c.chunk_mib)

@@ -15,8 +15,8 @@ import sys
 import tempfile
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from model import ARCHITECTURES, ModelConfig, Transformer
 from parallel.cli import read_json, writing  # read_json: imported from here by the harness too
@@ -89,7 +89,10 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     return hf
 
 
-def read_hf_state_dict(path: str) -> dict:
+def read_hf_state_dict(path: str, dtype=None, device="cpu", keep=None) -> dict:
+    """{name: tensor} of a checkpoint's safetensors files, each tensor read onto `device` and cast to `dtype` (None:
+    as stored) one at a time: no full-precision copy of the model is built on the way. keep(name): which names to
+    read (None: all)."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         weight_map = read_json(index).get("weight_map")
@@ -106,7 +109,7 @@ def read_hf_state_dict(path: str) -> dict:
         if not os.path.isfile(shard):
             raise ValueError(f"{shard}: missing (listed in {index})")
         try:
-            part = load_file(shard)
+            part = _read_shard(shard, dtype, device, keep)
         except (SafetensorError, OSError) as e:  # e.g. a truncated download: "incomplete metadata", no path
             raise ValueError(f"{shard}: unreadable safetensors file ({e}); truncated or not a safetensors file?") \
                 from None
@@ -117,21 +120,37 @@ def read_hf_state_dict(path: str) -> dict:
     return sd
 
 
-def from_pretrained(path: str, layers=None, dtype=torch.float32) -> Transformer:
-    """Load a local HF directory (config.json + safetensors). `layers=(a, b)` builds and fills a stage slice only."""
+def _read_shard(shard: str, dtype, device, keep) -> dict:
+    with safe_open(shard, framework="pt", device=str(device)) as f:
+        names = [k for k in f.keys() if keep is None or keep(k)]
+        return {k: _cast(f.get_tensor(k), dtype) for k in names}
+
+
+def _cast(t: torch.Tensor, dtype) -> torch.Tensor:
+    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+
+def from_pretrained(path: str, layers=None, dtype=torch.float32, device="cpu") -> Transformer:
+    """Load a local HF directory (config.json + safetensors) in `dtype` on `device`. `layers=(a, b)` builds and fills a
+    stage slice only. The model is built on the meta device and takes the checkpoint's tensors as its parameters
+    (load_state_dict(assign=True)): no random initialisation first, no fp32 copy of a bf16 checkpoint, and only this
+    slice's tensors are read."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise ValueError(f"path={path!r}: expected an HF checkpoint directory with config.json")
     cfg = config_from_hf(read_json(cfg_path), source=cfg_path)
-    model = Transformer(cfg, layers=layers)
-    sd = read_hf_state_dict(path)
-    if cfg.tie_word_embeddings:
-        sd.pop("lm_head.weight", None)  # some exporters write the tied head anyway
+    with torch.device("meta"):
+        model = Transformer(cfg, layers=layers)
+    own = set(model.state_dict())
+    sd = read_hf_state_dict(path, dtype, device, keep=own.__contains__)
+    missing = sorted(own - set(sd))
     try:
-        model.load_slice(sd)
+        if missing:
+            raise ValueError(f"state dict lacks {len(missing)} keys this stage needs, e.g. {missing[:3]}")
+        model.load_state_dict(sd, strict=True, assign=True)
     except (ValueError, RuntimeError) as e:  # missing tensors, or shapes that do not match config.json
         raise ValueError(f"{path}: the weights do not fit {cfg_path}: {e}") from None
-    return model.to(dtype)
+    return model
 
 
 def save_pretrained(model: Transformer, path: str):

@@ -74,6 +74,24 @@ def test_save_load_roundtrip_exact(hf_pair, tmp_path):
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".")], "temporary files left behind"
 
 
+def test_a_checkpoint_loads_in_the_run_dtype_with_no_random_init_and_no_fp32_copy(hf_pair, tmp_path):
+    """from_pretrained builds on the meta device and takes the file's tensors: a bf16 checkpoint loaded as bf16
+    allocates no fp32 tensor (a randomly initialised model first would: its parameters are fp32); a stage slice reads
+    only its own tensors."""
+    from harness.memory_track import StorageTracker
+    _, _, path = hf_pair
+    ref = from_pretrained(path)
+    save_pretrained(ref.to(torch.bfloat16), tmp_path)
+    with StorageTracker(lambda t: f"{t.device.type} {t.dtype}") as tr:
+        got = from_pretrained(str(tmp_path), dtype=torch.bfloat16)
+    made = {cat for _, n, cat in tr.events if n > 0 and not cat.startswith("meta")}
+    assert not made & {"cpu torch.float32", "cpu torch.float64"}, made  # bf16 weights (and the finite check's bools)
+    sa, sb = ref.state_dict(), got.state_dict()
+    assert all(sb[k].dtype == torch.bfloat16 and torch.equal(sb[k], sa[k].to(torch.bfloat16)) for k in sa)
+    stage = from_pretrained(str(tmp_path), layers=(1, 2), dtype=torch.bfloat16)
+    assert set(stage.state_dict()) == {k for k in sa if k.startswith("model.layers.1.")}
+
+
 def test_hf_config_errors(tmp_path):
     base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 11, "hidden_size": 8, "intermediate_size": 16,
             "num_hidden_layers": 1, "num_attention_heads": 2}
