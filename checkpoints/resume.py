@@ -26,7 +26,9 @@ def run_parts(s: Setup) -> tuple[dict, dict]:
     """(this rank's objects with a state dict, by name; its named generators)."""
     states = {"policy": s.cotrainer.stage, "policy_opt": s.cotrainer.opt}
     for name, tr in s.drafts.items():
-        states[f"draft_{name}"], states[f"draft_opt_{name}"] = tr.draft, tr.opt
+        states[f"draft_{name}"] = tr.draft
+        if tr.opt is not None:  # only the stage that trains the drafts holds their optimizers
+            states[f"draft_opt_{name}"] = tr.opt
     if s.offline is not None:  # the offline-extended control: its draft, optimizer and sample streams
         states["offline"] = s.offline
     return states, {"rollout": s.gen, "perm": s.perm_gen}

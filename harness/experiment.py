@@ -139,13 +139,14 @@ def build(cfg: Config, mesh: Mesh, log=print) -> Setup:
     has the measurement): rank 0 builds first and caches them, then the others load them. A rank that waits past
     --dist_timeout ends in one line naming the phase (mesh.PhaseTimeout)."""
     quiet = lambda *a, **k: None  # noqa: E731
+    last = mesh.grid.pp_rank == mesh.grid.pp - 1  # the stage that trains the drafts: their optimizers live there
     if split_warmups(mesh):
         with mesh.phase("build: every rank loads the models and trains the uncached warm-ups"):
-            s = build_models(cfg, mesh.device, log if mesh.main else quiet, mesh=mesh)
+            s = build_models(cfg, mesh.device, log if mesh.main else quiet, mesh=mesh, train_drafts=last)
     else:
-        s = build_models(cfg, mesh.device, log) if mesh.main else None
+        s = build_models(cfg, mesh.device, log, train_drafts=last) if mesh.main else None
         mesh.barrier("build: the other ranks wait while rank 0 builds the models and trains the uncached warm-ups")
-        s = s or build_models(cfg, mesh.device, quiet)
+        s = s or build_models(cfg, mesh.device, quiet, train_drafts=last)
     s.cotrainer = DistCotrainer(
         s.policy, list(s.drafts.values()), mesh.grid,
         lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.99)),
@@ -180,10 +181,12 @@ def build_offline(cfg: Config, s: Setup, warm) -> Setup:
     return s
 
 
-def build_models(cfg: Config, dev: torch.device, log=print, mesh: Mesh | None = None) -> Setup:
+def build_models(cfg: Config, dev: torch.device, log=print, mesh: Mesh | None = None,
+                 train_drafts: bool = True) -> Setup:
     """Task, warm policy (SFT'd or the HF checkpoint), and the copies the run uses on `dev`, in the run's dtype: the
     reference when cfg.needs_ref, the draft arms cfg.arm names (none with --no_spec); no update yet. mesh: every rank
-    calls this together (the warm-ups split over them); None: one process."""
+    calls this together (the warm-ups split over them); None: one process. train_drafts False (a pipeline stage
+    before the last): the drafts get no optimizer, no fp32 masters, no gradient accumulators."""
     torch.manual_seed(cfg.seed)
     tsk = build_task(cfg)
     threads = torch.get_num_threads()
@@ -212,7 +215,7 @@ def build_models(cfg: Config, dev: torch.device, log=print, mesh: Mesh | None = 
         if cfg.arm("frozen"):
             frozen = copy.deepcopy(warm).requires_grad_(False)
             frozen.attach(policy)  # like the co-trained draft it reads the live policy's embedding; its weights stay
-        drafts = draft_arms(cfg, tsk, policy, warm)
+        drafts = draft_arms(cfg, tsk, policy, warm, train_drafts)
     grpo = GRPOConfig(eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta=cfg.beta, std_norm=cfg.std_norm,
                       loss_norm=cfg.loss_norm, max_len=tsk.max_new_tokens, temperature=cfg.temperature)
     r = cfg.run_seed  # the RL phase's streams; the warm-ups and the held-out prompts follow cfg.seed (shared)
@@ -237,12 +240,14 @@ def warm_draft(cfg: Config, tsk, policy, pkey: str, mesh: Mesh | None = None) ->
                              group=group_of(mesh))
 
 
-def draft_arms(cfg: Config, tsk, policy, warm) -> dict:
+def draft_arms(cfg: Config, tsk, policy, warm, train: bool = True) -> dict:
     """arm name -> DraftTrainer of the drafts trained on the rollouts' taps: "cotrained" (the warm-up draft itself,
     or with --cold_start an untrained one of the same shape, warm.fresh: the same taps, vocabulary, block) and,
-    with --cold_arm, "cold" (untrained, evaluated only)."""
+    with --cold_arm, "cold" (untrained, evaluated only). train False: no optimizer (opt None): this rank only rolls
+    out with the drafts, which refit gives it."""
     def trainer(d):
-        opt = master_optimizer(d.parameters(), lambda ps: torch.optim.AdamW(ps, lr=cfg.draft_lr, weight_decay=0.0))
+        opt = master_optimizer(d.parameters(), lambda ps: torch.optim.AdamW(ps, lr=cfg.draft_lr, weight_decay=0.0)) \
+            if train else None
         return drafters.config_trainer(cfg, tsk, d, opt)
 
     torch.manual_seed(cfg.run_seed + 7)

@@ -11,8 +11,8 @@ Per rank of pipeline stage s (the stage's DP x CP ranks are alike; global rank 0
                  bf16: 12 N / n;  fp32: 8 N (12 N / n with --zero1)
     copy:<name>  each full copy the rank keeps (held_copies: the rule), weights in --dtype; the drafts share the
                  policy's embedding, and the rollout policy's layers of this stage are the stage's weights (aliased)
-    draft_optim  the drafts' grads and AdamW state where they are trained (the last stage; the offline arm on rank 0);
-                 bf16: masters and fp32 accumulators on every rank (made with the trainer)
+    draft_optim  the drafts' grads and AdamW state where they are trained (the last stage; the offline arm on rank 0),
+                 bf16's fp32 masters and accumulators too: nowhere else
     tap_slots    TapChannel's landing slots on the last stage: one (T_mb, H) per tapped layer of an earlier stage
   transient (a phase's peak; the run's peak is the larger phase)
     rollout      kv_cache (policy: layers x B x Hkv x L x D x 2, L grown in blocks to the longest row, at worst the
@@ -242,10 +242,8 @@ def persistent(cfg, run: Run, stage: int, rank0: bool) -> dict:
         size = (full - own if name == "policy" else full) if kind == "policy" else Nd  # the stage IS the policy's
         out[f"copy:{name}"] = size * b + (dbuf if kind == "draft" else 0)
         trained = (where == "last" and last) or (where == "rank0" and rank0)
-        if where is not None and b == 2:  # master + main_grad made with the trainer, m and v once trained
-            optim += 8 * Nd + (8 * Nd if trained else 0)
-        elif trained:
-            optim += 12 * Nd  # grads + m, v
+        if trained:  # only where trained: grads (bf16: fp32 main_grad) and m, v, + bf16's fp32 master
+            optim += (16 if b == 2 else 12) * Nd
     out["draft_optim"] = optim
     T, _ = micro_batch(cfg, run)
     taps = taps_of(cfg, run) + (-1,)

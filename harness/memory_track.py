@@ -165,7 +165,7 @@ def held(s) -> dict:
     for name, m in copies(s).items():  # the policy first: the drafts' attached embedding is its storage
         out[f"copy:{name}"] = nbytes(*m.parameters(), *m.buffers(), seen=seen)
     trainers = list(s.drafts.values()) + ([s.offline.tr] if s.offline is not None else [])
-    out["draft_optim"] = nbytes(*[t for tr in trainers for t in grads(tr.draft.parameters())
+    out["draft_optim"] = nbytes(*[t for tr in trainers if tr.opt is not None for t in grads(tr.draft.parameters())
                                   + optimizer_tensors(tr.opt) + ([tr.opt.flat] if hasattr(tr.opt, "flat") else [])],
                                 seen=seen)
     ch = ct.sched.channel

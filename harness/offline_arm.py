@@ -45,7 +45,9 @@ from rl_loop import RolloutBatch, draft_loss
 class OfflineArm:
     def __init__(self, cfg, tsk, ref, draft, *, seed: int):
         self.cfg, self.task, self.ref = cfg, tsk, ref
-        opt = master_optimizer(draft.parameters(), lambda ps: torch.optim.AdamW(ps, lr=cfg.draft_lr, weight_decay=0.0))
+        adamw = lambda ps: torch.optim.AdamW(ps, lr=cfg.draft_lr, weight_decay=0.0)  # noqa: E731
+        opt = master_optimizer(draft.parameters(), adamw) if rank_world()[0] == 0 else None  # rank 0 trains it; the
+        # others take its weights (broadcast)
         self.tr = drafters.config_trainer(cfg, tsk, draft, opt)  # the co-trained draft's family options
         dev = next(ref.parameters()).device
         self.rng = random.Random(seed + 555)  # its own prompt stream: fresh prompts, not the rollouts'
@@ -105,12 +107,13 @@ class OfflineArm:
 
     def state_dict(self) -> dict:  # for --resume (resume.py): weights, optimizer, the prompt and shuffle streams and
         # the step count (the sample streams' key)
-        return {"draft": self.draft.state_dict(), "opt": self.tr.opt.state_dict(), "rng": self.rng.getstate(),
-                "perm": self.perm.get_state(), "steps_done": self.steps_done}
+        return {"draft": self.draft.state_dict(), "opt": self.tr.opt.state_dict() if self.tr.opt else None,
+                "rng": self.rng.getstate(), "perm": self.perm.get_state(), "steps_done": self.steps_done}
 
     def load_state_dict(self, st: dict):
         self.draft.load_state_dict(st["draft"])
-        self.tr.opt.load_state_dict(st["opt"])
+        if self.tr.opt is not None:
+            self.tr.opt.load_state_dict(st["opt"])
         self.rng.setstate(st["rng"])
         self.perm.set_state(st["perm"])
         self.steps_done = st["steps_done"]

@@ -121,7 +121,7 @@ def read_hf_state_dict(path: str, dtype=None, device="cpu", keep=None) -> dict:
 
 
 def _read_shard(shard: str, dtype, device, keep) -> dict:
-    with safe_open(shard, framework="pt", device=str(device)) as f:
+    with safe_open(shard, framework="pt", device=str(device or "cpu")) as f:
         names = [k for k in f.keys() if keep is None or keep(k)]
         return {k: _cast(f.get_tensor(k), dtype) for k in names}
 

@@ -1,7 +1,7 @@
 """The co-training claim's measuring pieces: the paired bootstrap interval (eval_arms.paired_bootstrap) against a naive
 loop over the same resamples, the offline-extended control arm (offline_arm.OfflineArm: fresh pi_0 samples every
-step, as many optimizer steps as the co-trained arm, the reference untouched), and the end-to-end step-time
-arithmetic (report.e2e_step_times) by hand."""
+step, as many optimizer steps as the co-trained arm, the reference untouched), the end-to-end step-time arithmetic
+(report.e2e_step_times) by hand, and where the drafts' optimizers live (the training stage only; ~1 s)."""
 import copy
 
 import pytest
@@ -82,3 +82,22 @@ def test_e2e_step_times_by_hand():
     assert e["e2e_step_speedup"] == pytest.approx(6.5 / 6.0)
     cold = [{**r, "tau_hat_cotrained": 3.0, "tau_hat_cold": 1.5} for r in rows]  # + a cold arm: half the drafts' time
     assert e2e_step_times(cold, evals)["e2e_step_s_spec"] == pytest.approx(5.5)
+
+
+def test_only_the_training_stage_holds_the_drafts_optimizers():
+    """bf16 drafts trained on the last stage: there an fp32 master and an fp32 .main_grad per parameter; on an
+    earlier stage (it only rolls out with them, refit gives it their weights) neither: no optimizer at all."""
+    from harness.experiment import draft_arms
+    from harness.config import parse_args
+    cfg = parse_args(["--preset=test", "--dtype=bf16", "--cold_arm=true"])
+    policy = Transformer(ModelConfig.preset("tiny")).to(torch.bfloat16)
+    warm = Eagle3Draft.from_target(policy)
+    tsk = task.CountUpTask(cfg.min_steps, cfg.max_steps)
+    for train in (True, False):
+        d = copy.deepcopy(warm)
+        d.attach(policy)
+        arms = draft_arms(cfg, tsk, policy, d, train)
+        assert sorted(arms) == ["cold", "cotrained"]
+        for tr in arms.values():
+            fp32 = [p for p in tr.draft.parameters() if hasattr(p, "main_grad")]
+            assert (tr.opt is not None, bool(fp32)) == (train, train), train
