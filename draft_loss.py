@@ -12,7 +12,8 @@ log_softmax kept for backward and three more (T, V) tensors for the metrics: 12x
 Streamed (`StreamingSoftCE`, the fused linear cross-entropy idea of Liger-Kernel / Cut Your Losses, with a soft
 target): rows are taken `chunk` at a time; each chunk computes z, its teacher rows, ce and the metrics. Saved for
 backward are only x (T, H) and three (T,) normalisers (lse z, lse of the teacher, log p(ids)); backward recomputes z
-and the teacher's rows chunk by chunk and applies (1). Peak: a few (chunk, V) blocks and one (Vd, H) gradient.
+and the teacher's rows chunk by chunk and applies (1). Peak: a few (chunk, V) blocks and one (Vd, H) gradient (none
+under mixed precision: the chunks add into W's fp32 .main_grad, fused_logprob.WeightGrad).
 
 The teacher p_{i+d} is read by shifting row INDICES (`teacher_index`), never by copying a shifted (T, V) tensor. Under
 CP, row i+d may sit on the next zigzag chunk, on another rank: `halo_rows` brings, for every local chunk, the n = P
@@ -33,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from backends.fused_logprob import DEFAULT_CHUNK_MIB, budget_rows
+from backends.fused_logprob import DEFAULT_CHUNK_MIB, WeightGrad, budget_rows
 from branch_mask import cp_shift, cu_local, host_cu, seq_lengths
 from modeling.layers import at_least_f32
 
@@ -150,10 +151,12 @@ class StreamingSoftCE(torch.autograd.Function):
     (`teacher_index`), labels (T,) draft ids or None (soft), ids (Vd,) target id of each draft id or None (full
     vocabulary), agree_prev (T,) bool. Returns loss (), stats (5,) fp64 [ce, agree, agree & agree_prev, agree_prev,
     alpha] summed over valid rows, agree (T,) bool. Saved for backward: x and three (T,) normalisers (lse of the
-    teacher logits, log sum_{v in ids} p_v, lse of z); the teacher's rows are read again from its inputs."""
+    teacher logits, log sum_{v in ids} p_v, lse of z); the teacher's rows are read again from its inputs.
+    wg: fused_logprob.WeightGrad(W, x), W passed as wg.weight() (dW into W's fp32 .main_grad under mixed
+    precision); None: dW in a buffer, returned to autograd."""
 
     @staticmethod
-    def forward(ctx, x, W, coef, valid, src, labels, ids, agree_prev, teacher, chunk):
+    def forward(ctx, x, W, coef, valid, src, labels, ids, agree_prev, teacher, chunk, wg=None):
         T = x.shape[0]
         loss = torch.zeros((), dtype=torch.float64, device=x.device)
         stats = torch.zeros(5, dtype=torch.float64, device=x.device)
@@ -170,7 +173,7 @@ class StreamingSoftCE(torch.autograd.Function):
                                   (agree_prev[a:b] * md).sum(), (alpha * md).sum()])
             agree[a:b] = ag
         ctx.save_for_backward(x, W, coef, valid, src, labels, ids, norms)
-        ctx.teacher, ctx.chunk = teacher, chunk
+        ctx.teacher, ctx.chunk, ctx.wg = teacher, chunk, WeightGrad(W) if wg is None else wg
         ctx.mark_non_differentiable(stats, agree)
         return loss.to(norms.dtype), stats, agree
 
@@ -178,17 +181,18 @@ class StreamingSoftCE(torch.autograd.Function):
     def backward(ctx, grad_loss, _stats, _agree):
         x, W, coef, valid, src, labels, ids, norms = ctx.saved_tensors
         dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None  # (T, H)
-        dW = torch.zeros(W.shape, dtype=norms.dtype, device=W.device) if ctx.needs_input_grad[1] else None  # (Vd, H)
+        dW = ctx.wg.begin(ctx.needs_input_grad[1])  # dW (Vd, H) in fp32 at least, or into W's .main_grad
         for a in range(0, x.shape[0], ctx.chunk):
             b = min(a + ctx.chunk, x.shape[0])
             g = _chunk_grad(x[a:b], W, src[a:b], None if labels is None else labels[a:b], ids, ctx.teacher,
                             norms[:, a:b])  # (c, Vd) dce/dz, recomputed
             g.mul_((coef[a:b] * grad_loss).to(g.dtype)[:, None]).masked_fill_(~valid[a:b, None], 0)  # dL/dz
+            g = g.to(W.dtype)  # (c, Vd) both GEMMs' operand: rounded once to a 16-bit W's dtype (fp32 block freed)
             if dx is not None:
-                dx[a:b] = (g.to(W.dtype) @ W).to(x.dtype)
+                dx[a:b] = (g @ W).to(x.dtype)
             if dW is not None:
-                dW += g.T @ at_least_f32(x[a:b]).to(dW.dtype)
-        return dx, None if dW is None else dW.to(W.dtype), None, None, None, None, None, None, None, None
+                dW.add_(g, x[a:b])
+        return dx, None if dW is None else dW.result(), None, None, None, None, None, None, None, None, None
 
 
 def _teacher_p(teacher, src, ids, norms=None):
@@ -242,8 +246,10 @@ def streaming_pass_losses(hs, norm, W, ids, teacher: Teacher, valid, labels, cou
             * valid[d - 1].to(at_least_f32(h).dtype)  # (T,)
         src = teacher_index(local_cu, d, n, cp)
         lab = None if labels is None else labels[d - 1]
-        l, s, agree_prev = StreamingSoftCE.apply(norm(h), W, coef, valid[d - 1], src, lab, ids, agree_prev,
-                                                 teacher, chunk)
+        x = norm(h)
+        wg = WeightGrad(W, x)  # dW into W's fp32 .main_grad under mixed precision
+        l, s, agree_prev = StreamingSoftCE.apply(x, wg.weight(), coef, valid[d - 1], src, lab, ids, agree_prev,
+                                                 teacher, chunk, wg)
         loss, _ = loss + l, stats.append(s)
     return loss, torch.stack(stats)
 

@@ -12,6 +12,7 @@ Letters: T packed tokens, B batch rows, S new tokens per row, H hidden, Hq / Hkv
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -27,28 +28,88 @@ def at_least_f32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-@functools.lru_cache(maxsize=None)
-def _mm_out_dtype_ok() -> bool:
-    """Does this torch's CUDA mm take out_dtype (bf16 / fp16 in, fp32 out; torch >= 2.8)? Probed once."""
+HALF = (torch.bfloat16, torch.float16)
+CAST_BLOCK_MIB = 32.0  # mm_f32 / addmm_f32_ without out_dtype: 16-bit operands cast to fp32 this many MiB at a time
+
+
+def _works(op) -> bool:
     try:
-        a = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
-        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+        return bool(op())
     except (TypeError, RuntimeError, NotImplementedError):
         return False
+
+
+@functools.lru_cache(maxsize=None)
+def out_dtype_ops() -> tuple:
+    """(mm, addmm): does this torch's CUDA mm take out_dtype (16-bit in, fp32 out; torch >= 2.8), and its addmm an
+    fp32 accumulator that is also `out` (builds differ)? Probed once on 16 x 16 ones (one host read)."""
+    a, c = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16), torch.ones(16, 16, device="cuda")
+    return (_works(lambda: torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32),
+            _works(lambda: float(torch.addmm(c, a, a, out_dtype=torch.float32, out=c)[0, 0]) == 17.0))
+
+
+@contextlib.contextmanager
+def _tf32_exact(t: torch.Tensor):
+    """CUDA: fp32 matmuls may use TF32 while the block products run (process-wide while it lasts). Exact for operands
+    that hold bf16 / fp16 values: TF32's 11 significant bits hold bf16's 8 and fp16's 11, and it accumulates in fp32.
+    The CPU, or a torch that refuses the flag (>= 2.9 after its fp32_precision API was used): plain fp32 math."""
+    m, before = torch.backends.cuda.matmul, None
+    try:
+        if t.is_cuda:
+            before, m.allow_tf32 = m.allow_tf32, True
+    except RuntimeError:
+        before = None
+    try:
+        yield
+    finally:
+        if before is not None:
+            m.allow_tf32 = before
+
+
+def _blocks(n: int, width: int):
+    """[lo, hi) ranges over n rows of `width` elements, each at most CAST_BLOCK_MIB MiB in fp32."""
+    step = max(1, int(CAST_BLOCK_MIB * 2**20) // (4 * max(width, 1)))
+    return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
+
+
+def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(m, k) @ (k, n) -> (m, n) fp32 for 16-bit a, b of one dtype: fp32 accumulation and an fp32 result (a bf16
+    matmul rounds its output to ~2^-9 relative). The product of two bf16 (or fp16) numbers is exact in fp32, so
+    casting them loses nothing. CUDA with out_dtype: the 16-bit tensor cores, no cast. Otherwise fp32 math on the
+    same values, b cast CAST_BLOCK_MIB of columns at a time (never a whole fp32 copy of a (V, H) weight)."""
+    if a.is_cuda and out_dtype_ops()[0]:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    out, af = a.new_empty(a.shape[0], b.shape[1], dtype=torch.float32), a.float()  # af (m, k): the small operand
+    with _tf32_exact(a):
+        for lo, hi in _blocks(b.shape[1], b.shape[0]):
+            out[:, lo:hi] = af @ b[:, lo:hi].float()  # (k, block) fp32: the only cast of b
+    return out
+
+
+def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """acc += a @ b in place: acc (m, n) fp32 (a weight's fp32 gradient), a (m, k), b (k, n) 16-bit of one dtype;
+    fp32 accumulation as in mm_f32, and no (m, n) temporary. CUDA addmm with out_dtype where it takes acc as its
+    out; otherwise a cast CAST_BLOCK_MIB of rows at a time, acc's rows updated in place."""
+    if acc.is_cuda and out_dtype_ops()[1]:
+        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    bf = b.float()  # (k, n): the small operand
+    with _tf32_exact(acc):
+        for lo, hi in _blocks(a.shape[0], a.shape[1]):
+            acc[lo:hi].addmm_(a[lo:hi].float(), bf)  # (block, k) fp32: the only cast of a
+    return acc
 
 
 def linear_f32(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
     """(..., H) @ (V, H)^T -> (..., V) logits in fp32 at least: the LM head of every log-prob that GRPO compares
     (the rollout's, fused_logprob's). A bf16 matmul accumulates in fp32 but rounds its output to bf16: ~2^-9 relative,
-    0.02-0.04 on a logit of 10, straight into log p. The product of two bf16 numbers is exact in fp32, so the fp32
-    matmul of the same bf16 weights loses nothing. CUDA without autograd (decode): torch.mm(..., out_dtype=fp32), bf16
-    tensor cores and no fp32 copy of W; otherwise both operands cast to fp32 (a (V, H) fp32 temporary)."""
-    if x.dtype not in (torch.bfloat16, torch.float16):
+    0.02-0.04 on a logit of 10, straight into log p. 16-bit x and W without autograd (decode, fused_logprob's
+    chunks): mm_f32, fp32 accumulation of the 16-bit values and no fp32 copy of W. Under autograd (the dense
+    reference, the unfused (T, V) path) both operands are cast to fp32, which autograd differentiates."""
+    if x.dtype not in HALF:
         return at_least_f32(F.linear(x, W))
-    grad = torch.is_grad_enabled() and (x.requires_grad or W.requires_grad)
-    if x.is_cuda and W.dtype == x.dtype and not grad and _mm_out_dtype_ok():
-        return torch.mm(x.reshape(-1, x.shape[-1]), W.t(), out_dtype=torch.float32).reshape(*x.shape[:-1], W.shape[0])
-    return F.linear(x.float(), W.float())
+    if W.dtype != x.dtype or (torch.is_grad_enabled() and (x.requires_grad or W.requires_grad)):
+        return F.linear(x.float(), W.float())
+    return mm_f32(x.reshape(-1, x.shape[-1]), W.t()).reshape(*x.shape[:-1], W.shape[0])
 
 
 class RMSNorm(nn.Module):
