@@ -193,18 +193,19 @@ class _RingBranchAttention(torch.autograd.Function):
         del k_cur, v_cur, k_nxt, v_nxt  # free the ring buffers before the branch allocates
         if bk is not None:
             merge_(out, lse, *kernel.branch_forward(q, bk, bv, scale, acc))
+        out = out.to(q.dtype)  # saved as returned, in q's dtype, and lse in fp32 (as FlashAttention keeps O and lse)
         ctx.save_for_backward(q, k, v, bk, bv, out, lse)
         ctx.local_cu, ctx.ring, ctx.scale, ctx.kernel, ctx.rows, ctx.kw = local_cu, ring, scale, kernel, rows, kw
-        return out.to(q.dtype), lse
+        return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, bk, bv, out, lse = ctx.saved_tensors
         ring, scale, kernel, local_cu, rows, kw = ctx.ring, ctx.scale, ctx.kernel, ctx.local_cu, ctx.rows, ctx.kw
         r, n = ring.rank, ring.size
-        acc = out.dtype
+        acc = lse.dtype  # fp32 (fp64 for fp64 inputs)
         dout = dout.to(acc)
-        delta = (dout * out).sum(-1)  # (T, Hq): dO.O, minus the gradient reaching lse (d lse / d s_ij = p_ij)
+        delta = (dout * out).sum(-1)  # (T, Hq) in acc: dO.O, minus the gradient reaching lse (d lse / d s_ij = p_ij)
         if dlse is not None:
             delta = delta - dlse.to(acc)
         dq = torch.zeros_like(q, dtype=acc)

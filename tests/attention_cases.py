@@ -46,11 +46,12 @@ def run_threads(case):
     return unshard_all(run_ranks(case["cp"], lambda ring: run_rank(case, ring.rank, ring), timeout=60), case["cu"])
 
 
-def reference(case):
-    """Dense fp64 oracle, whatever the case's dtype."""
-    ins = [None if case[n] is None else case[n].double().requires_grad_() for n in ("q", "k", "v", "bk", "bv")]
+def reference(case, dtype=torch.float64):
+    """Dense oracle in fp64, whatever the case's dtype (dtype=bf16: the dense attention a plain user gets in bf16)."""
+    ins = [None if case[n] is None else case[n].to(dtype, copy=True).requires_grad_() for n in ("q", "k", "v", "bk",
+                                                                                             "bv")]
     out, lse = reference_branch_attention(ins[0], ins[1], ins[2], case["cu"], ins[3], ins[4])
-    ((out * case["dout"].double()).sum() + (lse * case["dlse"].double()).sum()).backward()
+    ((out * case["dout"].to(dtype)).sum() + (lse * case["dlse"].to(dtype)).sum()).backward()
     return dict(zip(NAMES, [out.detach(), lse.detach()] + [None if x is None else x.grad for x in ins]))
 
 
