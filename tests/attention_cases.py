@@ -48,8 +48,8 @@ def run_threads(case):
 
 def reference(case, dtype=torch.float64):
     """Dense oracle in fp64, whatever the case's dtype (dtype=bf16: the dense attention a plain user gets in bf16)."""
-    ins = [None if case[n] is None else case[n].to(dtype, copy=True).requires_grad_() for n in ("q", "k", "v", "bk",
-                                                                                             "bv")]
+    names = ("q", "k", "v", "bk", "bv")
+    ins = [None if case[n] is None else case[n].to(dtype, copy=True).requires_grad_() for n in names]
     out, lse = reference_branch_attention(ins[0], ins[1], ins[2], case["cu"], ins[3], ins[4])
     ((out * case["dout"].to(dtype)).sum() + (lse * case["dlse"].to(dtype)).sum()).backward()
     return dict(zip(NAMES, [out.detach(), lse.detach()] + [None if x is None else x.grad for x in ins]))
