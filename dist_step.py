@@ -329,14 +329,16 @@ class DistCotrainer:
         (drafter.py: attach). What re-homes a parameter -- the optimizer's flat buffer under ZeRO-1 or bf16 masters
         (parallel/zero1.py rebinds .data), a cast -- would leave such a buffer on the old storage, silently: a draft
         training against a frozen head. So each draft buffer (trained and watched drafts) that held a policy tensor's
-        storage is pointed at its storage now. After the optimizer is built and every refit: pointers compared only."""
-        live = dict(self.policy.named_parameters())
+        storage is pointed at its storage now: the stage's own parameter where the stage holds one (the tied
+        embedding's copy on the last stage is what trains there; the full copy is refitted once a step), else the
+        policy's. After the optimizer is built and every refit: pointers compared only."""
+        live = {**dict(self.policy.named_parameters()), **dict(self.stage.named_parameters())}
         for d in [tr.draft for tr in self.drafts] + self._watched():
             for name, buf in list(d.named_buffers(recurse=False)):
                 home = self._homes.get(buf.data_ptr())
                 if home is not None and live[home].data_ptr() != buf.data_ptr():
                     d.register_buffer(name, live[home].detach(), persistent=name not in d._non_persistent_buffers_set)
-        self._homes = homes(self.policy)
+        self._homes = {**homes(self.policy), **homes(self.stage)}
 
     @torch.no_grad()
     def refit(self, policy) -> dict:

@@ -121,7 +121,7 @@ def workload(cfg, rec: dict, prompt_len: float, tail: float, drafts: bool = True
     """The step's Workload: the run's config, the record's rows / response length / acceptance. drafts False: the
     run trained none (its draft_train is 0 throughout, e.g. plain GRPO). A record with token_mult_prob_error comes
     from a run that took pi_old from a forward before the updates (older ones: from the rollout); one with
-    weights_fingerprint, from a run whose refits compared the ranks' fingerprints."""
+    weights_fingerprint, from a run that refitted once per step and compared the ranks' fingerprints."""
     if cfg.num_draft_tokens == "auto":
         raise ValueError("--num_draft_tokens=auto: k changes per step; the check models a fixed k")
     world = len(rec.get("rank_rows") or []) or world
@@ -139,7 +139,7 @@ def workload(cfg, rec: dict, prompt_len: float, tail: float, drafts: bool = True
                     checkpointing=cfg.activation_checkpointing, draft_vocab=cfg.draft_vocab,
                     draft_share=_draft_share(cfg, int(rec.get("step", 1))),
                     pi_old_forward="token_mult_prob_error" in rec,  # earlier runs read pi_old from the rollout
-                    refit_check="weights_fingerprint" in rec)  # and did not compare the refits' fingerprints
+                    refit_once="weights_fingerprint" in rec)  # and refitted after every update, unchecked
 
 
 def check(run: str, device: Device, argv: list = (), tail: float = 0.0, prompt_len: float = 0.0,

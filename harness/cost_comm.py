@@ -30,13 +30,14 @@ Per update, after the pipeline (every rank at once):
         boundaries' fingerprint gathered over CP                               one op each where that group has > 1
     statistics (dist_step.DistCotrainer.step): one all-reduce and one all_gather_object (two gathers: sizes, then
         the pickled metrics) on the world                                      W > 1
-    refit (dist_step.DistCotrainer.refit, pp > 1): pp broadcasts of the stages' weights and one of each trained
-        draft over the pipeline group; a rank sends its own stage and receives the rest: (P + drafts P_d) b bytes
-        moved per rank; then (W > 1) one all_gather of the models' fingerprints (8 bytes each) on the world
-
 Per later update's pi_old, a stage pass forward only ("forward"): the forward's K/V hops and the activations' send.
 
-Per RL step: one all-reduce of the phases' CPU seconds (harness/update.world_cpu, W > 1).
+Per RL step ("step"): one all-reduce of the phases' CPU seconds (harness/update.world_cpu, W > 1) and the refit after
+the last update (dist_step.DistCotrainer.refit): pp broadcasts of the stages' weights and one of each trained draft
+over the pipeline group (pp > 1; a rank sends its own stage and receives the rest: (P + drafts P_d) b bytes moved per
+rank), then one all_gather of the models' fingerprints (8 bytes each) on the world. Runs made before it refitted
+after every update, unchecked (Workload.refit_once false: the broadcasts in "post").
+
 
 Left out: the drafts' own CP traffic inside TTT (cp_shift, the loss's halo rows, ring_sum: in draft_train), the
 rollout phase's gathers, and overlap (a hop posted before the block it feeds is computed: the model charges it in
@@ -90,14 +91,16 @@ def comm_counts(a: Arch, w, T: float, act_bytes: float = 4.0) -> dict:
     # the micro-batches' boundaries checked alike over CP; the pipeline's last batch
     if w.world > 1:
         post_ops += 3  # the statistics: one all-reduce, one all_gather_object (two gathers)
-    if w.world > 1 and w.refit_check:  # the refit's check: one fingerprint per model (consistency.check_same_weights)
-        post_ops, post_bytes = post_ops + 1, post_bytes + 8 * (1 + w.drafts)
-    if pp > 1:
-        post_ops += pp + w.drafts
-        post_bytes += (a.params + w.drafts * Arch.draft_of(a, 3, w.draft_vocab).params) * act_bytes
+    step_ops, step_bytes = (1.0 if w.world > 1 else 0.0), 0.0  # the phases' CPU seconds
+    refit_ops, refit_bytes = (pp + w.drafts, (a.params + w.drafts * Arch.draft_of(a, 3, w.draft_vocab).params)
+                              * act_bytes) if pp > 1 else (0, 0.0)
+    if w.refit_once:  # one refit per RL step, then its check: one fingerprint per model on the world
+        step_ops, step_bytes = step_ops + refit_ops + (w.world > 1), step_bytes + refit_bytes + 8 * (1 + w.drafts) * (
+            w.world > 1)
+    else:  # a refit after every update
+        post_ops, post_bytes = post_ops + refit_ops, post_bytes + refit_bytes
     return {"stage": (stage_ops, stage_bytes), "taps": (n_taps * w.mb, n_taps * w.mb * T * a.hidden * act_bytes),
-            "post": (post_ops, post_bytes), "step": (1.0 if w.world > 1 else 0.0, 0.0),
-            "forward": (fwd_ops, fwd_bytes)}
+            "post": (post_ops, post_bytes), "step": (step_ops, step_bytes), "forward": (fwd_ops, fwd_bytes)}
 
 
 def comm_seconds(dev: Device, ops_bytes: tuple) -> float:

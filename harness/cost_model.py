@@ -134,7 +134,7 @@ class Workload:
     draft_vocab: int = 0  # the draft head's vocabulary (0: the policy's)
     draft_share: float = 1.0  # share of the updates that train the drafts (a draft-training budget, --draft_every)
     pi_old_forward: bool = True  # updates after the first read pi_old from a no-grad forward (DistCotrainer.old_logp)
-    refit_check: bool = True  # every refit gathers the models' fingerprints over the world (consistency.py)
+    refit_once: bool = True  # one refit per RL step, its fingerprints checked (false: one per update, unchecked)
 
     def __post_init__(self):
         """Every field in its range (CHECKS), all problems in one line: `--dp=-2: expected an integer >= 1`."""
@@ -176,7 +176,7 @@ CHECKS = {  # Workload's fields: (test(value, workload), what is expected); 0 is
     "pp": _int(1), "cp": _int(1), "dp": _int(1), "checkpointing": ((lambda v, w: isinstance(v, bool)), "true or false"),
     "draft_vocab": _int(0), "draft_share": _real(0, 1, "in [0, 1]"),
     "pi_old_forward": ((lambda v, w: isinstance(v, bool)), "true or false"),
-    "refit_check": ((lambda v, w: isinstance(v, bool)), "true or false"),
+    "refit_once": ((lambda v, w: isinstance(v, bool)), "true or false"),
 }
 
 
@@ -326,7 +326,7 @@ HELP = {  # the CLI's flags: Workload's fields
     "draft_vocab": "the draft head's vocabulary (0: the policy's)",
     "draft_share": "share of the updates that train the drafts (1: every update)",
     "pi_old_forward": "updates after the first take pi_old from one no-grad forward each (false: from the rollout)",
-    "refit_check": "every refit compares the models' fingerprints across the ranks (one all_gather)",
+    "refit_once": "one refit per RL step, its fingerprints compared across the ranks (false: one per update)",
 }
 
 

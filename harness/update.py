@@ -1,5 +1,5 @@
-"""One RL step's update: `updates` optimisation steps of the policy (GRPO) and of every draft (TTT), each followed by
-a refit of the full copies the next rollouts use. The same path at every world size.
+"""One RL step's update: `updates` optimisation steps of the policy (GRPO) and of every draft, then one refit of the
+full copies the next rollouts use. The same path at every world size.
 
 The draft-training budget (--draft_every n): over the run's updates u = 0, 1, 2, ... the drafts train on u % n = 0
 only, a 1/n share of the policy's updates; on the others the pipeline runs without taps or draft hook, like plain
@@ -20,8 +20,10 @@ GRPO's update. The offline-extended control is given the same number of TTT step
      step        dist_step.DistCotrainer.step: ONE policy forward per micro-batch through the pipeline stages (CP inside
                  each stage), GRPO on its log-probs, every draft's loss on its taps (TapChannel) on the last stage;
                  rl_loop.cotrain_step is the naive single-process reference it equals (tests/test_dist_step.py);
-  4. refit       the full policy and drafts re-assembled from the stages (DistCotrainer.refit), then checked: every
-                 rank's copies have the same fingerprint (parallel/consistency.py), recorded as weights_fingerprint.
+  4. refit       once, after the last update: the full policy and drafts re-assembled from the stages for the next
+                 rollouts (DistCotrainer.refit; the updates read only the stages, and the drafts the stage's own head),
+                 then checked: every rank's copies have the same fingerprint (parallel/consistency.py), recorded as
+                 weights_fingerprint.
   5. control     the offline-extended arm's steps on fresh pi_0 samples (offline_arm.py; sampled on every rank,
                  trained on rank 0, then broadcast): as many TTT steps as the co-trained draft took this step,
                  timed apart ("offline"): it is the control's cost, not the co-trained run's.
@@ -66,7 +68,7 @@ def update(s: Setup, batch: RolloutBatch, timer: dict, step: int = 1) -> dict:
     for j, (b, train) in enumerate(zip(minibatches, trains)):
         stats.append(s.cotrainer.step(b, s.grpo, c.micro_batches, train_drafts=train, on_policy=j == 0,
                                       pi_old=pi_old[j]))  # the first: pi_old is the forward's own log-probs
-        prints = s.cotrainer.refit(s.policy)  # raises unless every rank holds the same copies
+    prints = s.cotrainer.refit(s.policy)  # once, for the next rollouts; raises unless every rank holds the same
     timer["draft_train"] = timer.get("draft_train", 0.0) + sum(st["draft_seconds"] for st in stats)
     timer["watch"] = timer.get("watch", 0.0) + sum(st["watch_seconds"] for st in stats)  # the controls' metrics
     timer["policy_train"] = timer.get("policy_train", 0.0) + time.perf_counter() - t0 - sum(
