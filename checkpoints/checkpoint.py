@@ -11,8 +11,9 @@ optimizers, its RNG streams); rank 0 adds the shared metadata and, last of all, 
 
 Why it is safe against crashes:
   1. Every rank writes into `.tmp-step_000120/`, a name no reader takes for a checkpoint, and fsyncs its file.
-  2. After a barrier (every rank file is on disk) rank 0 hashes the files, writes MANIFEST.json, fsyncs, and renames the
-     directory to `step_000120`. A rename is atomic on POSIX: a reader sees no checkpoint or the whole one.
+  2. Each rank reads its own file back and writes its digest (size, sha256) beside it; after a barrier (every rank
+     file and digest on disk) rank 0 gathers the digests into MANIFEST.json, fsyncs, and renames the directory to
+     `step_000120`. A rename is atomic on POSIX: a reader sees no checkpoint or the whole one.
   3. The manifest catches what the rename cannot: a file truncated or lost afterwards (full disk, an interrupted copy of
      the folder, a rank writing to a disk rank 0 cannot see). `latest_checkpoint` re-checks every size and sha256 and
      skips, with a warning naming the path and the reason, anything that does not match.
@@ -127,6 +128,25 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+DIGEST = ".digest.json"  # beside each file of a save in progress: {"bytes", "sha256"} of the bytes on disk
+
+
+def _write_digest(tmp: Path, name: str) -> None:
+    """The digest of tmp/name as read back from disk (not the bytes its writer meant to write), written beside it."""
+    d = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+    _write(tmp / (name + DIGEST), lambda f: f.write(json.dumps(d).encode()))
+
+
+def _read_digest(tmp: Path, name: str) -> dict:
+    """A file's digest, removed once read; its size checked again (a file cut short after its writer hashed it)."""
+    path = tmp / (name + DIGEST)
+    d = json.loads(path.read_text())
+    path.unlink()
+    if d["bytes"] != (tmp / name).stat().st_size:
+        raise OSError(f"{tmp / name}: {(tmp / name).stat().st_size} bytes on disk, {d['bytes']} when its rank wrote it")
+    return d
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -226,17 +246,19 @@ def save_checkpoint(folder, step: int, *, states: dict[str, dict], rng: dict, me
         tmp.mkdir()
     barrier()  # sync 1: the empty temp dir exists before anyone writes into it
     _write(tmp / rank_file(rank), lambda f: torch.save(payload, f))
+    _write_digest(tmp, rank_file(rank))  # every rank reads its own file back at once: rank 0 hashes no one else's
     if rank == 0:
         meta = plain({"step": step, "world": world, "metrics": list(metrics or []), "extra": dict(extra or {})}, "meta")
         _write(tmp / META, lambda f: torch.save(meta, f))
-    barrier()  # sync 2: every rank's file is on disk
+        _write_digest(tmp, META)
+    barrier()  # sync 2: every rank's file and its digest are on disk
     if rank == 0:
         names = [META] + [rank_file(r) for r in range(world)]
-        missing = [n for n in names if not (tmp / n).is_file()]
+        missing = [n for n in names if not (tmp / n).is_file() or not (tmp / (n + DIGEST)).is_file()]
         if missing:
-            raise FileNotFoundError(f"{tmp} lacks {missing}: is {folder} on a filesystem that every rank shares?")
-        # hidden cost: rank 0 reads every shard back to hash it -- the bytes on disk, not the ones a rank meant to write
-        files = {n: {"bytes": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)} for n in names}
+            raise FileNotFoundError(f"{tmp} lacks {missing} (or their digests): is {folder} on a filesystem that every "
+                                    "rank shares?")
+        files = {n: _read_digest(tmp, n) for n in names}
         manifest = seal({"format": FORMAT, "step": step, "world": world, "mesh": mesh, "config": config,
                          "inputs": inputs, "code": code_version(), "files": files})
         _write(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))

@@ -146,11 +146,15 @@ def test_crash_mid_save_leaves_previous_checkpoint_then_resave_works(tmp_path, m
     assert latest_checkpoint(tmp_path) == path and load_checkpoint(path)["step"] == 2
 
 
-def test_multi_rank_save_writes_one_file_per_rank_and_one_manifest(tmp_path):
+def test_multi_rank_save_writes_one_file_per_rank_and_one_manifest(tmp_path, monkeypatch):
+    """... and each rank hashes only its own file (rank 0 its own and the metadata: no rank reads another's back)."""
     world, barrier, errors = 3, threading.Barrier(3, timeout=20), []
     shards = [{"layers.0.w": torch.randn(2, 2)}, {"layers.1.w": torch.randn(2, 2)}, {}]  # rank 2: a replica
+    hashed, sha = [], checkpoint._sha256
+    monkeypatch.setattr(checkpoint, "_sha256", lambda p: hashed.append((threading.current_thread().name, p.name)) or sha(p))
 
     def rank_main(r, step):
+        threading.current_thread().name = f"rank {r}"
         try:
             save_checkpoint(tmp_path, step, states={"policy": shards[r]}, rng=capture_rng(), metrics=[{"r": r}],
                             extra={"from": r}, rank=r, world=world, barrier=barrier.wait)
@@ -162,6 +166,8 @@ def test_multi_rank_save_writes_one_file_per_rank_and_one_manifest(tmp_path):
         threads = [threading.Thread(target=rank_main, args=(r, step)) for r in range(world)]
         [t.start() for t in threads], [t.join(timeout=30) for t in threads]
         assert not errors and not any(t.is_alive() for t in threads)
+    assert sorted(set(hashed)) == [("rank 0", "meta.pt"), ("rank 0", "rank00000.pt"), ("rank 1", "rank00001.pt"),
+                                   ("rank 2", "rank00002.pt")]
     path = tmp_path / "step_000002"
     assert sorted(os.listdir(path)) == ["MANIFEST.json", "meta.pt", "rank00000.pt", "rank00001.pt", "rank00002.pt"]
     manifest = json.loads((path / "MANIFEST.json").read_text())
