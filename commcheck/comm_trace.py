@@ -209,12 +209,16 @@ class CommRecorder:
     """Logs this process's torch.distributed calls as trace events while active (patching both namespaces, so that
     P2POp's identity check still holds). Group names are resolved at the end from `names` {process group: name}
     (Grid.handles gives them; the default group is "world"). Works are wrapped so that their first wait is logged.
+    The object collectives and barrier block the host on NCCL too: a host sync follows them; host_sync() logs one
+    from outside (tests/comm_record.py calls it from a dispatch mode at every op that reads the device).
 
         with CommRecorder() as rec:
             grid = Grid.build(pp=2, cp=2); PipelineSchedule(...).step(...)
         events = rec.events({pg: name for (name, _), pg in grid.handles.items()})"""
     P2P = ("isend", "irecv", "send", "recv")
-    COLL = ("all_reduce", "broadcast", "all_gather", "barrier", "all_gather_object", "broadcast_object_list")
+    COLL = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce",
+            "barrier", "all_gather_object", "broadcast_object_list", "gather_object")
+    HOST = ("barrier", "all_gather_object", "broadcast_object_list", "gather_object")  # block the host on NCCL too
 
     def __init__(self):
         self.raw, self.n, self.depth, self.waited = [], 0, 0, set()
@@ -235,6 +239,7 @@ class CommRecorder:
 
     def _log_call(self, kind, group, ops):
         self.n += 1
+        group = None if group is dist.group.WORLD else group  # named now: WORLD is None after destroy_process_group
         ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
             range(dist.get_world_size()))
         self.raw.append(("call", self.n, kind, (group, ranks), tuple(ops)))
@@ -245,7 +250,7 @@ class CommRecorder:
             self.waited.add(cid)
             self.raw.append(("wait", cid))
 
-    def _call(self, op, fn, sig, *args, **kw):
+    def _call(self, op, fn, sig, /, *args, **kw):  # positional-only: the wrapped call may pass op=
         if self.depth:  # inside batch_isend_irecv or a collective built on others: logged by the outer call
             return fn(*args, **kw)
         a = sig.bind(*args, **kw).arguments
@@ -268,15 +273,22 @@ class CommRecorder:
             self.depth -= 1
         if op in ("send", "recv") or (op in self.COLL and not a.get("async_op", False)):
             self._wait(cid)
+            if op in self.HOST:
+                self.host_sync()
             return out
         if op == "batch_isend_irecv":
             return [_Work(w, self, cid) for w in out]
         return _Work(out, self, cid)
 
+    def host_sync(self):
+        """Log a host sync point (("host",)) here, unless inside a logged call or right after another one."""
+        if not self.depth and (not self.raw or self.raw[-1] != ("host",)):
+            self.raw.append(("host",))
+
     def events(self, names: dict) -> list:
         """The trace with every group as (name, ranks)."""
-        name = lambda g: "world" if g is None or g is dist.group.WORLD else names.get(g, "?")  # noqa: E731
-        return [ev if ev[0] == "wait" else ev[:3] + ((name(ev[3][0]), ev[3][1]), ev[4]) for ev in self.raw]
+        name = lambda g: "world" if g is None else names.get(g, "?")  # noqa: E731
+        return [ev[:3] + ((name(ev[3][0]), ev[3][1]), ev[4]) if ev[0] == "call" else ev for ev in self.raw]
 
 
 class _Work:

@@ -234,7 +234,7 @@ def _why(r, call, queue, st, done):
         else:
             head = queue[(peer, ident[0])][0]
             out.append(f"its {op} with rank {peer} is queued there behind {_describe(head['ev'])}")
-    return "; ".join(out)
+    return "; ".join(dict.fromkeys(out))  # once each
 
 
 # ------------------------------------------------------------------------------------------------------------- demo
