@@ -39,8 +39,9 @@ the whole step under NCCL's rules, stream-ordered waits and device syncs in ever
 
 Sources may run ahead of the last stage by up to pp_schedule.tap_depth microbatches (1F1B: min(M, P); AFAB: M); their
 pending isends hold their tensors until the last stage posts the matching receive. At most one microbatch is posted
-on the last stage at a time, so one landing slot per source is enough. Receives are posted in ascending microbatch
-order across all sources, which is what an in-order NCCL stream needs.
+on the last stage at a time, so one landing slot per source is enough (on NCCL the receive of m + 1 into a slot
+queues behind the draft's reads of m: its stream waits for the compute stream as it is issued). Receives are posted in
+ascending microbatch order across all sources, which is what an in-order NCCL stream needs.
 
 Under context parallelism the channel's group joins the same CP rank of every stage (the members of the pipeline
 group, in a second communicator), so each CP rank delivers its own zigzag shard to the same CP rank of the last stage,

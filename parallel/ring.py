@@ -1,7 +1,8 @@
 """The one communication primitive cospec's context parallelism uses: a ring of point-to-point exchanges.
 
 A CP group of `size` ranks exchanges tensors with `Ring.exchange(sends, recvs)`: every transfer starts at once, and
-wait() returns when each buffer holds what its peer sent. Ring attention (attention_cp.py) and the CP-aware shift
+after wait() each buffer holds what its peer sent, for whatever this rank runs next (on NCCL the stream waits and the
+host returns at once: parallel/waits.py). Ring attention (attention_cp.py) and the CP-aware shift
 (branch_mask.cp_shift) are written against this one call, so the same per-rank code runs
 
     over torch.distributed   DistRing: batched isend/irecv on a process group (gloo on CPU, NCCL on GPU), and
@@ -26,9 +27,10 @@ from parallel.waits import backend_of, wait_all
 class Ring:
     """Point-to-point exchange inside one CP group of `size` ranks; this process (or thread) is `rank`.
 
-    exchange(sends=[(dst, tensor)], recvs=[(src, buffer)]) starts every transfer and returns a handle whose wait()
-    returns once each buffer holds what its src sent. Both sides must list a transfer (same shape and dtype) in the
-    same order, as with NCCL/gloo. Everything CP does (ring attention, the shift) is built on this one call.
+    exchange(sends=[(dst, tensor)], recvs=[(src, buffer)]) starts every transfer and returns a handle; after
+    its wait() each buffer holds what its src sent, for every op this rank issues next. Both sides must list a
+    transfer (same shape and dtype) in the same order, as with NCCL/gloo. Everything CP does (ring attention, the
+    shift) is built on this one call.
     what: names the exchange in the error of a wait that times out (parallel/waits.py) or fails."""
     rank: int = 0
     size: int = 1
