@@ -6,7 +6,7 @@ Each run is the GPU node's configuration at the test preset's size, one RL step:
 from an empty cache. It covers the mesh's warm-up, the split warm-ups (SFT and the draft's, as every rank of a GPU node
 trains them together), eval at steps 0 and 1, the rollout and its gathers, two updates (pi_old's no-grad forward, the
 pipeline with the family's CP traffic and TapChannel, the gradient clip, ZeRO-1's all_gather, the step totals and
-metrics) each with its refit (the broadcasts, check_same_weights' all_gather), the checkpoint save and the run's end.
+metrics), the step's refit (the broadcasts, check_same_weights' all_gather), the checkpoint save and the run's end.
 
 Every run passes under both wait models (stream, NCCL's; host, the polling one), and with a device-wide sync (an
 out-of-memory retry) after every call and at every host sync point. A run with two of its sends swapped fails: stage
