@@ -12,7 +12,7 @@ backward over all T rows (CUDA: synchronised; peak memory from torch.cuda). The 
 
     python bench/lm_head_check.py                 # CUDA: T = 4096, V = 151936, H = 4096; ~15 GB, well under a minute
     python bench/lm_head_check.py --tiny          # any device: T = 64, V = 4096, H = 64; a second on a CPU
-    python bench/lm_head_check.py --step_bytes=bf16   # CPU: one RL step's bytes at V = 151936 (~10 s)
+    python bench/lm_head_check.py --step_bytes=bf16   # CPU: one RL step's bytes at V = 151936 (~25 s)
 
 Prints a table; writes bench/results/lm_head_check.json (--tiny: lm_head_check_tiny.json; --step_bytes:
 lm_head_step_bytes_<dtype>.json), or --out. The FLOP rate needs a GPU: on a CPU the times say nothing about it.
