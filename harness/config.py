@@ -324,9 +324,9 @@ CHECKS = {
                            "in [1, prompts_per_step * group_size = {prompts_per_step} * {group_size}]"),
     "micro_batches":      ((lambda v, c: v == "auto" or type(v) is int and v >= 1 and all(
                                n % v == 0 for n in _update_sizes(c))),
-                           "auto, or a divisor of each update's sequences (prompts_per_step * group_size = "
-                           "{prompts_per_step} * {group_size} sequences in updates={updates} minibatches, each cut "
-                           "into micro_batches equal micro-batches)"),
+                           "a divisor of each update's sequences (prompts_per_step * group_size = {prompts_per_step} "
+                           "* {group_size} sequences in updates={updates} minibatches, each cut into micro_batches "
+                           "equal micro-batches), or auto"),
     "eps_low":            ((lambda v, c: 0 <= v < 1), "in [0, 1)"),
     "eps_high":           at_least(0),
     "beta":               at_least(0),

@@ -109,34 +109,52 @@ def check_fit(cfg, model, mesh_dims: tuple, device: torch.device, max_new_tokens
 
 
 def fixes(cfg, total, cap: float, n: int, dp: int, cp: int, model, count) -> tuple:
-    """(the flags that make the plan fit, its GiB then) or (the flags tried, the least GiB) -- greedy, in order.
-    count(m): the flag that sets m micro-batches."""
-    flags, c, best = [], cfg, total(cfg)
+    """(the flags that make the plan fit, its GiB then) or (the flags tried, the least GiB). Greedy, in order: each
+    change kept where it lowers the plan; then, once it fits, each kept change undone where the plan still fits
+    without it, and the micro-batches brought down to the fewest that fit. count(m): the flag for m micro-batches."""
+    kept, c, best = {}, cfg, total(cfg)  # flag name -> (its text, the change)
     steps = []
     if not cfg.zero1 and dp * cp > 1:
-        steps.append(("--zero1", dict(zero1=True)))
-    steps += [(count(m), dict(micro_batches=m)) for m in divisors(n, dp) if m > cfg.micro_batches]
-    steps.append(("--activation_checkpointing", dict(activation_checkpointing=True)))
+        steps.append(("--zero1", "--zero1", dict(zero1=True)))
+    steps += [("micro", count(m), dict(micro_batches=m)) for m in divisors(n, dp) if m > cfg.micro_batches]
+    steps.append(("--activation_checkpointing", "--activation_checkpointing", dict(activation_checkpointing=True)))
     if cfg.drafter == "eagle3" and not cfg.no_spec and cfg.draft_vocab == 0 and model.vocab_size > 32000:
-        steps.append(("--draft_vocab 32000", dict(draft_vocab=32000)))
+        steps.append(("--draft_vocab", "--draft_vocab 32000", dict(draft_vocab=32000)))
     b = cfg.rollout_batch
     while b > 1:
         b //= 2
-        steps.append((f"--rollout_batch {b}", dict(rollout_batch=b)))
-    for flag, change in steps:
+        steps.append(("--rollout_batch", f"--rollout_batch {b}", dict(rollout_batch=b)))
+    for name, text, change in steps:
         if best <= cap:
             break
-        try:
-            trial = dataclasses.replace(c, **change)
-        except ValueError:  # a combination the run refuses
-            continue
-        t = total(trial)
-        if t < best:
-            if flags and flag.split()[0] == flags[-1].split()[0]:  # a larger value of the same flag
-                flags.pop()
-            flags.append(flag)
-            c, best = trial, t
-    return flags, best
+        trial = _changed(c, change)
+        if trial is not None and (t := total(trial)) < best:
+            kept[name], c, best = (text, change), trial, t
+    if best <= cap:  # the fewest changes: undo what is not needed, then the fewest micro-batches
+        for name in [k for k in kept if k != "micro"]:
+            without = _apply(cfg, [ch for k, (_, ch) in kept.items() if k != name])
+            if without is not None and total(without) <= cap:
+                del kept[name]
+        if "micro" in kept:
+            others = [ch for k, (_, ch) in kept.items() if k != "micro"]
+            m = next(m for m in divisors(n, dp) if m >= cfg.micro_batches and (t := _apply(
+                cfg, others + [dict(micro_batches=m)])) is not None and total(t) <= cap)
+            kept["micro"] = (count(m), dict(micro_batches=m))
+        best = total(_apply(cfg, [ch for _, ch in kept.values()]))
+    return [text for text, _ in kept.values()], best
+
+
+def _changed(c, change: dict):
+    try:
+        return dataclasses.replace(c, **change)
+    except ValueError:  # a combination the run refuses
+        return None
+
+
+def _apply(cfg, changes: list):
+    for change in changes:
+        cfg = _changed(cfg, change) if cfg is not None else None
+    return cfg
 
 
 def refusal(cfg, plan: dict, stage: int, cap: float, where: str, fix: tuple) -> str:

@@ -26,8 +26,9 @@ Per rank of pipeline stage s (the stage's DP x CP ranks are alike; global rank 0
                  --activation_checkpointing only the layer inputs, plus one layer recomputed), draft_activations (every
                  trained arm's graph for one micro-batch, alive until their one backward: draft_act_bytes, TTT's
                  passes or a block family's anchors), logits_chunks (the
-                 streamed LM head's blocks), head_buffers (fp32 (V, H) gradient partials of the streamed heads, the
-                 policy's and each trained draft's) and comm_buffers (pipeline p2p, ring K/V); or, after the
+                 streamed LM head's blocks), head_buffers (head_bytes: fp32 (V, H) gradient partials of the streamed
+                 heads under fp32; under bf16 only a tied embedding's gradient or the CPU's cast block) and
+                 comm_buffers (pipeline p2p, ring K/V); or, after the
                  backward, one at a time: reduce_bucket (the gradient reduction's bucket), optimizer_step (step_bytes:
                  the fp32 gradient slice, AdamW's temporaries, ZeRO-1's all_gather copies), refit_bucket
                  (DistCotrainer.refit: each stage's weights, then each draft's, as one flat tensor in turn), whichever
@@ -52,7 +53,7 @@ import torch
 
 from backends.fused_logprob import budget_rows
 from modeling.kv_cache import BLOCK
-from modeling.layers import CACHED_SCORES_MIB
+from modeling.layers import CACHED_SCORES_MIB, CAST_BLOCK_MIB
 from pipeline import REDUCE_BUCKET_MIB
 from draft import DraftConfig, Eagle3Draft
 from draft_dflash import default_dflash_taps
@@ -61,7 +62,7 @@ from parallel.pp_schedule import schedule_actions, split_layers
 
 VERIFY_BLOCKS = 4  # fp32 (B, k+1, V) blocks live at the verification's peak (p, q, the residual), + one (B, V)
 LOGIT_BLOCKS = 3  # fp32 (rows, V) blocks live in a streamed LM-head chunk (logits, softmax, its gradient)
-HEAD_BLOCKS = (4, 1)  # fp32 (V, H) blocks in the update's backward: the policy's streamed head, + per trained draft
+HEAD_BLOCKS = (4, 1)  # fp32 (V, H) blocks in an fp32 update's backward: the policy's streamed head, + per trained draft
 
 
 @dataclass
@@ -81,14 +82,22 @@ class Run:
 
 CUDA_CONTEXT_GIB = 1.0  # per process: the CUDA context (~0.5 GiB on Hopper with torch), cuBLAS / cuDNN workspaces and
 # the caching allocator's slack. Stated, not measured here (no GPU): nvidia-smi's per-process figure checks it
-NCCL_GIB_PER_GROUP = 0.25  # per NCCL communicator this rank belongs to (NCCL_BUFFSIZE 4 MiB x channels x peers and
-# protocols, rounded up). Stated, not measured here
+NCCL_GIB_PER_GROUP = 1.0  # per NCCL communicator this rank belongs to: its buffers are NCCL_BUFFSIZE (4 MiB) per
+# channel and peer and protocol, and NCCL opens more channels to reach NVLink's bandwidth. Public reports: ~1.6 GB on
+# the first communicator after an all-reduce, ~2 GB each with 3 or more (github.com/NVIDIA/nccl issue 864), 1.1 ->
+# 4.3 GB for an all-to-all over 8 H100s (issue 1685), memory linear in the channels (issue 986); point-to-point
+# communicators share one buffer per peer. Stated, not measured here: bench/gpu_check.sh measures it on a GPU
 
 
-def nccl_groups(cfg, run: Run) -> int:
-    """The NCCL communicators a rank joins: the world, and every group of more than one rank (grid.py): pipeline and
-    tied embedding (pp > 1), CP, DP, and ZeRO-1's stage group."""
-    return 1 + 2 * (run.pp > 1) + (run.cp > 1) + (run.dp > 1) + (cfg.zero1 is True and run.cp * run.dp > 1)
+def nccl_groups(cfg, run: Run, stage: int = 0) -> int:
+    """The NCCL communicators a rank of `stage` joins, as parallel/grid.py creates them: the world, and the groups of
+    more than one rank it belongs to -- pipeline, TapChannel's (and one pair communicator per tap link: the last
+    stage's to each earlier stage, an earlier stage's to the last), the first and last stage's embedding group, CP,
+    DP, and the DP x CP shard group where both are > 1 (else ZeRO-1 shards over the CP or the DP group)."""
+    pp = run.pp > 1
+    links = (run.pp - 1 if stage == run.pp - 1 else 1) if pp else 0
+    embed = pp and stage in (0, run.pp - 1)
+    return 1 + 2 * pp + links + embed + (run.cp > 1) + (run.dp > 1) + (run.cp > 1 and run.dp > 1)
 
 
 def taps_of(cfg, run: Run) -> tuple:
@@ -189,6 +198,18 @@ def draft_pass_bytes(m: ModelConfig, b: int) -> int:
     H, Q, KV = m.hidden_size, m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
     return (4 * norm_bytes(H, b) + 2 * H * b + b * (2 * Q + 2 * KV) + 4 * m.num_attention_heads
             + 4 * m.intermediate_size * b + 12)
+
+
+def head_bytes(m: ModelConfig, b: int, trained: int, gpu: bool) -> int:
+    """The (V, H)-sized transients of the update's backward on the last stage. fp32: HEAD_BLOCKS fp32 blocks (the
+    policy's streamed head, + per trained draft). bf16: none of the heads' own -- dW adds into the fp32 .main_grad
+    chunk by chunk (backends/fused_logprob.WeightGrad) -- but a tied head's embedding forms its bf16 gradient (2 V H)
+    and, without CUDA's fp32-output GEMM (the CPU), one fp32 cast block of W (modeling/layers.CAST_BLOCK_MIB) lives
+    while a chunk runs: the larger of the two (measured at V = 151936)."""
+    VH = m.vocab_size * m.hidden_size
+    if b == 4:
+        return (HEAD_BLOCKS[0] + HEAD_BLOCKS[1] * trained) * VH * 4
+    return max(2 * VH * m.tie_word_embeddings, 0 if gpu else min(int(CAST_BLOCK_MIB * 2**20), 4 * VH))  # not at once
 
 
 def draft_act_bytes(cfg, run: Run, T: float, b: int) -> float:
@@ -323,7 +344,7 @@ def update_transient(cfg, run: Run, stage: int) -> dict:
     dacts = trained * draft_act_bytes(cfg, run, T, b) if last else 0
     rows = min(T, _rows(cfg, m))
     logits = LOGIT_BLOCKS * rows * m.vocab_size * 4 if last else 0
-    heads = (HEAD_BLOCKS[0] + HEAD_BLOCKS[1] * trained) * m.vocab_size * H * 4 if last else 0
+    heads = head_bytes(m, b, trained, run.gpu) if last else 0
     KV = m.num_key_value_heads * m.head_dim
     n = run.dp * run.cp if cfg.zero1 is True else 1  # ("auto": resolve_zero1 first)
     comm = (2 * T * H * b * (0 < stage or not last)  # p2p: the received activation and gradient
@@ -375,8 +396,8 @@ def rank_plan(cfg, run: Run, stage: int, rank0: bool = False, max_new_tokens: in
     out["update_peak"] = max([sum(v for k, v in upd.items() if k not in apart)] + [upd[k] for k in apart])
     if run.gpu:
         out["cuda_context"] = int(CUDA_CONTEXT_GIB * 2**30)
-        out["nccl_buffers"] = int(NCCL_GIB_PER_GROUP * 2**30) * nccl_groups(cfg, run) if run.pp * run.cp * run.dp > 1 \
-            else 0
+        out["nccl_buffers"] = int(NCCL_GIB_PER_GROUP * 2**30) * nccl_groups(cfg, run, stage) \
+            if run.pp * run.cp * run.dp > 1 else 0
     keep = [k for k in out if k not in roll and k not in upd and not k.endswith("_peak")]
     out["persistent"] = sum(out[k] for k in keep)
     out["total"] = out["persistent"] + max(out["rollout_peak"], out["update_peak"])

@@ -43,8 +43,10 @@ def use_main_grads(params) -> None:
 
 
 def _accumulate(p: torch.Tensor):
-    """After each backward into a working parameter: add its 16-bit gradient to the fp32 accumulator, drop it."""
-    p.main_grad.add_(p.grad)
+    """After each backward into a working parameter: add its 16-bit gradient to the fp32 accumulator, drop it (none:
+    a backward that wrote into .main_grad itself, as the streamed LM head does)."""
+    if p.grad is not None:
+        p.main_grad.add_(p.grad)
     p.grad = None
 
 

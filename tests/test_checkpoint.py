@@ -151,7 +151,8 @@ def test_multi_rank_save_writes_one_file_per_rank_and_one_manifest(tmp_path, mon
     world, barrier, errors = 3, threading.Barrier(3, timeout=20), []
     shards = [{"layers.0.w": torch.randn(2, 2)}, {"layers.1.w": torch.randn(2, 2)}, {}]  # rank 2: a replica
     hashed, sha = [], checkpoint._sha256
-    monkeypatch.setattr(checkpoint, "_sha256", lambda p: hashed.append((threading.current_thread().name, p.name)) or sha(p))
+    monkeypatch.setattr(checkpoint, "_sha256",
+                        lambda p: hashed.append((threading.current_thread().name, p.name)) or sha(p))
 
     def rank_main(r, step):
         threading.current_thread().name = f"rank {r}"

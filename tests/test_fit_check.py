@@ -56,12 +56,13 @@ def test_the_node_command_with_the_defaults_is_refused_naming_the_flags_that_fit
 def test_micro_batches_auto_and_a_token_budget_resolve_from_the_plan(qwen3_8b):
     cfg = node(qwen3_8b)
     model = model_config(qwen3_8b[0], cfg)
-    auto = check_fit(node(qwen3_8b, "--zero1", "--micro_batches=auto"), model, (2, 4, 1), torch.device("cpu"), 256)
+    rest = ("--zero1", "--draft_vocab=32000")  # what else the node needs (the refusal above names it)
+    auto = check_fit(node(qwen3_8b, *rest, "--micro_batches=auto"), model, (2, 4, 1), torch.device("cpu"), 256)
     fits = lambda m: max(p["total"] for p in plan_of(  # noqa: E731
-        node(qwen3_8b, f"--micro_batches={m}", "--zero1"), model, (2, 4, 1), torch.device("cpu"), 256))
+        node(qwen3_8b, f"--micro_batches={m}", *rest), model, (2, 4, 1), torch.device("cpu"), 256))
     m = auto.micro_batches
     assert fits(m) <= 79.1 * GiB < fits(m // 2), m  # the fewest that fit (a divisor of the update's 128 sequences)
-    budget = check_fit(node(qwen3_8b, "--zero1", f"--micro_batch_tokens={128 // m * 1280 // 4}"), model, (2, 4, 1),
+    budget = check_fit(node(qwen3_8b, *rest, f"--micro_batch_tokens={128 // m * 1280 // 4}"), model, (2, 4, 1),
                        torch.device("cpu"), 256)
     assert budget.micro_batches == m  # (1024 + 256) tokens per sequence, a quarter of them per CP rank
     off = check_fit(node(qwen3_8b, "--fit_check=false"), model, (2, 4, 1), torch.device("cpu"), 256)

@@ -1,21 +1,20 @@
 """The memory plan (harness/memory_model.py) against what a real step allocates (harness/memory_track.py).
 
-Six runs at reduced size, each one real RL step of train.py's phases (harness/rollout.rollout, harness/update.update;
+Seven runs at reduced size, each one real RL step of train.py's phases (harness/rollout.rollout, harness/update.update;
 the warm-ups at a few steps, cached per test): the built-in task in fp32 with every control arm; HF mode on a random
-Qwen3 at V = 151936 (the LM head streamed 6 rows at a time); bf16 with --activation_checkpointing; a DFlash and a
-DSpark draft; and pp 2 x cp 2 with --zero1 on 4 gloo processes (each rank checks its own stage). Every component the
-plan names is compared with the tracker's count of the same thing: persistent state by walking the objects (weights,
-grads, optimizer, each copy, the drafts' optimizers, TapChannel's slots), the KV caches at their largest
-(SpecStats.kv_peak_bytes), and the phases' transient peaks (the update's split into the policy's and the drafts'
-saved tensors, vocabulary-sized blocks and the rest) -- each within 15% (components under 1 KiB in both are too
-small to compare), the total within 10%.
-RSS growth over the step is printed beside it, never asserted.
+Qwen3 at V = 151936 (the LM head streamed 6 rows at a time), in fp32 and in bf16; bf16 with
+--activation_checkpointing; a DFlash and a DSpark draft; and pp 2 x cp 2 with --zero1 on 4 gloo processes (each rank
+checks its own stage). Every component the plan names is compared with the tracker's count of the same thing:
+persistent state by walking the objects (weights, grads, optimizer, each copy, the drafts' optimizers, TapChannel's
+slots), the KV caches at their largest (SpecStats.kv_peak_bytes), and the phases' transient peaks (the update's split
+into the policy's and the drafts' saved tensors, vocabulary-sized blocks and the rest) -- each within 15% (components
+under 1 KiB in both are too small to compare), the total within 10%. RSS growth over the step is printed beside it, never asserted.
 
     python -m pytest -q -s tests/test_memory_plan.py      # -s prints the plan-vs-measured tables (docs/memory.md)
 
 Seconds added (pytest --durations, 2 shared cores, two runs): fp32 4-5 s, bf16 3 s, V = 151936 7-15 s, pp 2 x cp 2
 22-32 s; the plan command and --zero1=auto < 1 s; the prefill term against speculative.prefill 15-20 s; 60-70 s in
-all. The block families' steps (DFlash, DSpark): ~2 s each.
+all. The block families' steps (DFlash, DSpark): ~2 s each; V = 151936 in bf16 ~5 s.
 """
 from __future__ import annotations
 
@@ -170,12 +169,13 @@ def test_plan_matches_a_bf16_step_with_activation_checkpointing(tmp_path, one_th
                                   "--offline_arm=false"]) == []
 
 
-def test_plan_matches_a_step_at_qwen_vocabulary(tmp_path, one_thread):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # bf16: the LM head's dW straight into .main_grad
+def test_plan_matches_a_step_at_qwen_vocabulary(tmp_path, one_thread, dtype):
     from hf_util import write_jsonl, write_tiny_qwen3
     qwen = write_tiny_qwen3(tmp_path / "qwen3", "What is + ? 0 1 2 3 4 5".split())
     rows = [{"prompt": f"What is {a} + {b} ?", "answer": a + b} for a in range(3) for b in range(3)]
     data = write_jsonl(tmp_path / "p.jsonl", rows)
-    assert one_process(tmp_path, ["--name=qwen_vocab", "--model", str(qwen), "--data", str(data),
+    assert one_process(tmp_path, ["--name=qwen_vocab", "--model", str(qwen), "--data", str(data), f"--dtype={dtype}",
                                   "--eval_fraction=0.3", "--max_new_tokens=6", "--rollout_batch=4", "--chunk_mib=4",
                                   "--draft_warmup_steps=1", "--draft_warmup_batch=2", "--draft_warmup_pool=4",
                                   "--cold_arm=false"]) == []
@@ -218,7 +218,7 @@ def test_zero1_auto_is_on_only_on_cuda_where_the_plan_needs_it():  # 0.1 s
 def test_plan_command_prints_every_stage_and_refuses_bad_meshes(capsys, tmp_path):  # 0.3 s
     from harness import memory_plan
     memory_plan.main(["--model", "tiny", "--gpus", "4", "--pp", "2", "--cp", "2", "--seq", "64",
-                      "--max_new_tokens", "16", "--device_gib", "4", "--recommend"])  # 4: the CUDA context and NCCL fit
+                      "--max_new_tokens", "16", "--device_gib", "8", "--recommend"])  # 8: the CUDA context and NCCL fit
     out = capsys.readouterr().out
     assert "stage 1" in out and "largest rank" in out and ": fits" in out and "recommend (4 GPUs" in out
     with pytest.raises(ValueError, match="--gpus=8"):
