@@ -8,7 +8,8 @@ checks its own stage). Every component the plan names is compared with the track
 persistent state by walking the objects (weights, grads, optimizer, each copy, the drafts' optimizers, TapChannel's
 slots), the KV caches at their largest (SpecStats.kv_peak_bytes), and the phases' transient peaks (the update's split
 into the policy's and the drafts' saved tensors, vocabulary-sized blocks and the rest) -- each within 15% (components
-under 1 KiB in both are too small to compare), the total within 10%. RSS growth over the step is printed beside it, never asserted.
+under 1 KiB in both are too small to compare), the total within 10%. RSS growth over the step is printed beside it,
+never asserted.
 
     python -m pytest -q -s tests/test_memory_plan.py      # -s prints the plan-vs-measured tables (docs/memory.md)
 
