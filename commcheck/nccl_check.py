@@ -27,7 +27,8 @@ simulate() runs these rules to a fixed point; ranks left blocked are a deadlock,
 each other. Traces come from two places that the tests show equal: comm_trace.CommRecorder logs what the real code
 issues under gloo (torch.distributed patched), and comm_trace.layout_traces generates it from the schedule's own plan
 (pp_schedule.p2p_plan, grid.warm_up_plan, TapChannel's ring), which is fast enough to sweep every layout.
-Recorded traces of whole train.py runs (rollout, updates, refit, eval, checkpoint) live in commcheck/traces/.
+Whole train.py runs (warm-ups, rollout, updates, refit, eval, checkpoint), recorded, are kept and replayed by
+recorded.py.
 
 The trace format (("call", id, kind, group, ops), ("wait", id), ("host",) and ("sync",) per rank) is comm_trace.py's.
 
