@@ -169,6 +169,8 @@ class PipelineSchedule:
         self.draft_params = list(draft_params.parameters() if hasattr(draft_params, "parameters") else draft_params)
         if self.draft_params and not self.last:
             raise ValueError("draft_params: the draft lives on the last stage only")
+        if grid.pp > 1 and stage.cfg.tie_word_embeddings and (self.first or self.last) and grid.embed_group is None:
+            raise ValueError("grid: a tied LM head under pp > 1 needs the embedding group (Grid.build(tied=True))")
         self.channel = (TapChannel(grid.tap_group, grid.pp_ranks, grid.pp_rank, self.split, self.tap_layers)
                         if self.tap_layers and grid.pp > 1 else None)
         p = next(stage.parameters())

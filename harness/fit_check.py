@@ -9,9 +9,10 @@ gradients, optimizer, every copy and draft, the rollout's and the update's peaks
              = the GPU's total memory               on CUDA (torch.cuda.get_device_properties)
              = the host's memory / its local ranks  on the CPU (MemTotal: every rank reads the same number)
 
-and the largest rank over its capacity stops the run in one line: its stage, its planned GiB, its largest
-components, and the flags that make the plan fit (tried in this order, each kept only where it helps: --zero1,
---micro_batches, --activation_checkpointing, --draft_vocab, --rollout_batch). --fit_check=false starts anyway. The
+and the largest rank over 95% of it (HEADROOM: the plan leaves out the allocator's fragmentation) stops the run in one
+line: its stage, its planned GiB, its largest components, and the fewest changes that make the plan fit (tried in
+this order, each kept only where it helps: --zero1, --micro_batches, --activation_checkpointing, --draft_vocab,
+--rollout_batch). --fit_check=false starts anyway. The
 same plan resolves --micro_batches=auto (the fewest micro-batches that fit) and --micro_batch_tokens (the fewest
 whose micro-batch holds at most that many tokens per CP rank). Every rank computes the same plan from the same
 inputs, so all of them refuse alike, with no collective.
@@ -28,6 +29,7 @@ import torch
 from harness import memory_model as mm
 
 GiB = 2 ** 30
+HEADROOM = 0.05  # of the capacity kept free: the plan leaves out the caching allocator's fragmentation
 HINTS = {  # a component -> what makes it smaller
     "activations": "--micro_batches, --activation_checkpointing", "optimizer": "--zero1", "grads": "--zero1",
     "weights": "--pp", "logits_chunks": "--chunk_mib", "head_buffers": "--draft_vocab",
@@ -93,6 +95,7 @@ def check_fit(cfg, model, mesh_dims: tuple, device: torch.device, max_new_tokens
         fits = [m for m in divisors(n, dp) if n / m * seq / cp <= cfg.micro_batch_tokens] or [n]
         cfg = dataclasses.replace(cfg, micro_batches=fits[0])
     cap, where = capacity(cfg, device)
+    cap *= 1 - HEADROOM
     total = lambda c: max(p["total"] for p in plan_of(c, model, mesh_dims, device, max_new_tokens))  # noqa: E731
     if cfg.micro_batches == "auto":
         cands = divisors(n, dp)
@@ -168,7 +171,7 @@ def refusal(cfg, plan: dict, stage: int, cap: float, where: str, fix: tuple) -> 
             f"none of --zero1, --micro_batches, --activation_checkpointing, --draft_vocab, --rollout_batch fits "
             f"({best / GiB:.1f} GiB at best): a smaller draft or model, or more GPUs (--pp, --cp)")
     return (f"fit check: a rank of pipeline stage {stage} plans {plan['total'] / GiB:.1f} GiB, over the "
-            f"{cap / GiB:.1f} GiB it may hold ({where}); largest: "
+            f"{cap / GiB:.1f} GiB it may hold ({where}, {HEADROOM:.0%} kept free); largest: "
             + ", ".join(f"{k} {parts[k] / GiB:.1f}" for k in top) + " GiB"
             + (f" (sized by {'; '.join(hints)})" if hints else "") + f"; {then} (python -m harness.memory_plan "
             "shows the plan; --fit_check=false starts anyway)")

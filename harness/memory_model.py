@@ -91,13 +91,14 @@ NCCL_GIB_PER_GROUP = 1.0  # per NCCL communicator this rank belongs to: its buff
 
 def nccl_groups(cfg, run: Run, stage: int = 0) -> int:
     """The NCCL communicators a rank of `stage` joins, as parallel/grid.py creates them: the world, and the groups of
-    more than one rank it belongs to -- pipeline, TapChannel's (and one pair communicator per tap link: the last
-    stage's to each earlier stage, an earlier stage's to the last), the first and last stage's embedding group, CP,
-    DP, and the DP x CP shard group where both are > 1 (else ZeRO-1 shards over the CP or the DP group)."""
+    more than one rank it belongs to -- pipeline, TapChannel's pair communicators (the last stage's to each earlier
+    stage, an earlier stage's to the last; its group's own is never made), the first and last stage's embedding
+    group (tied heads only), CP, DP, and the DP x CP shard group where both are > 1 (else ZeRO-1 shards over the CP
+    or the DP group)."""
     pp = run.pp > 1
     links = (run.pp - 1 if stage == run.pp - 1 else 1) if pp else 0
-    embed = pp and stage in (0, run.pp - 1)
-    return 1 + 2 * pp + links + embed + (run.cp > 1) + (run.dp > 1) + (run.cp > 1 and run.dp > 1)
+    embed = pp and run.model.tie_word_embeddings and stage in (0, run.pp - 1)
+    return 1 + pp + links + embed + (run.cp > 1) + (run.dp > 1) + (run.cp > 1 and run.dp > 1)
 
 
 def taps_of(cfg, run: Run) -> tuple:

@@ -174,6 +174,17 @@ def shared_gpus(seen: list) -> str | None:
     return None
 
 
+def tied_head(cfg: Config) -> bool:
+    """Is the policy's LM head its embedding: the --model preset's, or the HF checkpoint's config.json (read, no
+    weights)."""
+    from model import PRESETS
+    if cfg.model in PRESETS:
+        return PRESETS[cfg.model].tie_word_embeddings
+    from serving.hf_io import config_from_hf, read_json
+    path = os.path.join(cfg.model, "config.json")
+    return config_from_hf(read_json(path), source=path).tie_word_embeddings
+
+
 def model_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     """--dtype: "auto" is bf16 on CUDA and fp32 on the CPU (where bf16 matmuls are many times slower). Under fp32 on
     CUDA, matmuls and the Triton kernel's dots may use TF32 (set here, process-wide)."""
@@ -212,5 +223,5 @@ def make_mesh(cfg: Config) -> Mesh:
         if problem:
             raise ValueError(problem)
     set_timeout(cfg.dist_timeout)  # every sub-group and point-to-point wait too (parallel/waits.py)
-    return Mesh(Grid.build(pp=cfg.pp, cp=cfg.cp, dp=dp, device=dev), dev, dist.get_rank(), world,
+    return Mesh(Grid.build(pp=cfg.pp, cp=cfg.cp, dp=dp, device=dev, tied=tied_head(cfg)), dev, dist.get_rank(), world,
                 int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

@@ -44,13 +44,13 @@ def test_the_node_command_with_the_defaults_is_refused_naming_the_flags_that_fit
         fit(node(qwen3_8b))
     line = str(e.value)
     assert "\n" not in line and line.startswith("fit check: a rank of pipeline stage")
-    assert "over the 79.1 GiB" in line and "--fit_check=false" in line
+    assert "over the 75.1 GiB it may hold (--device_gib=79.1, 5% kept free)" in line and "--fit_check=false" in line
     flags = line.split("; with ")[1].split(" it plans ")[0]  # the flags that fit, as the line names them
     assert "--micro_batches" in flags, line
     cfg = fit(node(qwen3_8b, *flags.split()))  # the named flags start
     model = model_config(qwen3_8b[0], cfg)
     worst = max(p["total"] for p in plan_of(cfg, model, (2, 4, 1), torch.device("cpu"), 256))
-    assert worst <= 79.1 * GiB
+    assert worst <= 0.95 * 79.1 * GiB
 
 
 def test_micro_batches_auto_and_a_token_budget_resolve_from_the_plan(qwen3_8b):
@@ -61,7 +61,7 @@ def test_micro_batches_auto_and_a_token_budget_resolve_from_the_plan(qwen3_8b):
     fits = lambda m: max(p["total"] for p in plan_of(  # noqa: E731
         node(qwen3_8b, f"--micro_batches={m}", *rest), model, (2, 4, 1), torch.device("cpu"), 256))
     m = auto.micro_batches
-    assert fits(m) <= 79.1 * GiB < fits(m // 2), m  # the fewest that fit (a divisor of the update's 128 sequences)
+    assert fits(m) <= 0.95 * 79.1 * GiB < fits(m // 2), m  # the fewest that fit (a divisor of the update's 128 sequences)
     budget = check_fit(node(qwen3_8b, *rest, f"--micro_batch_tokens={128 // m * 1280 // 4}"), model, (2, 4, 1),
                        torch.device("cpu"), 256)
     assert budget.micro_batches == m  # (1024 + 256) tokens per sequence, a quarter of them per CP rank

@@ -97,7 +97,8 @@ from harness.mesh import make_mesh
 from parallel.waits import WaitFailed
 from test_dist_step import grpo, make_batch, make_models, make_policy_opt
 torch.set_num_threads(1)
-cfg = parse_args(["--preset=test", "--pp=2", "--cp=2", "--dist_timeout={timeout}"])
+cfg = parse_args(["--preset=test", "--model=mini", "--pp=2", "--cp=2", "--dist_timeout={timeout}"])  # a tied head,
+# as make_models' policy has: the mesh makes the embedding group it needs
 try:
     mesh = make_mesh(cfg)
     policy, drafts = make_models()
