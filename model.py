@@ -258,11 +258,11 @@ class Transformer(nn.Module):
         """Packed varlen forward.
 
         x: tokens (T,) on the first stage, hidden (T, H) on later stages; cu_seqlens int32 (S+1); position_ids (T,)
-        (default: 0.. within each sequence). attn_fn(q, k, v, cu_seqlens, *, softmax_scale) -> (T, Hq, D).
+        (default: 0.. within each sequence; given, each below the longest sequence's length, as a CP shard's are). attn_fn(q, k, v, cu_seqlens, *, softmax_scale) -> (T, Hq, D).
         logits=False: the last stage returns only the final normed hidden (out.hidden), for the fused log-probs and
         the draft's fused teacher (fused_logprob.py, draft_loss.py), which apply the head chunk by chunk.
         """
-        self._check_input(x, 1)
+        self._check_input(x, 1, host=x.device.type == "cpu")  # on a GPU a device-side assert: no host sync
         T = x.shape[0]
         if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
             raise TypeError("cu_seqlens: expected an int32 tensor [S+1]")
@@ -282,7 +282,8 @@ class Transformer(nn.Module):
         def attend_for(layer, _, cos, sin):
             return lambda hn: layer.self_attn(hn, cos, sin, cu_seqlens, attn_fn)
 
-        return self._run(x, attend_for, tap_layers, position_ids, self.activation_checkpointing, logits)
+        bound = max(b - a for a, b in zip(cu, cu[1:]))  # > every position (0.. within its sequence): no host sync
+        return self._run(x, attend_for, tap_layers, position_ids, self.activation_checkpointing, logits, bound)
 
     def forward_cached(self, x, cache: KVCache, *, tap_layers=None, tree=None, logits_at=None):
         """Append x (B, S) tokens (or (B, S, H) hidden on later stages) to every row of `cache` and return their
