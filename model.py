@@ -258,7 +258,8 @@ class Transformer(nn.Module):
         """Packed varlen forward.
 
         x: tokens (T,) on the first stage, hidden (T, H) on later stages; cu_seqlens int32 (S+1); position_ids (T,)
-        (default: 0.. within each sequence; given, each below the longest sequence's length, as a CP shard's are). attn_fn(q, k, v, cu_seqlens, *, softmax_scale) -> (T, Hq, D).
+        (default: 0.. within each sequence; given, each below the longest sequence's length, as a CP shard's are).
+        attn_fn(q, k, v, cu_seqlens, *, softmax_scale) -> (T, Hq, D).
         logits=False: the last stage returns only the final normed hidden (out.hidden), for the fused log-probs and
         the draft's fused teacher (fused_logprob.py, draft_loss.py), which apply the head chunk by chunk.
         """
