@@ -1,7 +1,7 @@
 """The run's one typed config: every setting of train.py, its presets, and the command line that overrides them.
 
     Config()                      the default experiment (a dataclass: every field has its default and a comment)
-    PRESETS[name]                 named overrides (harness/presets.py): "default", "small", "smoke", "test"
+    PRESETS[name]                 named overrides (harness/presets.py): "default", "small", "smoke", "test", "gpu"
     parse_args(argv) -> Config    --preset NAME, --flag, --key=value or --key value; type-checked, unknown keys rejected
     help_text(usage) -> str       what --help_all prints: the presets, then every flag by topic (flag_groups.py, the
                                   paper's knobs first) with its default, its CHECKS row and its field comment

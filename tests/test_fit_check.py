@@ -61,7 +61,7 @@ def test_micro_batches_auto_and_a_token_budget_resolve_from_the_plan(qwen3_8b):
     fits = lambda m: max(p["total"] for p in plan_of(  # noqa: E731
         node(qwen3_8b, f"--micro_batches={m}", *rest), model, (2, 4, 1), torch.device("cpu"), 256))
     m = auto.micro_batches
-    assert fits(m) <= 0.95 * 79.1 * GiB < fits(m // 2), m  # the fewest that fit (a divisor of the update's 128 sequences)
+    assert fits(m) <= 0.95 * 79.1 * GiB < fits(m // 2), m  # the fewest that fit (a divisor of the 128 sequences)
     budget = check_fit(node(qwen3_8b, *rest, f"--micro_batch_tokens={128 // m * 1280 // 4}"), model, (2, 4, 1),
                        torch.device("cpu"), 256)
     assert budget.micro_batches == m  # (1024 + 256) tokens per sequence, a quarter of them per CP rank

@@ -121,7 +121,7 @@ SOURCES = {
     "the exports served and refit by a real engine": ("test", ["tests/test_vllm_engine.py"]),
     "the end-to-end RL step with rollouts from vLLM": ("json", "bench/results/e2e_vllm.json", _e2e_vllm,
                                                        ("4", "3", "0.5")),
-    "**H200**: the first GPU run": ("test", ["tests/test_gpu_smoke.py"]),
+    "**H200**: the first GPU run": ("test", ["tests/test_gpu_check.py"]),
     "**H200**: speculative rollouts per draft family": ("json", "bench/results/rollout_families_gpu.json",
                                                         lambda: _rollout_families("rollout_families_gpu"), ("3",)),
     "speculative rollouts per draft family on this CPU": ("json", "bench/results/rollout_families.json",
