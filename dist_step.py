@@ -164,9 +164,11 @@ class DistCotrainer:
         if taps:  # the embedding tap: e(x_{i+d}) for the drafts from stage 0's forward, not from a full policy copy
             taps = [EMBED_TAP] + taps
         dparams = [p for tr in self.drafts for p in tr.draft.parameters()] if self.last else ()
+        flat = getattr(self.opt, "grad_flat", None) is not None  # ZeRO-1 over several ranks: reduce-scattered
         self.sched = PipelineSchedule(self.stage, grid, self.split, schedule=schedule, tap_layers=taps,
                                       attn_fn=attn_fn if grid.cp == 1 or attn_backend else None,
-                                      draft_params=dparams, logits=not self.logprob_chunk)
+                                      draft_params=dparams, logits=not self.logprob_chunk,
+                                      stage_reducer=self.opt.reduce_scatter if flat else None)
 
     def step(self, batch: RolloutBatch, cfg: GRPOConfig, micro_batches=1, train_drafts=True, on_policy=False,
              pi_old: dict | None = None) -> dict:
@@ -311,17 +313,32 @@ class DistCotrainer:
         a copy on the last stage, counted once). Grads are already equal across CP and DP ranks."""
         g, st = self.grid, self.stage
         skip = {id(st.embed.weight)} if (g.pp > 1 and self.last and st.cfg.tie_word_embeddings) else set()
-        grads = grads_of([p for p in st.parameters() if id(p) not in skip])  # fp32 .main_grad under bf16
+        sliced = getattr(self.opt, "_reduced", False)  # ZeRO-1 reduce-scattered: this rank holds its slice only
+        if sliced:
+            grads = self._slice_parts(skip)
+        else:
+            grads = grads_of([p for p in st.parameters() if id(p) not in skip])  # fp32 .main_grad under bf16
         sq = torch.zeros((), dtype=torch.float64, device=next(st.parameters()).device)
         for gr in grads:  # ||g||^2 summed in fp64 from each tensor's own norm: no fp64 copy of a (V, H) gradient
             sq = sq + torch.linalg.vector_norm(gr).double().square()
+        if sliced:
+            dist.all_reduce(sq, group=self.opt.group)  # the slices partition the stage
         if g.pp > 1:
             dist.all_reduce(sq, group=g.pp_group)
         total = float(sq.sqrt())
         coef = min(self.grad_clip / (total + 1e-6), 1.0)
-        for gr in grads_of(st.parameters()):
+        for gr in [self.opt.grad_slice] if sliced else grads_of(st.parameters()):
             gr.mul_(coef)
         return total
+
+    def _slice_parts(self, skip: set) -> list:
+        """This rank's reduced gradient slice, less the parts of the parameters in `skip` (views of grad_slice)."""
+        o, parts = self.opt, []
+        for p, (a, b) in zip(o.params, o.ranges()):
+            a, b = max(a, o.lo), min(b, o.hi)
+            if a < b and id(p) not in skip:
+                parts.append(o.grad_slice[a - o.lo:b - o.lo])
+        return parts
 
     # --------------------------------------------------------------------------------------------------- refit
     def reshare(self):

@@ -149,7 +149,8 @@ class PipelineSchedule:
     """
 
     def __init__(self, stage: Transformer, grid: Grid, split, *, schedule: str = "1f1b", tap_layers=None,
-                 attn_fn: Optional[Callable] = None, draft_params=(), logits: bool = True):
+                 attn_fn: Optional[Callable] = None, draft_params=(), logits: bool = True,
+                 stage_reducer: Optional[Callable] = None):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r}: expected one of {SCHEDULES}")
         if len(split) != grid.pp or tuple(stage.layer_range) != tuple(split[grid.pp_rank]):
@@ -167,6 +168,7 @@ class PipelineSchedule:
             attn_fn = functools.partial(ring_branch_attention, group=grid.cp_group)
         self.attn_fn = attn_fn
         self.draft_params = list(draft_params.parameters() if hasattr(draft_params, "parameters") else draft_params)
+        self.stage_reducer = stage_reducer  # the stage's gradients over CP x DP, itself (ZeRO-1's reduce_scatter)
         if self.draft_params and not self.last:
             raise ValueError("draft_params: the draft lives on the last stage only")
         if grid.pp > 1 and stage.cfg.tie_word_embeddings and (self.first or self.last) and grid.embed_group is None:
@@ -329,7 +331,7 @@ class PipelineSchedule:
 
     def _reduce_grads(self):
         """Reduces each parameter's gradient: its fp32 .main_grad under mixed precision (mixed_precision.py), else
-        its .grad."""
+        its .grad; with a stage_reducer, the stage's through it (ZeRO-1: reduce-scattered) and the drafts' here."""
         g, params = self.grid, self._params()
         for prm in params:
             if prm.grad is None and not hasattr(prm, "main_grad"):  # e.g. a draft not called this step: zeros
@@ -337,6 +339,9 @@ class PipelineSchedule:
         grad = lambda prm: getattr(prm, "main_grad", prm.grad)  # noqa: E731
         if g.pp > 1 and self.stage.cfg.tie_word_embeddings and (self.first or self.last):
             dist.all_reduce(grad(self.stage.embed.weight), group=g.embed_group)  # E is used on stage 0 and as W_out
+        if self.stage_reducer is not None and (g.cp > 1 or g.dp > 1):
+            self.stage_reducer(g.dp)  # each rank gets only its slice of the stage's summed gradient
+            params = self.draft_params
         if g.cp > 1 or g.dp > 1:  # in buckets of REDUCE_BUCKET_MIB: a few collectives, never a copy of every grad
             for bucket in grad_buckets([grad(prm) for prm in params], REDUCE_BUCKET_MIB):
                 flat = torch.cat([t.reshape(-1) for t in bucket]) if len(bucket) > 1 else bucket[0].view(-1)

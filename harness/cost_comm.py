@@ -39,9 +39,11 @@ rank), then one all_gather of the models' fingerprints (8 bytes each) on the wor
 after every update, unchecked (Workload.refit_once false: the broadcasts in "post").
 
 
-Left out: the drafts' own CP traffic inside TTT (cp_shift, the loss's halo rows, ring_sum: in draft_train), the
-rollout phase's gathers, and overlap (a hop posted before the block it feeds is computed: the model charges it in
-full, which on a CPU -- gloo's transport threads share the cores with the compute -- is about what happens).
+Left out: ZeRO-1's traffic (--zero1: the stage's gradients reduce-scattered over its DP x CP ranks instead of
+all-reduced, the updated weights all-gathered after the step), the drafts' own CP traffic inside TTT (cp_shift, the
+loss's halo rows, ring_sum: in draft_train), the rollout phase's gathers, and overlap (a hop posted before the block
+it feeds is computed: the model charges it in full, which on a CPU -- gloo's transport threads share the cores with
+the compute -- is about what happens).
 """
 from __future__ import annotations
 

@@ -367,7 +367,8 @@ def update_transient(cfg, run: Run, stage: int) -> dict:
 def step_bytes(N: int, largest: int, n: int, b: int, gpu: bool) -> int:
     """The transient peak of one optimizer step over N parameters (largest: the elements of the biggest tensor) whose
     state is sharded n ways; it runs after the backward, whose transients are gone.
-      ShardedOptimizer (bf16 masters, or --zero1: parallel/zero1.py): the fp32 gradient slice it assembles (4 per),
+      ShardedOptimizer (bf16 masters, or --zero1: parallel/zero1.py): the fp32 gradient slice it assembles (4 per;
+        under --zero1 over several ranks the reduce_scatter's slice, held from the backward to the step),
         AdamW's temporary over the slice (sqrt(v), 4 per, with foreach: CUDA's default; the CPU's single-tensor loop
         holds sqrt(v) and its quotient at once, 8 per) and, for n > 1, the all_gather: the slice cast to the weights'
         dtype (b per, bf16 only) and the flat output torch's ProcessGroup allocates for a list of outputs and copies

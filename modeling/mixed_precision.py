@@ -20,7 +20,8 @@ embedding group when a parameter has one.
 
 The training path (--dtype bf16) uses the pieces directly: `master_optimizer` gives a module's trainable parameters
 the optimizer they need -- for 16-bit ones parallel/zero1.ShardedOptimizer with fp32 masters (over a group: ZeRO-1,
-else the whole vector on this rank) after `use_main_grads` -- and `clip_grads_` clips whichever gradient a parameter
+else the whole vector on this rank) after `use_main_grads`; over a group of several ranks the accumulators are views
+of one flat buffer that ZeRO-1 reduce-scatters -- and `clip_grads_` clips whichever gradient a parameter
 accumulates into. For fp32 parameters both reduce to the plain optimizer and torch's clipping.
 
 Letters: w32 / w16 master and working weights, g32 the fp32 gradient, M microbatches.
@@ -35,11 +36,14 @@ HALF = (torch.bfloat16, torch.float16)
 
 
 def use_main_grads(params) -> None:
-    """Step 2: an fp32 .main_grad accumulator on each 16-bit parameter, filled after every backward (once)."""
+    """Step 2: an fp32 .main_grad accumulator on each 16-bit parameter, filled after every backward (once). A
+    parameter that has one already (a view of ZeRO-1's flat gradient buffer, any dtype) gets only the hook."""
     for p in params:
         if p.dtype in HALF and not hasattr(p, "main_grad"):
             p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        if hasattr(p, "main_grad") and not getattr(p, "_main_grad_hooked", False):
             p.register_post_accumulate_grad_hook(_accumulate)
+            p._main_grad_hooked = True
 
 
 def _accumulate(p: torch.Tensor):
@@ -73,11 +77,16 @@ def master_optimizer(params, make_opt, group=None, dtype=None):
     .main_grad."""
     params = [p for p in params if p.requires_grad]
     dtype = dtype or (params[0].dtype if params else None)
+    sharded = group is not None and torch.distributed.get_world_size(group) > 1
     if dtype in HALF:
-        opt = ShardedOptimizer(params, make_opt, group, master_dtype=torch.float32, dtype=dtype)
+        opt = ShardedOptimizer(params, make_opt, group, master_dtype=torch.float32, dtype=dtype, flat_grads=sharded)
         use_main_grads(params)
         return opt
-    return ShardedOptimizer(params, make_opt, group) if group is not None else make_opt(params)
+    if group is None:
+        return make_opt(params)
+    opt = ShardedOptimizer(params, make_opt, group, flat_grads=sharded)  # ZeRO-1: gradients reduce-scattered
+    use_main_grads(params)
+    return opt
 
 
 class MixedPrecision:

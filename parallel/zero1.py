@@ -7,6 +7,12 @@ flat vector, can be cut into n slices of ceil(N / n) and rank r steps only its s
     theta[lo_r:hi_r] <- opt_step(theta[lo_r:hi_r], g[lo_r:hi_r], state_r)       state_r: m, v of the slice only
     theta            <- all_gather_r theta[lo_r:hi_r]                              every rank: the full updated weights
 
+Each rank needs only its slice of the reduced gradient, so with flat_grads (what DistCotrainer's --zero1 uses) the
+gradients accumulate in views of one flat buffer and one reduce_scatter over the group hands each rank its slice of
+their sum (divided by dp: the mean over replicas of the sum over CP shards) -- half an all-reduce's traffic, no copy:
+
+    g[lo_r:hi_r] <- reduce_scatter_r (sum over the group of each rank's g) / dp
+
 The same arithmetic as the unsharded optimizer, element for element (tests/test_zero1.py: fp64 <= 1e-10); per rank the
 optimizer state and the master slice cost 1/n of the unsharded (for AdamW in fp32: 8 B -> 8/n B per parameter, plus
 4/n B for the master slice). The parameters become views of one flat buffer (padded to n slices), so the all-gather
@@ -39,7 +45,7 @@ class ShardedOptimizer:
     optimizer state's dtype (None: the parameters'); dtype: the parameters' working dtype from now on (None: as
     they are), the masters taken from their values before the cast."""
 
-    def __init__(self, params, make_opt, group=None, master_dtype=None, dtype=None):
+    def __init__(self, params, make_opt, group=None, master_dtype=None, dtype=None, flat_grads: bool = False):
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("params: expected at least one parameter that requires grad")
@@ -57,6 +63,40 @@ class ShardedOptimizer:
         self.master = torch.nn.Parameter(master)
         self.inner = make_opt([self.master])
         self.param_groups = self.inner.param_groups  # lr schedules and logging read these
+        self.grad_flat = self.grad_slice = None  # flat_grads: (n * per,) accumulators and this rank's reduced (per,)
+        if flat_grads:  # each parameter's .main_grad a view of one flat buffer: reduce_scatter reads it in place
+            self.grad_flat = torch.zeros(self.n * self.per, dtype=self.master.dtype, device=self.flat.device)
+            at = 0
+            for p in self.params:
+                p.main_grad = self.grad_flat[at:at + p.numel()].view_as(p)
+                at += p.numel()
+            self.grad_slice = torch.zeros(self.per, dtype=self.master.dtype, device=self.flat.device)
+        self._reduced = False  # this step's gradient is grad_slice, reduced (reduce_scatter), not the parameters'
+
+    @torch.no_grad()
+    def reduce_scatter(self, dp: int = 1):
+        """The stage's gradient summed over the group, each rank receiving its own slice only (grad_slice), then /dp:
+        the mean over DP replicas of the sum over CP shards that an all-reduce over CP and DP gives, at half its
+        traffic and with no copy of the gradients (they are views of grad_flat). The parameters' .main_grad keep
+        this rank's own, unreduced values: step() reads grad_slice, and gathered_grads() shows the reduced whole."""
+        dist.reduce_scatter_tensor(self.grad_slice, self.grad_flat, group=self.group)
+        if dp > 1:
+            self.grad_slice /= dp
+        self._reduced = True
+
+    @torch.no_grad()
+    def gathered_grads(self):
+        """The reduced gradient written back into every parameter's .main_grad (an all_gather of the slices): what a
+        check reads after reduce_scatter. Collective over the group."""
+        dist.all_gather_into_tensor(self.grad_flat, self.grad_slice, group=self.group)
+
+    def ranges(self) -> list:
+        """[lo, hi) of each parameter in the flat vector, in self.params' order."""
+        out, at = [], 0
+        for p in self.params:
+            out.append((at, at + p.numel()))
+            at += p.numel()
+        return out
 
     def _flatten(self, dtype) -> torch.Tensor:  # the parameters moved into one flat buffer, each now a view of it
         flat = torch.zeros(self.n * self.per, dtype=dtype, device=self.params[0].device)
@@ -87,7 +127,8 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def step(self):
-        self.master.grad = self._grad_slice()
+        self.master.grad = self.grad_slice if self._reduced else self._grad_slice()
+        self._reduced = False
         self.inner.step()
         self.master.grad = None
         if self.n == 1:
@@ -97,6 +138,7 @@ class ShardedOptimizer:
         dist.all_gather(list(self.flat.split(self.per)), self.master.detach().to(self.flat.dtype), group=self.group)
 
     def zero_grad(self, set_to_none: bool = True):
+        self._reduced = False
         for p in self.params:
             if hasattr(p, "main_grad"):
                 p.main_grad.zero_()

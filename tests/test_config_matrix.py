@@ -127,6 +127,8 @@ def run(grid, family, dtype, tied, zero1=False, checks=None) -> dict:
     out = {"updates": [], "prints": []}
     for mb, kw in ((mb1, dict(on_policy=True)), (mb2, dict(pi_old=old2))):
         st = ct.step(mb, grpo("global-token"), MICRO, **kw)
+        if getattr(ct.opt, "grad_flat", None) is not None:  # ZeRO-1 reduce-scattered: each rank holds its slice
+            ct.opt.gathered_grads()
         grads = {"policy": named_grads(ct.stage), "draft": named_grads(tr.draft) if ct.last else {}}
         out["updates"].append({**summary(st), **grads, "lp_err": st["token_mult_prob_error"]})
         if checks is not None:

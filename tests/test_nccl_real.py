@@ -43,8 +43,9 @@ def test_a_recorded_run_is_deadlock_free(run):
     ops = {(ev[3][0], op) for evs in traces.values() for ev in evs if ev[0] == "call" for op, _, _ in ev[4]}
     for want in [("pp", "send"), ("tap", "recv"), ("cp", "send"), ("world", "barrier"),
                  ("world", "all_gather_object"), ("world", "all_gather"), ("world", "all_reduce"), ("pp", "broadcast"),
-                 ("cp", "all_gather"), ("pp", "all_reduce")]:
-        assert want in ops, (run, want)  # the phases' traffic is there (ZeRO-1's all_gather: the stage's cp group)
+                 ("cp", "all_gather"), ("cp", "reduce_scatter_tensor"), ("pp", "all_reduce")]:
+        assert want in ops, (run, want)  # the phases' traffic is there (ZeRO-1's reduce_scatter and all_gather: the
+        # stage's cp group)
     assert not {g for g, _ in ops} & {"embed"}  # the test preset's head is untied: no embedding group at all
     assert ("tap", "all_reduce") not in ops  # TapChannel's group carries its sends and receives, no collective
     assert all(("host",) in evs for evs in traces.values())  # host syncs recorded between the calls

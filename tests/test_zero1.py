@@ -1,7 +1,9 @@
 """parallel/zero1.py: the sharded optimizer steps exactly like the unsharded one (fp64, <= 1e-10), resumes from its
 per-rank state, and refuses another layout. One process (no group) and 4 gloo ranks (a stage shared by dp 2 x cp 2;
-N = 259 elements, not a multiple of 4, so the last slice is padded). DistCotrainer(zero1=True) against the
-single-process step is in tests/test_dist_step.py. Adds ~9 s in a full-suite run on 2 cores (one 4-process spawn).
+N = 259 elements, not a multiple of 4, so the last slice is padded), and with the gradients reduce-scattered
+(flat_grads) rather than all-reduced. DistCotrainer(zero1=True) against the single-process step is in
+tests/test_dist_step.py and tests/test_config_matrix.py. Adds ~9 s in a full-suite run on 2 cores (one 4-process
+spawn).
 """
 import pytest
 import torch
@@ -26,17 +28,22 @@ def params(seed=0):
     return ps
 
 
-def grads(ps, step):  # identical on every rank (as after PipelineSchedule's reduction)
+def grads_list(step, scale=1.0) -> list:  # the trained parameters' gradients of `step`, the same on every rank
     g = torch.Generator().manual_seed(100 + step)
-    for p in ps:
-        p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype) if p.requires_grad else None
+    return [scale * torch.randn(shape, generator=g, dtype=torch.float64) for shape in SHAPES]
 
 
-def reference(steps=STEPS):
+def grads(ps, step):  # identical on every rank (as after PipelineSchedule's reduction)
+    for p, g in zip(ps, grads_list(step) + [None]):  # the frozen one last: none
+        p.grad = g if p.requires_grad else None
+
+
+def reference(steps=STEPS, scale=1.0):
     ps = params()
     opt = make_opt([p for p in ps if p.requires_grad])
     for s in range(steps):
-        grads(ps, s)
+        for p, g in zip(ps, grads_list(s, scale)):
+            p.grad = g
         opt.step()
     return [p.detach().clone() for p in ps]
 
@@ -105,7 +112,31 @@ def _worker(rank, world):
         out["layout_error"] = None
     except ValueError as e:
         out["layout_error"] = str(e)
+    out["scattered"] = reduce_scattered(rank)
     return out
+
+
+def reduce_scattered(rank) -> tuple:
+    """flat_grads: each rank's own gradient (rank r: (r + 1) g) reduce-scattered, /dp = 2, then stepped: the same
+    weights as AdamW on the mean of the ranks' gradients over dp = 2 replicas of 2 summed shards (sum (r + 1) / 2 =
+    5 g), with one reduce_scatter and no all-reduce. -> (max |difference|, the collectives issued)."""
+    ps = params()
+    opt = ShardedOptimizer(ps, make_opt, dist.group.WORLD, flat_grads=True)
+    calls, wrapped = [], {}
+    for name in ("all_reduce", "reduce_scatter_tensor", "all_gather"):
+        wrapped[name] = getattr(dist, name)
+        setattr(dist, name, lambda *a, _n=name, **k: calls.append(_n) or wrapped[_n](*a, **k))
+    try:
+        for step in range(STEPS):
+            for p, g in zip([p for p in ps if p.requires_grad], grads_list(step)):
+                p.main_grad.copy_((rank + 1) * g)
+            opt.reduce_scatter(dp=2)
+            opt.step()
+    finally:
+        for name, fn in wrapped.items():
+            setattr(dist, name, fn)
+    ref = reference(scale=5.0)
+    return max_diff(ps, ref), sorted(set(calls)), calls.count("reduce_scatter_tensor")
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +156,12 @@ def test_resume_from_per_rank_state_continues_exactly(world4):
     ref = reference()
     for rank, out in enumerate(world4):
         assert max_diff(out["resumed"], ref) <= TOL, rank
+
+
+def test_reduce_scattered_gradients_step_like_the_all_reduced_mean(world4):
+    for rank, out in enumerate(world4):
+        err, kinds, n = out["scattered"]
+        assert err <= TOL and kinds == ["all_gather", "reduce_scatter_tensor"] and n == STEPS, (rank, out["scattered"])
 
 
 def test_another_layout_is_refused(world4):
