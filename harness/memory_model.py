@@ -84,9 +84,10 @@ CUDA_CONTEXT_GIB = 1.0  # per process: the CUDA context (~0.5 GiB on Hopper with
 # the caching allocator's slack. Stated, not measured here (no GPU): nvidia-smi's per-process figure checks it
 NCCL_GIB_PER_GROUP = 1.0  # per NCCL communicator this rank belongs to: its buffers are NCCL_BUFFSIZE (4 MiB) per
 # channel and peer and protocol, and NCCL opens more channels to reach NVLink's bandwidth. Public reports: ~1.6 GB on
-# the first communicator after an all-reduce, ~2 GB each with 3 or more (github.com/NVIDIA/nccl issue 864), 1.1 ->
-# 4.3 GB for an all-to-all over 8 H100s (issue 1685), memory linear in the channels (issue 986); point-to-point
-# communicators share one buffer per peer. Stated, not measured here: bench/gpu_check.sh measures it on a GPU
+# the first communicator after an all-reduce, ~2 GB each with 3 or more (https://github.com/NVIDIA/nccl/issues/864),
+# 1.1 -> 4.3 GB for an all-to-all over 8 H100s (https://github.com/NVIDIA/nccl/issues/1685), memory linear in the
+# channels (https://github.com/NVIDIA/nccl/issues/986); point-to-point communicators share one buffer per peer.
+# Stated, not measured here
 
 
 def nccl_groups(cfg, run: Run, stage: int = 0) -> int:
