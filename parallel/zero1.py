@@ -66,10 +66,8 @@ class ShardedOptimizer:
         self.grad_flat = self.grad_slice = None  # flat_grads: (n * per,) accumulators and this rank's reduced (per,)
         if flat_grads:  # each parameter's .main_grad a view of one flat buffer: reduce_scatter reads it in place
             self.grad_flat = torch.zeros(self.n * self.per, dtype=self.master.dtype, device=self.flat.device)
-            at = 0
-            for p in self.params:
-                p.main_grad = self.grad_flat[at:at + p.numel()].view_as(p)
-                at += p.numel()
+            for p, (a, b) in zip(self.params, self.ranges()):
+                p.main_grad = self.grad_flat[a:b].view_as(p)
             self.grad_slice = torch.zeros(self.per, dtype=self.master.dtype, device=self.flat.device)
         self._reduced = False  # this step's gradient is grad_slice, reduced (reduce_scatter), not the parameters'
 
@@ -100,21 +98,17 @@ class ShardedOptimizer:
 
     def _flatten(self, dtype) -> torch.Tensor:  # the parameters moved into one flat buffer, each now a view of it
         flat = torch.zeros(self.n * self.per, dtype=dtype, device=self.params[0].device)
-        at = 0
-        for p in self.params:
-            flat[at:at + p.numel()].copy_(p.detach().reshape(-1))
-            p.data = flat[at:at + p.numel()].view_as(p)
-            at += p.numel()
+        for p, (a, b) in zip(self.params, self.ranges()):
+            flat[a:b].copy_(p.detach().reshape(-1))
+            p.data = flat[a:b].view_as(p)
         return flat
 
     def _slice(self, tensors, dtype) -> torch.Tensor:  # (per,) elements [lo, hi) of the tensors end to end, 0-padded
         out = torch.zeros(self.per, dtype=dtype, device=self.params[0].device)
-        at = 0
-        for p, t in zip(self.params, tensors):
-            a, b = max(at, self.lo), min(at + p.numel(), self.hi)
+        for t, (at, end) in zip(tensors, self.ranges()):
+            a, b = max(at, self.lo), min(end, self.hi)
             if a < b:
                 out[a - self.lo:b - self.lo].copy_(t.reshape(-1)[a - at:b - at])
-            at += p.numel()
         return out
 
     def _grad_slice(self) -> torch.Tensor:  # (per,) g[lo:hi] (each parameter's .main_grad if it has one)
