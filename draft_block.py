@@ -3,10 +3,14 @@
 A block drafter (draft_dflash.py) is trained on blocks [x_a, MASK x (W - 1)] at positions a..a+W-1, one per sampled
 anchor a. Slot k of the block predicts the token `shift` positions past its own, x_{a+k+shift} (DFlash: shift 0, slots
 1..W-1; DSpark: shift 1, slots 0..W-1); its teacher is the policy's distribution at a+k+shift-1, the position that
-predicts that token. With j = 1..P numbering the trained slots:
+predicts that token. With j = 1..P numbering the trained slots and m_{a,j} = 1 when x_{a+k_j+shift} is a response
+token (else 0):
 
-    L = sum_j w_j * mean_{anchors a with x_{a+k_j+shift} a response token} CE(p_{a+k_j+shift-1}, q_{a,k_j}),
+    L = sum_{a,j} w_j m_{a,j} CE(p_{a+k_j+shift-1}, q_{a,k_j}) / sum_{a,j} m_{a,j},
     w_j = exp(-(j - 1) / gamma)                                           (DFlash [arXiv 2602.06036])
+
+one mean over every trained (anchor, slot) pair of the batch, as speculators' loss_function normalises it (the
+weighted sum over the count of pairs, not over the weights' sum, nor a mean per slot).
 
 streamed by draft_loss.StreamingSoftCE (no (anchors * W, V) tensor), against the policy's LM head shared with the
 draft. Slots past a sequence's end are masked (cp_shift's valid), never wrapped. Under CP a block's targets at a+k may
@@ -94,14 +98,16 @@ def block_targets(loss_mask, cu_seqlens, anchors, offsets, halo: int, ring):
 
 
 def block_loss(draft, h, teacher, valid, src, count, *, gamma: float, chunk: int):
-    """sum_j w_j * mean CE over the trained slots; h (N, W, H) the block's final states (pre-norm), the draft's
-    logits W_head norm(h) through the policy's head, streamed. Returns (loss, stats (P, 5) this rank's sums)."""
+    """sum_{a,j} w_j m_{a,j} CE / sum_{a,j} m_{a,j} (module docstring); h (N, W, H) the block's final states
+    (pre-norm), the draft's logits W_head norm(h) through the policy's head, streamed; count (P,) the global m sums
+    per slot. Returns (loss, stats (P, 5) this rank's sums)."""
     loss, stats = 0.0, []
     agree_prev = torch.ones(h.shape[0], dtype=torch.bool, device=h.device)
+    n = count.sum().clamp_min(1)  # every trained (anchor, slot) pair: one mean, speculators' (not one per slot)
     for j, k in enumerate(draft.trained_slots):
         x = draft.norm(h[:, k])  # (N, H)
         dt = torch.promote_types(x.dtype, torch.float32)
-        coef = (math.exp(-j / gamma) / count[j].clamp_min(1)).to(dt) * valid[j].to(dt)  # (N,)
+        coef = (math.exp(-j / gamma) / n).to(dt) * valid[j].to(dt)  # (N,)
         l, s, agree = StreamingSoftCE.apply(x, draft.head_weight, coef, valid[j], src[j], None, None, agree_prev,
                                             teacher, chunk)
         loss, agree_prev = loss + l, agree_prev & agree

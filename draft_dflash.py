@@ -13,7 +13,7 @@ appends the context entries of verified positions); `propose` runs the block onc
 the block's own K/V. Training (draft_block.py): a block per sampled anchor a, [x_a, MASK x (W - 1)], every slot sees
 the context j < a of its sequence and its whole block -- attention_cp.anchor_branch_attention with anchor_visible
 False, the trunk K/V riding the zigzag ring under CP, the block local. Slot k predicts x_{a+k} against the policy's
-distribution at a+k-1, weighted exp(-(k-1)/gamma).
+distribution at a+k-1, weighted exp(-(k-1)/gamma), one mean over every trained (anchor, slot) pair (draft_block.py).
 
 Taps (`default_dflash_taps`): 5 layers from layer 1 to layer n-3, evenly spread (Qwen3-8B: 1, 9, 17, 25, 33 of 36).
 

@@ -83,18 +83,21 @@ def test_training_block_equals_inference_block(pair):
 
 
 def dense_block_loss(draft, out, tokens, cu, mask, anchors):
-    """Every slot's (N, V) logits and the policy's softmax at a + k - 1, materialised (fp64)."""
+    """speculators' layout and reduction (models/dflash/metrics.py, losses/utils.py loss_function), fp64: the flat
+    (N, W) slots, slot k predicting x_{a+k} against p_{a+k-1}, m = x_{a+k} is a response token (slot 0, the anchor,
+    never), w_k = exp(-max(k - 1, 0) / gamma) [k > 0], L = sum(w m ce) / sum(m). CE against p where speculators'
+    default is KL(p || q): the same up to p's entropy, which has no gradient."""
     h = draft.block_forward(out.taps, tokens, cu, anchors, attn_fn=oracle)  # unpadded, the dense oracle
     p = torch.softmax(out.logits.double(), -1)  # (T, V)
+    T, W = len(tokens), draft.cfg.block_size
     seq_end = cu[1:].long()[torch.searchsorted(cu[1:].long(), anchors, right=True)]
-    W, loss = draft.cfg.block_size, 0.0
-    for j, k in enumerate(range(1, W)):
-        t = anchors + k - 1
-        ok = (t < seq_end) & mask[t.clamp(max=len(tokens) - 1)]
-        logq = torch.log_softmax(draft.logits(h[:, k]), -1)
-        ce = -(p[t.clamp(max=len(tokens) - 1)] * logq).sum(-1)
-        loss = loss + math.exp(-j / default_gamma(W)) * (ce * ok).sum() / ok.sum().clamp_min(1)
-    return loss
+    k = torch.arange(W)
+    idx = anchors[:, None] + k  # (N, W) the position each slot predicts
+    t = (idx - 1).clamp(0, T - 1)  # its teacher's row
+    m = (idx < seq_end[:, None]) & mask[t] & (k > 0)  # (N, W)
+    w = torch.exp(-(k - 1).clamp(min=0).double() / default_gamma(W)) * (k > 0)  # (W,)
+    ce = -(p[t] * torch.log_softmax(draft.logits(h), -1)).sum(-1)  # (N, W)
+    return (w * m * ce).sum() / m.sum()
 
 
 def test_streamed_loss_equals_dense(pair):
@@ -119,6 +122,7 @@ def test_streamed_loss_equals_dense(pair):
     for g, p in zip(got, draft.parameters()):
         assert torch.allclose(g, p.grad, atol=1e-10)
     assert m["count"][0] == len(anchors) and len(m["alpha"]) == 4
+    assert len(set(m["count"])) > 1  # slots past a sequence's end: a mean per slot would differ from the one mean
 
 
 def test_anchors_bounded_seeded_and_mesh_independent():
