@@ -16,10 +16,14 @@ streamed by draft_loss.StreamingSoftCE (no (anchors * W, V) tensor), against the
 draft. Slots past a sequence's end are masked (cp_shift's valid), never wrapped. Under CP a block's targets at a+k may
 live on the next rank: they are read through draft_loss's halo and teacher_index, as TTT's i+d are.
 
-Anchors: up to `anchors` per sequence among the positions whose next token is a response token (loss_mask), chosen by
-the smallest keys of a counter hash of (seed, the sequence's content, the position): the same anchors on every mesh
-(cp, pp, dp), since a key depends on no layout; under CP the per-sequence threshold is agreed over the ring (each rank
-sends its `anchors` smallest keys per sequence).
+Anchors: up to `anchors` per sequence among the positions a where x_a and x_{a+1} are both response tokens (loss_mask
+at a - 1 and at a): the blocks inference drafts, whose first slot is a token the policy sampled (speculative.prefill
+starts the first block at the first response token, never at the last prompt token), with at least one trained slot.
+As speculators' select_anchors, anchors only where x_a is a response token; unlike it, a block near a response's end
+is kept (inference drafts it too), its slots past the end masked. Chosen by the smallest keys of a counter hash of
+(seed, the sequence's content, the position): the same anchors on every mesh (cp, pp, dp), since a key depends on no
+layout; under CP the per-sequence threshold is agreed over the ring (each rank sends its `anchors` smallest keys per
+sequence).
 
 gamma by block size: 4 for W = 8, 5 for W = 10, 7 for W = 16 (the paper's); between and beyond them the piecewise
 linear interpolation of those three points (slope 1/2 below 10, 1/3 above), at least 1.
@@ -32,7 +36,7 @@ import math
 
 import torch
 
-from branch_mask import cp_shift, cu_local, host_cu, position_ids, seq_ids, zigzag_shard
+from branch_mask import cp_shift, cu_local, host_cu, position_ids, seq_ids, shift_packed, zigzag_shard
 from draft_loss import StreamingSoftCE, chunk_rows, make_teacher, ring_sum, teacher_index
 from draft_ttt import pad_inputs, position_metrics
 from parallel.ring import as_ring
@@ -55,8 +59,9 @@ def _mix(x: torch.Tensor) -> torch.Tensor:  # int64 -> int64 in [0, 2^62): a spl
 
 
 def sample_anchors(tokens, cu_seqlens, loss_mask, anchors: int, seed: int, ring, pos=None) -> torch.Tensor:
-    """(N,) int64 ascending local rows: up to `anchors` per sequence among rows with loss_mask, the same positions on
-    every mesh (module docstring). tokens / loss_mask / pos are this rank's rows (its zigzag shard under CP)."""
+    """(N,) int64 ascending local rows: up to `anchors` per sequence among rows a with loss_mask at a - 1 and at a
+    (x_a and x_{a+1} response tokens), the same positions on every mesh (module docstring). tokens / loss_mask / pos
+    are this rank's rows (its zigzag shard under CP)."""
     cp = ring.size
     lcu = host_cu(cu_local(cu_seqlens, cp)) if cp > 1 else host_cu(cu_seqlens)
     dev = tokens.device
@@ -70,7 +75,11 @@ def sample_anchors(tokens, cu_seqlens, loss_mask, anchors: int, seed: int, ring,
         0, seq, torch.where(m, _mix(tokens.long() * 1000003 + pos.long() * 7919 + 1), 0) & ((1 << 40) - 1))
     content = ring_sum(content, ring)  # (S,) sync point under CP: S integers
     key = _mix(_mix(content[seq] + seed * 0x9E3779B97F4A7C15 % (1 << 61)) + pos.long())
-    key = torch.where(m, key, _BIG)  # (T,)
+    # x_a sampled by the policy too (loss_mask at a - 1): never a prompt's last token, an anchor inference never has
+    prev = shift_packed(m, cu_seqlens, -1, fill=False) if cp == 1 else cp_shift(m, cu_seqlens, -1, group=ring,
+                                                                                 fill=False)  # one hop under CP
+    ok = m & prev[0]  # (T,)
+    key = torch.where(ok, key, _BIG)  # (T,)
     n = max(int(anchors), 0)
     best = torch.zeros((cp, S, max(n, 1)), dtype=torch.long, device=dev)  # slot r: rank r's n smallest per sequence
     best[ring.rank] = _BIG
@@ -80,7 +89,7 @@ def sample_anchors(tokens, cu_seqlens, loss_mask, anchors: int, seed: int, ring,
             best[ring.rank, s, : v.numel()] = v
     best = ring_sum(best, ring)  # every rank's n smallest (each rank fills its own slot, zeros elsewhere)
     thr = best.permute(1, 0, 2).flatten(1).sort(-1).values[:, n - 1] if n else torch.full((S,), -1, device=dev)
-    return ((key <= thr[seq]) & m).nonzero()[:, 0]
+    return ((key <= thr[seq]) & ok).nonzero()[:, 0]
 
 
 def block_targets(loss_mask, cu_seqlens, anchors, offsets, halo: int, ring):

@@ -132,9 +132,11 @@ def test_anchors_bounded_seeded_and_mesh_independent():
     tokens = torch.randint(1, 50, (sum(lengths),))
     mask = torch.rand(len(tokens)) < 0.7
     a = sample_anchors(tokens, cu, mask, 4, seed=1, ring=as_ring(None))
-    assert mask[a].all() and torch.equal(a, a.sort().values)
+    ok = mask & torch.cat([torch.zeros(1, dtype=torch.bool), mask[:-1]])  # loss_mask at a - 1 and at a ...
+    ok[cu[:-1].long()] = False  # ... within the sequence
+    assert ok[a].all() and torch.equal(a, a.sort().values)
     per_seq = torch.bincount(torch.searchsorted(cu[1:].long(), a, right=True), minlength=3)
-    assert per_seq.tolist() == [min(4, int(mask[s:e].sum())) for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())]
+    assert per_seq.tolist() == [min(4, int(ok[s:e].sum())) for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())]
     assert not torch.equal(a, sample_anchors(tokens, cu, mask, 4, seed=2, ring=as_ring(None)))
     for cp in (2, 3):  # the same global positions when the sequences are zigzag-sharded over cp ranks
         pad = pad_for_cp(cu, cp)
@@ -150,6 +152,24 @@ def test_anchors_bounded_seeded_and_mesh_independent():
             hit[loc] = True
             return torch.equal(hit, zigzag_shard(ref, pad.cu_seqlens, cp, ring.rank))
         assert all(run_ranks(cp, rank, timeout=60))
+
+
+def test_anchors_are_the_blocks_inference_drafts():
+    """Inference starts the first block at the first response token y ~ p(. | prompt) (speculative.prefill), never at
+    the last prompt token: with a prompt of n tokens and a response ending at L, the anchors are n .. L - 2 (x_a and
+    x_{a+1} response tokens), n - 1 never, however many are asked for. The blocks they train, one per anchor."""
+    lengths, prompts = [12, 9], [5, 1]
+    cu = cu_seqlens_from_lengths(lengths)
+    tokens = torch.randint(1, 50, (sum(lengths),), generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros(len(tokens), dtype=torch.bool)  # row j: the prediction of x_{j+1} counts
+    for s, L, n in zip(cu[:-1].tolist(), lengths, prompts):
+        mask[s + n - 1: s + L - 1] = True
+    want = torch.cat([torch.arange(s + n, s + L - 1) for s, L, n in zip(cu[:-1].tolist(), lengths, prompts)])
+    for seed in range(4):
+        assert torch.equal(sample_anchors(tokens, cu, mask, 100, seed=seed, ring=as_ring(None)), want)
+    for seed in range(8):
+        a = sample_anchors(tokens, cu, mask, 2, seed=seed, ring=as_ring(None))
+        assert len(a) == 4 and all(x in want.tolist() for x in a.tolist())
 
 
 def test_training_learns(pair):
