@@ -200,7 +200,7 @@ class DistCotrainer:
             return (l * e["w"]).sum() * g.dp
 
         def draft_hook(d):  # last stage, after F(m): every draft's loss (drafter.py) on the detached taps
-            read, total = self._draft_loss_on(d, cfg.temperature), 0.0
+            read, total = self._draft_loss_on(d), 0.0  # teacher softmax(z): untempered (rl_loop.py, step 4)
             for k, tr in enumerate(self.drafts):
                 L, met = read(tr.draft, tr)
                 metrics[(d.mb.extra["chunk"], k)] = met
@@ -259,12 +259,13 @@ class DistCotrainer:
                            {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in mb.extra.items()})
                 for mb in mbs]
 
-    def _draft_loss_on(self, d, tau: float):
+    def _draft_loss_on(self, d):
         """read(draft, trainer) -> (loss, metrics): `draft`'s loss (drafter.py; EAGLE-3: TTT) on micro-batch d's
-        detached taps, with the policy's softmax(z / tau) as teacher and `trainer`'s options -- the hook's one draft
-        loss, for the trained drafts and the watched ones alike. Under CP the loss is this rank's share (group=)."""
+        detached taps, with the policy's untempered softmax(z) as teacher at any rollout temperature (draft and policy
+        are tempered alike at inference: rl_loop.py, step 4) and `trainer`'s options -- the hook's one draft loss, for
+        the trained drafts and the watched ones alike. Under CP the loss is this rank's share (group=)."""
         mb = d.mb
-        teacher = self._teacher(d, tau)  # softmax(z / tau): the rollout's temperature
+        teacher = self._teacher(d)
         backend = dict(backend=self.attn_backend or "torch", group=self.grid.cp_group,
                        chunk=self.logprob_chunk or None)  # the draft loss's chunk: the log-probs' rows
 
@@ -295,12 +296,11 @@ class DistCotrainer:
             return fused_token_logp(z, self.stage.head_weight, targets, chunk=self.logprob_chunk, temperature=tau)
         return token_logp(z, targets, tau)
 
-    def _teacher(self, d, tau: float) -> dict:
-        """The drafts' teacher softmax(z / tau): the policy's logits, or (fused) its hidden + LM head, W / tau."""
+    def _teacher(self, d) -> dict:
+        """The drafts' teacher softmax(z), untempered: the policy's logits, or (fused) its hidden + LM head."""
         if self.logprob_chunk:
-            w = self.stage.head_weight
-            return dict(teacher_hidden=d.hidden, teacher_head=w if tau == 1.0 else w / tau)
-        return dict(teacher_logits=d.logits if tau == 1.0 else d.logits / tau)
+            return dict(teacher_hidden=d.hidden, teacher_head=self.stage.head_weight)
+        return dict(teacher_logits=d.logits)
 
     def _watched(self) -> list:  # the watch's drafts (none without one)
         return list(self.watch.drafts) if self.watch is not None else []

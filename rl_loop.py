@@ -10,6 +10,7 @@ For each prompt, G responses o_1..o_G are sampled (speculatively, exactly from p
          rho_{i,t} = pi_theta(o_t | q, o_<t) / pi_old(o_t | q, o_<t)    (pi_old: the log-probs the rollout recorded)
      Every pi here is softmax(logits / tau) at the rollout's temperature tau (GRPOConfig.temperature): the samples
      come from pi_old at tau, so on-policy rho = 1 exactly; a log_softmax(logits) would make rho != 1 at tau != 1.
+     (The draft's teacher is not tempered: step 4.)
          l_{i,t}   = -min(rho A_i, clip(rho, 1 - eps_low, 1 + eps_high) A_i) + beta * k3_{i,t}
          k3        = ratio - 1 - log ratio,  ratio = pi_ref / pi_theta  (unbiased, always >= 0; Schulman 2020,
                      "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html; used by GRPO)
@@ -23,6 +24,11 @@ For each prompt, G responses o_1..o_G are sampled (speculatively, exactly from p
   4. Co-training: one policy forward over the packed rollouts returns logits and the taps; the draft's TTT loss reads
      the taps (detached) with the policy's own distributions (detached) as teacher:
          total = L_policy + lambda * L_draft      (no extra policy forward for the draft)
+     The teacher is the UNtempered softmax(z), whatever tau: the draft fits softmax(z_d) to softmax(z), and at
+     inference draft and policy are tempered alike (speculative.py: q = softmax(z_d / tau), p = softmax(z / tau)), so a
+     perfect draft (z_d = z) accepts every token at any tau. A teacher softmax(z / tau) would temper twice: its
+     perfect draft proposes softmax(z / tau^2) against p = softmax(z / tau) (tests/test_temperature.py). EAGLE-3,
+     DFlash and vLLM train and sample the same way.
      The two graphs share no tensor, so the policy gets no gradient from L_draft and the draft none from L_policy;
      each has its own optimizer, learning rate and gradient clipping.
 
@@ -286,19 +292,18 @@ def draft_mask(mb: RolloutBatch) -> torch.Tensor:
     return per_prediction(mb.resp_mask, mb.cu_seqlens)
 
 
-def draft_loss(tr: DraftTrainer, taps: dict, logits, mb: RolloutBatch, temperature: float = 1.0, *, hidden=None,
-               head=None, chunk=None):
+def draft_loss(tr: DraftTrainer, taps: dict, logits, mb: RolloutBatch, *, hidden=None, head=None, chunk=None):
     """L_draft: the draft's loss (drafter.py; EAGLE-3: TTT) on detached taps with the policy's detached logits as
-    teacher, at the rollout temperature: the teacher is softmax(logits / tau), the distribution the draft's proposals
-    are verified against. Returns (loss, metrics). logits None: the teacher is the policy's final normed hidden
-    (T, H) with its LM head (V, H), its logits formed `chunk` rows at a time inside the streamed loss (no (T, V)
-    tensor). chunk: rows per chunk of the streamed loss (None or 0: draft_loss.chunk_rows's default budget)."""
+    teacher, untempered: softmax(z) at any rollout temperature (module docstring, step 4: draft and policy are
+    tempered alike at inference). Returns (loss, metrics); the metrics (alpha, tau_hat) are those of the untempered
+    pair. logits None: the teacher is the policy's final normed hidden (T, H) with its LM head (V, H), its logits
+    formed `chunk` rows at a time inside the streamed loss (no (T, V) tensor). chunk: rows per chunk of the streamed
+    loss (None or 0: draft_loss.chunk_rows's default budget)."""
     taps = {l: taps[l].detach() for l in tr.draft.tap_layers}
     if logits is not None:
-        teacher = dict(teacher_logits=logits.detach() if temperature == 1.0 else logits.detach() / temperature)
+        teacher = dict(teacher_logits=logits.detach())
     else:
-        teacher = dict(teacher_hidden=hidden.detach(),
-                       teacher_head=head.detach() if temperature == 1.0 else head.detach() / temperature)
+        teacher = dict(teacher_hidden=hidden.detach(), teacher_head=head.detach())
     return tr.draft.loss(taps, mb.tokens, mb.cu_seqlens, loss_mask=draft_mask(mb), attn_fn=tr.attn_fn,
                          chunk=chunk or None, **tr.draft.loss_options(tr), **teacher)
 
@@ -332,7 +337,8 @@ def cotrain_step(policy, policy_opt, batch: RolloutBatch, cfg: GRPOConfig, draft
     on_policy: the policy has not moved since it sampled the batch (an RL step's first update), so pi_old is this
     forward's own log-probs, detached (ratio exactly 1; TRL's GRPO does the same), not batch.old_logp.
 
-    drafts: list of DraftTrainer (the rollout draft, and optionally shadow drafts trained on the same taps).
+    drafts: list of DraftTrainer (the rollout draft, and optionally shadow drafts trained on the same taps), each on
+    the untempered teacher softmax(z) (step 4); GRPO's pi are at cfg.temperature.
     total = L_policy + sum_k lambda_k L_draft_k. backward is run per term only so `timer` can split policy and draft
     time: the graphs are disjoint, so the gradients equal those of backward(total).
     """
@@ -362,7 +368,7 @@ def cotrain_step(policy, policy_opt, batch: RolloutBatch, cfg: GRPOConfig, draft
         stats["loss_policy"] += float(L_p.detach())
         pstats.append(st)
         for k, tr in enumerate(drafts):
-            L_d, dm = draft_loss(tr, out.taps, out.logits, mb, cfg.temperature)
+            L_d, dm = draft_loss(tr, out.taps, out.logits, mb)  # teacher softmax(z): untempered
             (tr.lam * L_d / micro_batches).backward()
             stats["loss_draft"][k] += float(L_d.detach()) / micro_batches
             stats["draft_metrics"][k].append(dm)

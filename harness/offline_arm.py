@@ -4,8 +4,9 @@ Each RL step the co-trained draft takes `updates` TTT steps (fewer under a budge
 of that step's fresh rollouts of pi_t (n prompts x G samples / updates sequences). The offline-extended draft takes the
 SAME number of steps with the
 same optimizer (AdamW), lr (draft_lr), gradient clipping, passes and minibatch size -- on FRESH samples of the initial
-policy pi_0 (the frozen reference), n x G new ones every step, never a reused pool, with pi_0's taps and pi_0's
-distribution at the rollout temperature as the teacher. So it sees as much new data as the co-trained draft; only the
+policy pi_0 (the frozen reference) at the rollout temperature, n x G new ones every step, never a reused pool, with
+pi_0's taps and pi_0's untempered softmax(z) as the teacher, like the co-trained draft's (rl_loop.py, step 4: draft
+and policy are tempered alike at inference). So it sees as much new data as the co-trained draft; only the
 distribution differs:
 
     co-trained - frozen               = more training + tracking the drift
@@ -93,11 +94,11 @@ class OfflineArm:
         chunk = budget_rows(self.ref.cfg.vocab_size, self.cfg.chunk_mib)  # rows of the teacher's logits per chunk
         for idx in torch.randperm(batch.num_seqs, generator=self.perm).chunk(self.cfg.updates)[:n_steps]:
             mb = batch.select(idx.sort().values).to(dev)
-            with torch.no_grad():  # pi_0's taps and teacher: the distribution the warm-up draft was fitted to
+            with torch.no_grad():  # pi_0's taps and teacher: the policy the warm-up draft was fitted to
                 out = self.ref(mb.tokens, mb.cu_seqlens, attn_fn=auto_causal_attention,
                                tap_layers=self.draft.tap_layers, logits=chunk == 0)  # hidden (T, H): no (T, V)
-            loss, _ = draft_loss(self.tr, out.taps, out.logits, mb, self.cfg.temperature, hidden=out.hidden,
-                                 head=self.ref.head_weight, chunk=chunk)  # the update's streamed loss
+            loss, _ = draft_loss(self.tr, out.taps, out.logits, mb, hidden=out.hidden, head=self.ref.head_weight,
+                                 chunk=chunk)  # the update's streamed loss, teacher softmax(z) at any tau
             self.tr.opt.zero_grad(set_to_none=True)
             (self.tr.lam * loss).backward()
             clip_grads_(list(self.draft.parameters()), self.tr.grad_clip)

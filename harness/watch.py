@@ -3,7 +3,8 @@ draft (--frozen_arm) and the offline-extended one (--offline_arm, trained elsewh
 
 Their teacher-forced acceptance on pi_t's rollouts is what the co-trained draft is compared against, so each is read
 in the update's own draft hook (dist_step.DistCotrainer(watch=...)) from the same taps and the same teacher as the
-trained drafts, forward only: no extra policy forward, no gradient. The hook hands over its draft loss as `read`; this
+trained drafts (the policy's untempered softmax(z) at any rollout temperature, as every arm was trained: rl_loop.py,
+step 4), forward only: no extra policy forward, no gradient. The hook hands over its draft loss as `read`; this
 class adds what an experiment needs around it -- the arms' metrics per micro-batch and their wall / CPU seconds,
 timed apart so that the control's cost is not billed to the co-trained run.
 

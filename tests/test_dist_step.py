@@ -7,8 +7,8 @@ The drafts' shared embedding is NaN in every case: the update path must read e(x
 carried by TapChannel), not from a full policy copy. Every rank checks, after DistCotrainer.step + refit,
 that its FULL policy and drafts (re-assembled for rollouts), the policy loss, both draft losses and the GRPO statistics
 equal the oracle's (fp64 within 1e-8). The batch is hand-made (no generation): random advantages, one zero-variance
-group, old log-probs near the policy's own at temperature 0.7 (so some ratios clip; every log-prob and the drafts'
-teacher at that temperature), a reference for the k3 penalty (beta > 0), two drafts,
+group, old log-probs near the policy's own at temperature 0.7 (so some ratios clip; every log-prob at that
+temperature, the drafts' teacher untempered), a reference for the k3 penalty (beta > 0), two drafts,
 tied embeddings (a copy on the first and the last stage) and a policy gradient that gets clipped.
 """
 import pytest
@@ -33,7 +33,7 @@ CASES = [("global-token", lay, {}) for lay in LAYOUTS] + [(n, lay, {}) for n, la
 MICRO = 4
 
 
-TAU = 0.7  # the rollouts' temperature: every log-prob of the update and the drafts' teacher are at tau
+TAU = 0.7  # the rollouts' temperature: every log-prob of the update is at tau (the drafts' teacher is softmax(z))
 
 
 def grpo(norm):
