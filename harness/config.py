@@ -30,6 +30,7 @@ from parallel.cli import show_value as _show
 from harness.config_checks import (_TYPE_CHECKS, AUTO_FLAG, FLAG, _block_ok, _installed, _parses, _problem,
                                     _taps_ok, _update_sizes, _writable_dir, above, at_least, backend_problem, one_of)
 from harness.drafters import FAMILIES as DRAFTERS
+from serving import formats
 from harness.flag_groups import GROUPS
 from harness.presets import PRESETS
 from model import PRESETS as MODEL_PRESETS
@@ -88,10 +89,12 @@ class Config:
     ttt_decay: float = 0.8  # the TTT loss weights pass d by ttt_decay^(d-1) (EAGLE-3's 0.8)
     tap_layers: tuple = ()  # the policy layers the draft reads, --tap_layers=0,2,4; (): model.default_tap_layers
     draft_vocab: int = 0  # N > 0: the draft names only the N most frequent response tokens of its warm-up (0 = full)
-    drafter: str = "eagle3"  # the draft family (harness/drafters.py): eagle3 | dflash (a block per forward) | dspark
-    block_size: int = 0  # dflash / dspark: W slots per block (0: k + 1); k <= W - 1 drafts per forward (dspark: k <= W)
+    drafter: str = "auto"  # the draft family (harness/drafters.py): eagle3 | dflash (a block per forward) | dspark;
+    # auto: --draft's family, else eagle3
+    block_size: int = 0  # dflash / dspark: W slots per block (0: k + 1; dspark: k); k <= W - 1 drafts (dspark: k <= W)
     anchors: int = 16  # dflash / dspark: training blocks per sequence, at seeded anchors among response positions
     block_gamma: float = 0.0  # dflash / dspark: slot j weighs exp(-(j - 1) / gamma); 0: the rule by block size
+    # (draft_block.default_gamma; dspark reads it at W + 1, its W slots all draft: 4.0 at W = 7, DeepSpec's)
     draft_layers: int = 3  # dflash / dspark: the draft's decoder layers (the paper: 5 at 8B)
     mask_token_id: int = -1  # dflash / dspark: the MASK id; -1: the tokenizer's mask token, else the task's pad id
     markov_rank: int = 16  # dspark: the rank of the Markov head (256 at 8B)
@@ -147,6 +150,7 @@ class Config:
 
     def __post_init__(self):
         """Every field against its row of CHECKS (all failures in one error), then the checks across the mode."""
+        self._from_draft()
         types = {f.name: f.type for f in dataclasses.fields(self)}
         bad = [_problem(k, getattr(self, k), _TYPE_CHECKS[t]) for k, t in types.items() if t in _TYPE_CHECKS]
         bad = [e for e in bad if e] or [_problem(k, getattr(self, k), CHECKS[k], self) for k in types if k in CHECKS]
@@ -166,6 +170,28 @@ class Config:
         elif self.data:
             raise ValueError(f"data={self.data!r}: prompts from a file need --model=<HF checkpoint directory> "
                              "(the built-in task generates its own)")
+
+    def _from_draft(self):
+        """--draft PATH: the family (--drafter auto) and a block draft's block_size, mask_token_id, draft_layers and
+        markov_rank come from the file; a flag set to another value is refused naming it (serving/formats.py)."""
+        if not (self.draft and os.path.isfile(os.path.join(formats.resolve(self.draft), "config.json"))):
+            self.drafter = "eagle3" if self.drafter == "auto" else self.drafter
+            return
+        f = formats.draft_fields(self.draft)
+        if self.drafter not in ("auto", f["family"]):
+            raise ValueError(f"--drafter {self.drafter}: --draft {self.draft!r} holds a {f['family']} draft "
+                             f"({f['format']} format); pass --drafter {f['family']} or leave --drafter out")
+        self.drafter = f["family"]
+        defaults = {x.name: x.default for x in dataclasses.fields(self)}
+        own = {"block_size": "block_size", "mask_token_id": "mask_token_id", "draft_layers": "num_layers",
+               "markov_rank": "markov_rank"}
+        for flag, key in own.items():
+            if key not in f:
+                continue
+            if getattr(self, flag) not in (defaults[flag], f[key]):
+                raise ValueError(f"--{flag}={getattr(self, flag)}: --draft {self.draft!r} has {key}={f[key]}; "
+                                 f"leave --{flag} out (the draft brings its own)")
+            setattr(self, flag, f[key])
 
     @property
     def run_seed(self) -> int:
@@ -263,7 +289,8 @@ CHECKS = {
     "cold_start":         FLAG,
     "draft":              ((lambda v, c: v == "" or (os.path.isfile(os.path.join(v, "config.json")) and not c.cold_start
                                                      and not c.draft_vocab and not c.tap_layers)),
-                           "'' or an exported EAGLE-3 draft directory (config.json), not with --cold_start, "
+                           "'' or a draft directory (config.json) in a format serving/formats.py reads, not with "
+                           "--cold_start, "
                            "--draft_vocab or --tap_layers (the draft brings its own)"),
     "no_spec":            ((lambda v, c: not v or not (c.draft or c.cold_start or c.num_draft_tokens == "auto" or c.tree
                                                    or True in (c.frozen_arm, c.cold_arm, c.offline_arm))),
@@ -296,9 +323,8 @@ CHECKS = {
     "drafter":            ((lambda v, c: v in DRAFTERS and (v == "eagle3" or _block_ok(c))),
                            f"one of {', '.join(DRAFTERS)}; a block drafter (dflash, dspark) with a fixed "
                            "--num_draft_tokens and --eval_draft_tokens <= block_size - 1 (dspark: block_size; "
-                           "--block_size=0, the default, fits the block to them), and no --tree, --draft or "
-                           "--draft_vocab"),
-    "block_size":         ((lambda v, c: v == 0 or 2 <= v <= 64), "0 (k + 1) or in [2, 64]"),
+                           "--block_size=0, the default, fits the block to them), and no --tree or --draft_vocab"),
+    "block_size":         ((lambda v, c: v == 0 or 2 <= v <= 64), "0 (k + 1; dspark: k, at least 2) or in [2, 64]"),
     "anchors":            at_least(1),
     "block_gamma":        at_least(0),
     "draft_layers":       at_least(1),

@@ -126,7 +126,7 @@ def _block_ok(c) -> bool:
     """A block drafter's k: fixed, at most its trained slots (W - 1; dspark: W, W = c.block_slots); a chain only."""
     most = c.block_slots - (c.drafter == "dflash")
     k = c.num_draft_tokens
-    return (type(k) is int and k <= most and (c.eval_draft_tokens or k) <= most and not c.tree and not c.draft
+    return (type(k) is int and k <= most and (c.eval_draft_tokens or k) <= most and not c.tree
             and not c.draft_vocab)
 
 

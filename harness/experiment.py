@@ -38,8 +38,8 @@ from harness.cache_keys import PolicySpec, hf_policy_key, run_dtype
 from backends.attention_padded import auto_causal_attention
 from backends.fused_logprob import budget_rows
 from dist_step import DistCotrainer
-from draft import Eagle3Draft
 from harness import drafters
+from serving import formats
 from serving.hf_io import from_pretrained
 from harness.mesh import Mesh, model_dtype
 from harness.memory_model import resolve_zero1
@@ -229,11 +229,12 @@ def build_models(cfg: Config, dev: torch.device, log=print, mesh: Mesh | None = 
 
 def warm_draft(cfg: Config, tsk, policy, pkey: str, mesh: Mesh | None = None) -> tuple:
     """-> (the warm-up draft, loaded from cache): the cached offline fit (under torchrun trained on every rank
-    together), an exported EAGLE-3 draft (--draft: no warm-up; loaded None), or (None, None) with --no_spec."""
+    together), a draft from --draft in any format serving/formats.py reads (no warm-up; loaded None), or (None,
+    None) with --no_spec."""
     if cfg.no_spec:
         return None, None
-    if cfg.draft:  # a served EAGLE-3 draft: no warm-up (warmup_cached.draft = None in the summary)
-        return Eagle3Draft.from_export(cfg.draft, policy), None
+    if cfg.draft:  # no warm-up (warmup_cached.draft = None in the summary); the control arms start from it too
+        return formats.load_draft(cfg.draft, policy, cfg.drafter), None
     dev = next(policy.parameters()).device
     return warmup.warm_draft(policy, draft_spec(cfg, tsk, pkey, dev), cache_dir=cfg.cache_dir,
                              log_every=max(cfg.draft_warmup_steps // 4, 1), chunk_mib=cfg.chunk_mib,

@@ -62,6 +62,7 @@ ENGINE_FIXED = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt",
                    "added_tokens.json")
+FORMATS_FILE = "formats.json"  # {format: sub-folder} of an export holding several formats
 PAIR_FILE = "servable.json"  # {"step", "weights_sha256"} in policy/, {"step", "policy_sha256"} in draft/
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32", torch.float64: "float64"}
 
@@ -138,21 +139,35 @@ def export_state_dict(path: str) -> dict:
 
 
 def export_draft(draft, path: str, *, dtype=torch.bfloat16, max_position_embeddings: int | None = None,
-                 pair: dict | None = None):
+                 pair: dict | None = None, verifier: str | None = None):
     """config.json + model.safetensors that vLLM's and SGLang's LlamaForCausalLMEagle3 load, written atomically;
-    pair ({"step", "policy_sha256"}, from write_servables): also PAIR_FILE."""
+    pair ({"step", "policy_sha256"}, from write_servables): also PAIR_FILE. The same draft in the speculators format
+    goes into `path`/speculators (verifier: the policy's folder or hub id it names)."""
+    from serving.speculators_format import beside
     write_export(path, eagle3_config(draft, dtype=dtype, max_position_embeddings=max_position_embeddings),
-                 eagle3_state_dict(draft, dtype=dtype), pair)
+                 eagle3_state_dict(draft, dtype=dtype), pair,
+                 also=beside(draft, "eagle3", verifier=verifier, dtype=dtype))
 
 
-def write_export(path: str, cfg: dict, sd: dict, pair: dict | None = None):
-    """Any family's export: config.json + model.safetensors (+ PAIR_FILE with `pair`), written atomically."""
-    def write(tmp):
-        save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=2)
+def write_export(path: str, cfg: dict, sd: dict, pair: dict | None = None, *, top: str = "vllm",
+                 also: dict | None = None):
+    """Any family's export: config.json + model.safetensors (+ PAIR_FILE with `pair`), written atomically. top: the
+    format of those; also: {format: (config, state dict)} each written into the sub-folder of that name. With
+    `also`, formats.json lists {format: sub-folder} ("." for the top one): what the folder holds."""
+    def put(folder, c, tensors):
+        os.makedirs(folder, exist_ok=True)
+        save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(c, f, indent=2)
         if pair is not None:
-            _write_json(os.path.join(tmp, PAIR_FILE), pair)
+            _write_json(os.path.join(folder, PAIR_FILE), pair)
+
+    def write(tmp):
+        put(tmp, cfg, sd)
+        for name, (c, tensors) in (also or {}).items():
+            put(os.path.join(tmp, name), c, tensors)
+        if also is not None:
+            _write_json(os.path.join(tmp, FORMATS_FILE), {top: ".", **{name: name for name in also}})
     atomic_dir(path, write)
 
 
@@ -223,8 +238,9 @@ def write_servables(out_dir: str, policy, draft, tokenizer_dir: str | None = Non
     atomic_dir(os.path.join(out_dir, "policy"), write_policy)
     if skipped:
         return {"policy": os.path.join(out_dir, "policy"), "draft": None, "skipped": skipped}
-    draft.export(os.path.join(out_dir, "draft"), dtype=dtype,  # its family's serving format (drafter.py)
-                 max_position_embeddings=policy.cfg.max_position_embeddings, pair=pair)
+    draft.export(os.path.join(out_dir, "draft"), dtype=dtype,  # its family's serving formats (drafter.py)
+                 max_position_embeddings=policy.cfg.max_position_embeddings, pair=pair,
+                 verifier=os.path.abspath(os.path.join(out_dir, "policy")))
     return {"policy": os.path.join(out_dir, "policy"), "draft": os.path.join(out_dir, "draft"), "skipped": None}
 
 

@@ -77,7 +77,10 @@ def served_state_dict(draft, *, dtype=torch.bfloat16) -> dict:
 
 
 def export_dflash(draft, path: str, *, dtype=torch.bfloat16, max_position_embeddings: int | None = None,
-                  pair: dict | None = None):
-    """config.json + model.safetensors (+ PAIR_FILE with `pair`), written atomically into `path`."""
+                  pair: dict | None = None, verifier: str | None = None):
+    """config.json + model.safetensors (+ PAIR_FILE with `pair`), written atomically into `path`, and the same draft
+    in the speculators format in `path`/speculators (verifier: the policy's folder or hub id it names)."""
+    from serving.speculators_format import beside
     write_export(path, dflash_config(draft, dtype=dtype, max_position_embeddings=max_position_embeddings),
-                 dflash_state_dict(draft, dtype=dtype), pair)
+                 dflash_state_dict(draft, dtype=dtype), pair,
+                 also=beside(draft, "dflash", verifier=verifier, dtype=dtype))

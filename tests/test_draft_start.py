@@ -41,7 +41,7 @@ def test_from_export_round_trip_and_misfits(tmp_path):
 @pytest.mark.parametrize("argv", [["--cold_start"], ["--draft_vocab=8"], ["--tap_layers=0,1,2"]])
 def test_draft_flag_is_checked(tmp_path, argv):
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ValueError, match="--draft=.*expected '' or an exported EAGLE-3 draft directory"):
+    with pytest.raises(ValueError, match="--draft=.*expected '' or a draft directory"):
         parse_args(["--preset=test", f"--draft={tmp_path}"] + argv)
     with pytest.raises(ValueError, match="--draft=.*expected"):
         parse_args(["--preset=test", f"--draft={tmp_path / 'missing'}"])

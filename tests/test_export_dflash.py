@@ -99,12 +99,6 @@ def test_export_matches_engine_forward(tmp_path):
     assert torch.allclose(got, want, atol=1e-10)
 
 
-def test_dspark_refuses_export(tmp_path):
-    policy = Transformer(ModelConfig.preset("tiny"))
-    with pytest.raises(ValueError, match="Markov head"):
-        DSparkDraft.from_target(policy, mask_token_id=0, block_size=3).export(str(tmp_path / "d"))
-
-
 def test_from_export_round_trip_and_served_method(tmp_path):
     from serving.vllm_engine import served_method
     torch.manual_seed(0)

@@ -1,0 +1,151 @@
+"""A draft from a folder in any format the field publishes, for `--draft PATH`; and which formats a run writes.
+
+    format        family            config.json names it by                      written by
+    cospec        all three         architectures Cospec*Draft                   draft.save (checkpoints)
+    vllm          EAGLE-3           architectures LlamaForCausalLMEagle3         serving/export.py (EAGLE's format)
+    vllm          DFlash            architectures DFlashDraftModel + dflash_config   serving/export_dflash.py (z-lab's)
+    speculators   all three         speculators_model_type eagle3|dflash|dspark  serving/speculators_format.py
+
+The family is read from the file; a `--drafter` that names another is refused. Every field the draft takes from the
+policy is checked against it (hidden size, vocabulary and d2t / t2d, tap ids in each format's own convention, mask
+token, block size, head counts against the weights' shapes), and a mismatch is one line naming the field.
+
+    draft = load_draft("runs/default/draft", policy)                 # any format
+    draft = load_draft(path, policy, drafter="dflash")               # and it must hold a DFlash draft
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from serving import speculators_format as spec
+
+VLLM_ARCH = {"LlamaForCausalLMEagle3": "eagle3", "DFlashDraftModel": "dflash"}
+from serving.export import FORMATS_FILE  # <out>/draft/formats.json: {format: sub-folder} of what the run wrote
+
+
+def detect(path: str) -> tuple:
+    """(family, format) of the draft folder `path`, from its config.json."""
+    from harness import drafters
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        hint = f" (its {FORMATS_FILE} lists the formats' sub-folders)" \
+            if os.path.isfile(os.path.join(path, FORMATS_FILE)) else ""
+        raise ValueError(f"--draft {path!r}: expected a draft folder with config.json{hint}")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    if spec.is_speculators(cfg):
+        return spec.family_of(cfg, path), "speculators"
+    arch = (cfg.get("architectures") or [None])[0]
+    if arch in VLLM_ARCH:
+        return VLLM_ARCH[arch], "vllm"
+    cls = drafters.architecture(path)  # cospec's own checkpoint, or a one-line error naming the architecture
+    return drafters.name_of(cls), "cospec"
+
+
+def draft_fields(path: str) -> dict:
+    """What a run's config takes from the draft at `path` before any model exists: {family, format, and for a block
+    draft block_size, mask_token_id, num_layers (and markov_rank)}."""
+    path = resolve(path)
+    family, fmt = detect(path)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    out = {"family": family, "format": fmt}
+    if family == "eagle3":
+        return out
+    if fmt == "speculators":
+        tl = cfg.get("transformer_layer_config") or {}
+        out.update(block_size=cfg.get("block_size"), mask_token_id=cfg.get("mask_token_id"),
+                   num_layers=tl.get("num_hidden_layers"))
+    elif fmt == "vllm":
+        out.update(block_size=cfg.get("block_size"), mask_token_id=(cfg.get("dflash_config") or {}).get("mask_token_id"),
+                   num_layers=cfg.get("num_hidden_layers"))
+    else:
+        out.update(block_size=cfg.get("block_size"), mask_token_id=cfg.get("mask_token_id"),
+                   num_layers=cfg.get("num_layers"))
+    if family == "dspark":
+        out["markov_rank"] = cfg.get("markov_rank")
+    return out
+
+
+def resolve(path: str) -> str:
+    """A run's <out>/draft names its formats' sub-folders in formats.json; --draft <out>/draft reads the first."""
+    listing = os.path.join(path, FORMATS_FILE)
+    if not os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(listing):
+        with open(listing) as f:
+            first = next(iter(json.load(f).values()), ".")
+        return os.path.normpath(os.path.join(path, first))
+    return path
+
+
+def load_draft(path: str, policy, drafter: str | None = None):
+    """The draft saved at `path` (any format above) for `policy`, in the policy's device and dtype, sharing its
+    embedding and LM head. drafter: the family the run expects (None: whatever the file holds)."""
+    from harness import drafters
+    path = resolve(path)
+    family, fmt = detect(path)
+    if drafter is not None and drafter != family:
+        raise ValueError(f"--drafter {drafter}: {path!r} holds a {family} draft ({fmt} format); pass --drafter "
+                         f"{family} or leave --drafter out")
+    cls = drafters.family(family).cls
+    if fmt == "cospec":
+        return cls.load(path, policy)
+    cfg, sd = spec.read(path)
+    names = None
+    if fmt == "vllm":
+        if family == "eagle3":
+            from serving.export import check_export
+            check_export(path)  # the format as the engines read it (ENGINE_FIXED, d2t / t2d, dtype)
+        cfg, sd, names = _from_vllm(family, cfg, sd)
+    fam, fields, sd = spec.to_cospec(cfg, sd, policy.cfg, path, names)
+    config = cls.config_class()(**fields) if hasattr(cls, "config_class") else _eagle3_config(fields)
+    p = next(policy.parameters())
+    draft = (cls(config, policy) if hasattr(cls, "config_class") else cls(config, policy)).to(
+        device=p.device, dtype=p.dtype)
+    if fam == "eagle3":
+        from serving.draft_vocab import maps
+        ids = torch.arange(config.draft_vocab_size) + sd["d2t"] if "d2t" in sd else torch.arange(config.draft_vocab_size)
+        sd["d2t"], sd["t2d"] = maps(ids, config.vocab_size)
+    try:
+        draft.load_state_dict({k: v if v.dtype in (torch.int64, torch.bool) else v.to(p.dtype) for k, v in sd.items()})
+    except RuntimeError as e:
+        raise ValueError(f"draft {path!r}: its weights do not fit a cospec {fam} draft of this config: "
+                         + " ".join(str(e).split())[:400]) from None
+    draft.attach(policy)
+    return draft
+
+
+LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "rms_norm_eps", "rope_theta", "rope_parameters", "max_position_embeddings", "vocab_size",
+              "num_hidden_layers", "layer_types", "use_sliding_window")
+
+
+def _from_vllm(family: str, cfg: dict, sd: dict) -> tuple:
+    """A vLLM-native config and weights as the speculators format states them, and the file's own field names (for
+    the errors): EAGLE-3's aux ids are vLLM's (tap + 1) already, z-lab's DFlash target_layer_ids are taps."""
+    layer = {k: cfg[k] for k in LAYER_KEYS if k in cfg}
+    if family == "eagle3":
+        out = dict(speculators_model_type="eagle3", transformer_layer_config=dict(layer, model_type="llama"),
+                   eagle_aux_hidden_state_layer_ids=cfg.get("eagle_aux_hidden_state_layer_ids"),
+                   draft_vocab_size=cfg.get("draft_vocab_size", cfg.get("vocab_size")),
+                   target_hidden_size=cfg.get("target_hidden_size"),
+                   **{k: cfg[k] for k in spec.EAGLE3_FIXED if k in cfg})
+        sd = {"layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k: v for k, v in sd.items()}
+        return out, sd, {f"transformer_layer_config.{k}": k for k in LAYER_KEYS}
+    d = cfg.get("dflash_config") or {}
+    taps = d.get("target_layer_ids")
+    out = dict(speculators_model_type="dflash", transformer_layer_config=dict(layer, model_type="qwen3"),
+               aux_hidden_state_layer_ids=None if taps is None else [t + 1 if isinstance(t, int) else t for t in taps],
+               draft_vocab_size=cfg.get("vocab_size"), target_hidden_size=cfg.get("target_hidden_size"),
+               block_size=cfg.get("block_size", d.get("block_size")), mask_token_id=d.get("mask_token_id"),
+               sample_from_anchor=False)
+    return out, sd, {**{f"transformer_layer_config.{k}": k for k in LAYER_KEYS},
+                     "aux_hidden_state_layer_ids": "dflash_config.target_layer_ids (+ 1)",
+                     "mask_token_id": "dflash_config.mask_token_id", "draft_vocab_size": "vocab_size"}
+
+
+def _eagle3_config(fields: dict):
+    from draft import DraftConfig
+    return DraftConfig(**fields)
