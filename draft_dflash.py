@@ -15,7 +15,8 @@ the context j < a of its sequence and its whole block -- attention_cp.anchor_bra
 False, the trunk K/V riding the zigzag ring under CP, the block local. Slot k predicts x_{a+k} against the policy's
 distribution at a+k-1, weighted exp(-(k-1)/gamma), one mean over every trained (anchor, slot) pair (draft_block.py).
 
-Taps (`default_dflash_taps`): 5 layers from layer 1 to layer n-3, evenly spread (Qwen3-8B: 1, 9, 17, 25, 33 of 36).
+Taps (`default_dflash_taps`, z-lab's rule): one per draft layer, from layer 1 to layer n-3, evenly spread (Qwen3-8B
+with the paper's 5 draft layers: 1, 9, 17, 25, 33 of 36); a one-layer draft reads the middle layer n // 2.
 
     python draft_dflash.py     # a DFlash draft learning (~15 s): tau_hat before and after, then one proposed block
 
@@ -45,13 +46,21 @@ from serving.draft_checkpoint import read_draft, write_draft
 from serving.hf_io import read_json
 
 
-def default_dflash_taps(n_layers: int, count: int = 5) -> tuple:
-    """`count` taps spread from layer 1 to layer n-3: round(1 + j (n - 4) / (count - 1)), j = 0..count-1 (n = 36:
-    1, 9, 17, 25, 33). Small n: clamp into [0, n-1], push each collision up one layer (never past n-1), then drop
-    what still collides (n = 6 -> 1..5, n = 4 -> 1, 2, 3, n = 1 -> 0)."""
+def default_dflash_taps(n_layers: int, num_draft_layers: int) -> tuple:
+    """z-lab's build_target_layer_ids: one tap per draft layer. One layer: n // 2; L layers: spread from layer 1 to
+    layer n-3, round(1 + j (n - 4) / (L - 1)), j = 0..L-1, Python's round (half to even) as z-lab's (n = 36, L = 5:
+    1, 9, 17, 25, 33; n = 36, L = 1: 18). Small n, where that repeats or leaves [0, n-1] (z-lab's would repeat ids,
+    which check_tap_layers refuses): clamp into [0, n-1], push each collision up one layer (never past n-1), then
+    drop what still collides (n = 6, L = 5 -> 1..5; n = 4, L = 3 -> 1, 2, 3; n = 1 -> 0)."""
     if n_layers < 1:
         raise ValueError(f"n_layers={n_layers}: expected >= 1")
-    ideal = [math.floor(1 + j * (n_layers - 4) / max(count - 1, 1) + 0.5) for j in range(count)]
+    if num_draft_layers < 1:
+        raise ValueError(f"num_draft_layers={num_draft_layers}: expected >= 1")
+    if num_draft_layers == 1:
+        ideal = [n_layers // 2]
+    else:
+        span = n_layers - 4
+        ideal = [int(round(1 + (j * span) / (num_draft_layers - 1))) for j in range(num_draft_layers)]
     taps = []
     for i in sorted(min(max(i, 0), n_layers - 1) for i in ideal):
         taps.append(min(max(i, taps[-1] + 1) if taps else i, n_layers - 1))
@@ -150,10 +159,11 @@ class DFlashDraft(nn.Module):
     @classmethod
     def from_target(cls, target: Transformer, *, mask_token_id: int, tap_layers=None, block_size: int = 8,
                     num_layers: int = 1, intermediate_size=None, **extra) -> "DFlashDraft":
-        """A draft matched to `target`: its head shapes, taps (default default_dflash_taps(n)), the final norm copied
-        from the policy's, the embedding and LM head shared. extra: a variant's own config fields (DSpark's)."""
+        """A draft matched to `target`: its head shapes, taps (default default_dflash_taps(n, num_layers)), the final
+        norm copied from the policy's, the embedding and LM head shared. extra: a variant's own config fields
+        (DSpark's)."""
         c = target.cfg
-        taps = default_dflash_taps(c.num_hidden_layers) if tap_layers is None else tuple(tap_layers)
+        taps = default_dflash_taps(c.num_hidden_layers, int(num_layers)) if tap_layers is None else tuple(tap_layers)
         cfg = cls.config_class()(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
                            intermediate_size=intermediate_size or c.intermediate_size,
                            num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,

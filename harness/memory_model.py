@@ -105,7 +105,8 @@ def nccl_groups(cfg, run: Run, stage: int = 0) -> int:
 def taps_of(cfg, run: Run) -> tuple:
     """The policy layers the drafts read (the embedding tap aside): --tap_layers, else the family's default rule."""
     n = run.model.num_hidden_layers
-    default = default_tap_layers(n) if getattr(cfg, "drafter", "eagle3") == "eagle3" else default_dflash_taps(n)
+    default = (default_tap_layers(n) if getattr(cfg, "drafter", "eagle3") == "eagle3"
+               else default_dflash_taps(n, cfg.draft_layers))  # one per draft layer (build_draft's num_layers)
     return tuple(run.tap_layers or cfg.tap_layers or default)
 
 

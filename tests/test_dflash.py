@@ -53,9 +53,20 @@ def pair():
 
 
 def test_default_taps():
-    assert default_dflash_taps(36) == (1, 9, 17, 25, 33)
-    assert default_dflash_taps(6) == (1, 2, 3, 4, 5) and default_dflash_taps(4) == (1, 2, 3)
-    assert default_dflash_taps(1) == (0,) and default_dflash_taps(2) == (0, 1)
+    """z-lab's build_target_layer_ids: one tap per draft layer (n // 2 for one), spread over 1 .. n-3 with Python's
+    round (10 layers, 5 draft layers: 1 + 1.5 j -> 2.5 rounds to 2); small n pushed apart instead of repeated."""
+    assert default_dflash_taps(36, 5) == (1, 9, 17, 25, 33) and default_dflash_taps(28, 5) == (1, 7, 13, 19, 25)
+    assert default_dflash_taps(36, 3) == (1, 17, 33) and default_dflash_taps(36, 1) == (18,)
+    assert default_dflash_taps(10, 5) == (1, 2, 4, 6, 7)
+    assert default_dflash_taps(6, 5) == (1, 2, 3, 4, 5) and default_dflash_taps(6, 3) == (1, 2, 3)
+    assert default_dflash_taps(6, 1) == (3,) and default_dflash_taps(4, 3) == (1, 2, 3)
+    assert default_dflash_taps(1, 1) == default_dflash_taps(1, 3) == (0,) and default_dflash_taps(2, 2) == (0, 1)
+    policy = Transformer(ModelConfig.preset("tiny", num_hidden_layers=8))
+    for L in (1, 2, 3):  # the draft's default: as many taps as its layers
+        assert DFlashDraft.from_target(policy, mask_token_id=0, num_layers=L).tap_layers == default_dflash_taps(8, L)
+    assert DSparkDraft.from_target(policy, mask_token_id=0, num_layers=3).tap_layers == (1, 3, 5)
+    with pytest.raises(ValueError, match="num_draft_layers=0"):
+        default_dflash_taps(36, 0)
     assert [default_gamma(W) for W in (8, 10, 16)] == [4, 5, 7]
 
 

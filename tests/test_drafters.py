@@ -24,8 +24,8 @@ def policy():
     return Transformer(ModelConfig.preset("mini", vocab_size=18))
 
 
-@pytest.mark.parametrize("name,cls,taps", [("eagle3", Eagle3Draft, (1, 2, 3)), ("dflash", DFlashDraft, (1, 2, 3, 4, 5)),
-                                           ("dspark", DSparkDraft, (1, 2, 3, 4, 5))])
+@pytest.mark.parametrize("name,cls,taps", [("eagle3", Eagle3Draft, (1, 2, 3)), ("dflash", DFlashDraft, (1, 2, 3)),
+                                           ("dspark", DSparkDraft, (1, 2, 3))])  # block drafts: a tap per layer (3)
 def test_registry_builds_each_family(policy, name, cls, taps):
     cfg = parse_args([f"--drafter={name}", "--num_draft_tokens=3"])
     tsk = build_task(cfg)
@@ -33,7 +33,7 @@ def test_registry_builds_each_family(policy, name, cls, taps):
     assert type(d) is cls and d.tap_layers == taps and all(hasattr(d, m) for m in PROTOCOL)
     if name != "eagle3":
         assert d.cfg.mask_token_id == tsk.tok.pad_id and d.cfg.num_layers == 3  # the defaults: a block of k + 1
-        assert d.cfg.block_size == 4 and d.max_draft_tokens == 3 + (name == "dspark")
+        assert d.cfg.block_size == 4 - (name == "dspark") and d.max_draft_tokens == 3  # (dspark: k, all drafting)
     tr = drafters.config_trainer(cfg, tsk, d, None)
     assert set(d.loss_options(tr)) == ({"num_passes", "pass_weight"} if name == "eagle3" else
                                        {"anchors", "gamma", "seed"})
