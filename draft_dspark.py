@@ -2,22 +2,27 @@
 
 The backbone is DFlash's (draft_dflash.py: one forward over [y, MASK x (W - 1)] with the policy's context injected as
 keys and values), with every slot shifted one token on: slot k, at position s+k, predicts x_{s+k+1}, so all W slots
-draft (k <= W). The Markov head makes the block semi-autoregressive at the price of V-sized logits only:
+draft (k <= W). The Markov head makes the block semi-autoregressive at the price of V-sized logits only, and the
+confidence head reads its embedding too (the paper's eq. 7; speculators' and DeepSpec's confidence_head_with_markov):
 
     z_k  = W_head norm(h_k) + W2 W1[prev_k],       prev_0 = y,  prev_k = the token drafted at slot k-1     (rank r)
          = [W_head | W2] [norm(h_k) ; W1[prev_k]]      (the same as one stacked head: the tests' dense reference)
-    c_k  = sigmoid(w_c . norm(h_k) + b_c)          the confidence head: the expected acceptance of slot k's token
+    c_k  = sigmoid(w_c . [norm(h_k) ; W1[prev_k]] + b_c)    the confidence head (H + r -> 1): the expected
+                                                   acceptance of slot k's token once its prefix is accepted
 
 Drafting: after the one backbone pass, d_{k+1} ~ softmax(z_k / tau) with prev_k = d_k, k = 0..K-1, left to right; the
-accept rule's q_k is exactly that distribution (the one each token was sampled from). Training (draft_block.py's
-anchors and targets; teacher-forced prev_k = x_{a+k}):
+accept rule's q_k is exactly that distribution (the one each token was sampled from). With confidence_threshold > 0 a
+row's block ends before its first slot with c_k < threshold (DeepSpec's static cut). c_k reads prev_k = d_k, never slot
+k's own d_{k+1}: whether slot k is proposed is decided before its token is drawn, so the shorter proposal is still
+verified exactly. Training (draft_block.py's anchors and targets; teacher-forced prev_k = x_{a+k}):
 
     L = sum_k exp(-k / gamma) mean_a [0.1 CE(p, q_k) + 0.9 ||q_k - p||_1 + BCE(c_k, alpha_k)],   p = p_{a+k}
 
-with alpha_k = sum_v min(p_v, q_{k,v}) (detached). The two logit terms are computed apart and streamed over chunks of
-anchors (`StreamingMarkovLoss`, draft_loss.StreamingSoftCE's scheme with the L1 term): backward recomputes each
-chunk's (chunk, V) logits, no (anchors, V) tensor is kept, the (V, H + r) stacked head is never built, and the
-policy's LM head (shared, detached) gets no gradient: the only vocabulary-sized gradient is W2's (V, r), once.
+with alpha_k = sum_v min(p_v, q_{k,v}) (detached) and gamma by default default_gamma(W + 1) (`loss`). The two logit
+terms are computed apart and streamed over chunks of anchors (`StreamingMarkovLoss`, draft_loss.StreamingSoftCE's
+scheme with the L1 term): backward recomputes each chunk's (chunk, V) logits, no (anchors, V) tensor is kept, the
+(V, H + r) stacked head is never built, and the policy's LM head (shared, detached) gets no gradient: the only
+vocabulary-sized gradient is W2's (V, r), once.
 
     python draft_dspark.py     # a DSpark draft learning (~15 s): tau_hat before and after, then one sampled block
 
@@ -33,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from decoding.spec_rule import sample
+from draft_block import default_gamma
 from draft_dflash import DFlashConfig, DFlashDraft
 from modeling.kv_cache import KVCache
 from modeling.layers import at_least_f32
@@ -41,25 +47,28 @@ from modeling.layers import at_least_f32
 @dataclass
 class DSparkConfig(DFlashConfig):
     markov_rank: int = 16  # r of the Markov head (256 at 8B; small for the tiny CPU policies)
+    confidence_threshold: float = 0.0  # propose: a row's block ends before its first slot with c_k below it (0: off)
 
     def __post_init__(self):
         super().__post_init__()
         if self.markov_rank < 1:
             raise ValueError(f"markov_rank={self.markov_rank}: expected >= 1")
+        if not 0 <= self.confidence_threshold <= 1:
+            raise ValueError(f"confidence_threshold={self.confidence_threshold}: expected in [0, 1] (0: off)")
 
 
 class DSparkDraft(DFlashDraft):
-    """DFlashDraft's parameters plus markov_in (W1, (V, r)), markov_out (W2, (V, r)) and confidence (H -> 1)."""
+    """DFlashDraft's parameters plus markov_in (W1, (V, r)), markov_out (W2, (V, r)) and confidence (H + r -> 1)."""
 
     block_offset = 1
     architecture = "CospecDSparkDraft"
-    build_keys = DFlashDraft.build_keys + ("markov_rank",)
+    build_keys = DFlashDraft.build_keys + ("markov_rank", "confidence_threshold")
 
     def __init__(self, cfg: DSparkConfig, policy):
         super().__init__(cfg, policy)
         self.markov_in = nn.Embedding(cfg.vocab_size, cfg.markov_rank)
         self.markov_out = nn.Linear(cfg.markov_rank, cfg.vocab_size, bias=False)
-        self.confidence = nn.Linear(cfg.hidden_size, 1)
+        self.confidence = nn.Linear(cfg.hidden_size + cfg.markov_rank, 1)  # c_k from [norm(h_k); W1[prev_k]]
         nn.init.normal_(self.markov_in.weight, std=1.0 / math.sqrt(cfg.markov_rank))
         nn.init.zeros_(self.markov_out.weight)  # the head starts as DFlash's
         nn.init.zeros_(self.confidence.weight)
@@ -72,6 +81,9 @@ class DSparkDraft(DFlashDraft):
     def markov_logits(self, h, prev):  # h (..., H), prev (...) -> z (..., V) = W_head norm(h) + W2 W1[prev]
         return self.logits(h) + self.markov_out(self.markov_in(prev).to(h.dtype))
 
+    def confidence_logit(self, x, m):  # x (..., H) = norm(h_k), m (..., r) = W1[prev_k] -> (...) c_k's logit
+        return self.confidence(torch.cat([x, m.to(x.dtype)], -1)).squeeze(-1)
+
     def head(self):
         """[W_head | W2] (V, H + r), the stacked form z = [W_head | W2] [norm(h); W1[prev]]: the dense reference's
         (tests). Training and drafting never build it; they add the two terms (markov_logits, StreamingMarkovLoss)."""
@@ -79,14 +91,37 @@ class DSparkDraft(DFlashDraft):
 
     def propose(self, cache: KVCache, state, k: int, temperature: float, generator=None):
         """drafter.py: one backbone forward, then slots 0..k-1 sampled left to right through the Markov head, each
-        from the q it returns -> d (B, k), q (B, k, V) (None at tau = 0). The cache is unchanged."""
+        from the q it returns -> d (B, k), q (B, k, V) (None at tau = 0). The cache is unchanged.
+
+        With confidence_threshold > 0 also lengths (B,): row b proposes d[b, :lengths[b]], cut before its first slot
+        with c_k < threshold, c_k read before d_k is drawn (DeepSpec, deepspec/eval/dspark/draft_ops.py,
+        _confident_prefix_length: the first slot whose sigmoid(confidence) < threshold ends the block, each slot's
+        own c_k, not their running product). d and q keep max(lengths) columns: one host sync, the verification's
+        width. Every slot is still sampled (no sync per slot); a row's slots past its cut are never verified."""
         h = self.run_block(cache, state[0])  # (B, W, H)
+        thr = self.cfg.confidence_threshold
         prev, ds, qs = state[0], [], []
+        lengths, live = torch.zeros_like(prev), torch.ones_like(prev, dtype=torch.bool)  # (B,)
         for j in range(k):
+            if thr > 0:  # c_j from h_j and W1[prev] (the anchor, or slot j-1's token): decided before slot j samples
+                c = torch.sigmoid(at_least_f32(self.confidence_logit(self.norm(h[:, j]), self.markov_in(prev))))
+                live = live & (c >= thr)
+                lengths = lengths + live
             prev, q = sample(self.markov_logits(h[:, j], prev), temperature, generator)
             ds.append(prev)
             qs.append(q)
-        return torch.stack(ds, 1), (torch.stack(qs, 1) if temperature > 0 else None)
+        d, q = torch.stack(ds, 1), (torch.stack(qs, 1) if temperature > 0 else None)
+        if thr <= 0:
+            return d, q
+        w = int(lengths.max()) if k else 0
+        return d[:, :w], (None if q is None else q[:, :w]), lengths
+
+    def loss(self, taps: dict, tokens, cu_seqlens, teacher_logits=None, *, gamma=None, **kw):
+        """DFlashDraft.loss with gamma None read as default_gamma(W + 1): the rule by block size counts a DFlash block
+        of W - 1 drafts and its anchor, and a DSpark block of W drafts weighs its slots as a DFlash block of W + 1
+        does. At W = 7: gamma 4.0, DeepSpec's (loss_decay_gamma = 4.0 at block_size 7; speculators' 4.0)."""
+        g = default_gamma(self.cfg.block_size + 1) if gamma is None else gamma
+        return super().loss(taps, tokens, cu_seqlens, teacher_logits, gamma=g, **kw)
 
     def block_loss(self, h, teacher, valid, src, count, *, gamma: float, chunk: int, slot_tokens=None):
         """The DSpark loss over the W slots (module docstring), streamed `chunk` anchors at a time. A rank without
@@ -102,7 +137,7 @@ class DSparkDraft(DFlashDraft):
             m = self.markov_in(slot_tokens(k)).to(x.dtype)  # (N, r) W1[prev], prev = x_{a+k} (teacher-forced)
             l, alpha, s, agree = StreamingMarkovLoss.apply(x, m, self.head_weight, self.markov_out.weight, coef, v,
                                                            src[j], agree_prev, teacher, max(chunk, 1))
-            conf = at_least_f32(self.confidence(x).squeeze(-1))  # (N,) c_k's logit
+            conf = at_least_f32(self.confidence_logit(x, m))  # (N,) c_k's logit from [norm(h_k); W1[x_{a+k}]]
             bce = F.binary_cross_entropy_with_logits(conf, alpha.to(conf.dtype), reduction="none")
             loss = loss + l + (torch.where(v, bce, 0) * coef).sum()
             agree_prev = agree_prev & agree

@@ -23,7 +23,9 @@ DistCotrainer (dist_step.py), rl_loop's draft loss, the warm-up, the control arm
                                    tuple of (b, ...) tensors: whatever `propose` needs next
     propose(cache, state, k, temperature, generator) -> d (b, k), q (b, k, V) or None (tau = 0)
                                    k tokens and the distributions they were ACTUALLY sampled from (the accept rule's
-                                   q); the cache is unchanged afterwards
+                                   q); the cache is unchanged afterwards. A block drafter may cut rows short: d, q,
+                                   lengths (b,), row b proposing d[b, :lengths[b]], d k' <= k wide (DSpark's
+                                   confidence cut; speculative.verify never accepts past a row's length)
     save(path), load(path, policy) (classmethod)          its checkpoint (config.json names the family)
     check_exportable(), export(path, dtype=, **kw)         the serving format (a ValueError says why one cannot be)
 

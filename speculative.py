@@ -79,11 +79,13 @@ class Rollout:
 
 
 # ------------------------------------------------------------------------------------------------ the sampling rule
-def verify(p_logits, d, q, temperature: float, generator=None):
+def verify(p_logits, d, q, temperature: float, generator=None, lengths=None):
     """The accept / residual / bonus rule for all rows at once.
 
     p_logits (B, k+1, V) policy at [x_t, d_1..d_k]; d (B, k) drafted ids; q (B, k, V) the draft's probabilities (unused
-    at tau = 0). Returns n (B,) accepted drafts and y (B,) the token after them."""
+    at tau = 0); lengths (B,) or None: row b proposed d_1..d_{lengths[b]} only (a block draft cut short, e.g. DSpark's
+    confidence cut); its later columns are never accepted and its bonus is y ~ p_{lengths[b]+1}. Returns n (B,)
+    accepted drafts and y (B,) the token after them."""
     B, k = d.shape
     rows = torch.arange(B, device=d.device)
     if k == 0:  # nothing drafted: y ~ p_1, plain sampling
@@ -91,13 +93,19 @@ def verify(p_logits, d, q, temperature: float, generator=None):
     if temperature == 0:
         g = p_logits.argmax(-1)  # (B, k+1)
         n = (d == g[:, :k]).long().cumprod(1).sum(1)
+        n = n if lengths is None else torch.minimum(n, lengths)
         return n, g[rows, n]
     p = probs(p_logits, temperature)  # (B, k+1, V)
     p_d = p[:, :k].gather(-1, d[..., None])[..., 0]  # (B, k)
     q_d = q.gather(-1, d[..., None])[..., 0]
     u = uniform((B, k), generator, d.device)
-    n = (u < accept_prob(p_d, q_d)).long().cumprod(1).sum(1)  # leading accepts
+    ok = u < accept_prob(p_d, q_d)  # (B, k)
+    if lengths is not None:  # a column past a row's proposal was not proposed: it is never accepted
+        ok = ok & (torch.arange(k, device=d.device) < lengths[:, None])
+    n = ok.long().cumprod(1).sum(1)  # leading accepts
     q_next = torch.cat([q, torch.zeros_like(q[:, :1])], 1)[rows, n]  # q = 0 after the last draft: residual = p (bonus)
+    if lengths is not None:  # ... and after the last draft a row proposed
+        q_next = q_next * (n < lengths)[:, None]
     y = multinomial(residual(p[rows, n], q_next), generator)
     return n, y
 
@@ -137,6 +145,7 @@ class _Decode:
     row_steps: int = 0  # rows active, summed over forwards
     K: int = 0  # the ceiling of k (the per-position counts are sized for it)
     drafted: object = 0  # draft tokens proposed to active rows (device scalar once stepping)
+    lengths: torch.Tensor = None  # (b,) this step's proposal per row when the draft cut it short (None: k each)
     left: int = 0  # host int, set by poll: the most new tokens an open row may still take
     open: int = 0  # host int, set by poll: the rows not yet finished
 
@@ -256,12 +265,17 @@ def propose(s: _Decode):
     k draft forwards for a chain drafter, one for a block drafter). Returns d (b, k) and q (b, k, V), the
     distributions the tokens were drawn from (None at tau = 0). The draft's cache ends as it began: only verified
     tokens enter its trunk (DraftTrunk.extend). A tree: speculative_tree.propose (d the nodes (b, 1+N)). k = 0:
-    nothing is drafted."""
+    nothing is drafted. A block draft may cut its proposal short (drafter.py: d, q, lengths): row b proposes
+    d[b, :lengths[b]] (s.lengths), and the step's k becomes d's width, the longest row's."""
+    s.lengths = None
     if s.k == 0:
         return s.y.new_zeros(s.y.shape[0], 0), None
     if s.tree is not None:
         return speculative_tree.propose(s, s.tree)
-    return s.trunk.propose(s.k, s.temperature, s.generator)
+    d, q, *cut = s.trunk.propose(s.k, s.temperature, s.generator)
+    if cut:
+        s.lengths, s.k = cut[0], d.shape[1]
+    return d, q
 
 
 def verify_step(target, s: _Decode, d, q):
@@ -272,7 +286,7 @@ def verify_step(target, s: _Decode, d, q):
         return speculative_tree.verify_step(target, s, s.tree, d, q)
     out = target.forward_cached(torch.cat([s.y[:, None], d], 1), s.pcache, tap_layers=s.trunk.tap_layers)
     z = out.logits
-    n, y = verify(z, d, q, s.temperature, s.generator)
+    n, y = verify(z, d, q, s.temperature, s.generator, s.lengths)
     block = torch.cat([d, y[:, None]], 1)
     block[torch.arange(d.shape[0], device=d.device), n] = y
     return block, z, n, out.taps
@@ -317,12 +331,14 @@ def commit(s: _Decode, block, z, n):
     if s.k:  # per position j: draft j tried (j <= n) / accepted (j < n), among the positions the row keeps
         j = cols[None, : s.k]
         tried, acc = (j <= n[:, None]) & (j < kept[:, None]), (j < n[:, None]) & (j < kept[:, None])  # (b, k)
+        if s.lengths is not None:  # a slot past the row's cut was not proposed: not tried
+            tried = tried & (j < s.lengths[:, None])
         s.reached[: s.k] += tried.sum(0)
         s.accepted[: s.k] += acc.sum(0)
         if s.row_tried is not None:  # per prompt (the rows' spread in acceptance, adaptive_k.AdaptiveK.end)
             s.row_tried[s.live, : s.k] += tried
             s.row_acc[s.live] += acc.sum(1)
-        s.drafted = s.drafted + s.k * active.sum()
+        s.drafted = s.drafted + (s.k * active.sum() if s.lengths is None else torch.where(active, s.lengths, 0).sum())
     s.accept_sum += kept.sum()
     s.n_sum += torch.where(active, n, 0).sum()
     s.row_steps += active.sum()

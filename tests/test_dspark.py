@@ -30,7 +30,8 @@ def policy():
 
 
 def dense_loss(draft, out, tokens, cu, mask, anchors):
-    """0.1 CE + 0.9 L1 + BCE(confidence, alpha) per slot k (teacher p_{a+k}, prev = x_{a+k}), weights exp(-k/gamma)."""
+    """0.1 CE + 0.9 L1 + BCE(confidence, alpha) per slot k (teacher p_{a+k}, prev = x_{a+k}), weights exp(-k/gamma),
+    gamma = default_gamma(W + 1); the confidence head reads [norm(h_k); W1[prev]]."""
     h = draft.block_forward(out.taps, tokens, cu, anchors, attn_fn=oracle)
     T, W = len(tokens), draft.cfg.block_size
     seq_end = cu[1:].long()[torch.searchsorted(cu[1:].long(), anchors, right=True)]
@@ -39,12 +40,13 @@ def dense_loss(draft, out, tokens, cu, mask, anchors):
     for k in range(W):
         t = (anchors + k).clamp(max=T - 1)
         ok = (anchors + k < seq_end) & mask[t]
-        z = F.linear(torch.cat([draft.norm(h[:, k]), draft.markov_in(tokens[t])], -1), draft.head())
+        xm = torch.cat([draft.norm(h[:, k]), draft.markov_in(tokens[t])], -1)  # (N, H + r)
+        z = F.linear(xm, draft.head())
         q, p = torch.softmax(z, -1), p_all[t]
         alpha = torch.minimum(p, q).sum(-1).detach()
-        bce = F.binary_cross_entropy_with_logits(draft.confidence(draft.norm(h[:, k]))[:, 0], alpha, reduction="none")
+        bce = F.binary_cross_entropy_with_logits(draft.confidence(xm)[:, 0], alpha, reduction="none")
         rows = 0.1 * -(p * torch.log_softmax(z, -1)).sum(-1) + 0.9 * (q - p).abs().sum(-1) + bce
-        loss = loss + math.exp(-k / default_gamma(W)) * (rows * ok).sum() / ok.sum().clamp_min(1)
+        loss = loss + math.exp(-k / default_gamma(W + 1)) * (rows * ok).sum() / ok.sum().clamp_min(1)
     return loss
 
 
