@@ -93,11 +93,11 @@ class Config:
     # auto: --draft's family, else eagle3
     block_size: int = 0  # dflash / dspark: W slots per block (0: k + 1; dspark: k); k <= W - 1 drafts (dspark: k <= W)
     anchors: int = 16  # dflash / dspark: training blocks per sequence, at seeded anchors among response positions
-    block_gamma: float = 0.0  # dflash / dspark: slot j weighs exp(-(j - 1) / gamma); 0: the rule by block size
-    # (draft_block.default_gamma; dspark reads it at W + 1, its W slots all draft: 4.0 at W = 7, DeepSpec's)
+    block_gamma: float = 0.0  # dflash / dspark: slot j weighs exp(-(j - 1) / gamma); 0: the rule by W (dspark: W + 1)
     draft_layers: int = 3  # dflash / dspark: the draft's decoder layers (the paper: 5 at 8B)
     mask_token_id: int = -1  # dflash / dspark: the MASK id; -1: the tokenizer's mask token, else the task's pad id
     markov_rank: int = 16  # dspark: the rank of the Markov head (256 at 8B)
+    confidence_threshold: float = 0.0  # dspark: a proposal ends before its first slot with confidence below it; 0: off
     # RL
     steps: int = 30  # RL steps (each: rollouts, then `updates` optimisation steps)
     prompts_per_step: int = 32  # prompts per RL step, each sampled group_size times
@@ -206,10 +206,11 @@ class Config:
 
     @property
     def block_slots(self) -> int:
-        """A block drafter's W: block_size, or with block_size = 0 one slot more than the largest k it drafts
-        (num_draft_tokens, eval_draft_tokens); 0 while k is auto (a block drafter refuses it)."""
-        k = self.num_draft_tokens
-        return self.block_size or (max(k, self.eval_draft_tokens) + 1 if type(k) is int else 0)
+        """A block drafter's W: block_size, or with block_size = 0 the slots the largest k it drafts (num_draft_tokens,
+        eval_draft_tokens) needs: k + 1 for dflash (slot 0 is the anchor), k for dspark (every slot drafts, so none
+        is trained that is never proposed; at least 2, DFlashConfig's floor); 0 while k is auto (refused)."""
+        k, dspark = self.num_draft_tokens, self.drafter == "dspark"
+        return self.block_size or (max(k, self.eval_draft_tokens, 2 * dspark) + (not dspark) if type(k) is int else 0)
 
     def attn_backend_on(self, device) -> str:
         """--attn_backend as run on `device`: auto is the fused Triton kernel where the models live on CUDA (the torch
@@ -330,6 +331,8 @@ CHECKS = {
     "draft_layers":       at_least(1),
     "mask_token_id":      ((lambda v, c: v >= -1), ">= 0, or -1 (the tokenizer's mask token, else the task's pad)"),
     "markov_rank":        at_least(1),
+    "confidence_threshold": ((lambda v, c: 0 <= v <= 1 and (v == 0 or c.drafter == "dspark")),
+                           "in [0, 1] (0: off), and above 0 only with --drafter=dspark (its confidence head)"),
     "steps":              at_least(1),
     "prompts_per_step":   at_least(1),
     "group_size":         at_least(2),  # GRPO's advantage is relative to the group: one sample has none

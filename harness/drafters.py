@@ -38,7 +38,7 @@ BLOCK_BUILD, BLOCK_LOSS = ("mask_token_id", "block_size", "num_layers"), ("ancho
 FAMILIES = {
     "eagle3": Family(Eagle3Draft, (), (), auto_branch_attention),
     "dflash": Family(DFlashDraft, BLOCK_BUILD, BLOCK_LOSS),
-    "dspark": Family(DSparkDraft, BLOCK_BUILD + ("markov_rank",), BLOCK_LOSS),
+    "dspark": Family(DSparkDraft, BLOCK_BUILD + ("markov_rank", "confidence_threshold"), BLOCK_LOSS),
 }
 BY_ARCHITECTURE = {"Eagle3DraftModel": Eagle3Draft, DFlashDraft.architecture: DFlashDraft,
                    DSparkDraft.architecture: DSparkDraft}
@@ -61,7 +61,8 @@ def options(cfg, tsk) -> dict:
     f = family(cfg.drafter)
     read = dict(mask_token_id=lambda: mask_token_id(cfg, tsk), block_size=lambda: cfg.block_slots,
                 num_layers=lambda: cfg.draft_layers, markov_rank=lambda: cfg.markov_rank, anchors=lambda: cfg.anchors,
-                gamma=lambda: cfg.block_gamma or None, seed=lambda: cfg.seed)  # only the family's own are read
+                gamma=lambda: cfg.block_gamma or None, seed=lambda: cfg.seed,
+                confidence_threshold=lambda: cfg.confidence_threshold)  # only the family's own are read
     return {k: read[k]() for k in f.build_keys + f.loss_keys}
 
 
@@ -83,7 +84,7 @@ def mask_token_id(cfg, tsk) -> int:
 def build_draft(name: str, policy, opts: dict, *, tap_layers=None, draft_vocab=None):
     """A fresh draft of family `name` matched to `policy` (taps: tap_layers or the family's default rule)."""
     f = family(name)
-    kw = {k: opts[k] for k in f.build_keys}
+    kw = {k: opts[k] for k in f.build_keys if k in opts}  # a key left out: the constructor's default
     if draft_vocab is not None:
         kw["draft_vocab"] = draft_vocab
     d = f.cls.from_target(policy, tap_layers=tap_layers, **kw)
