@@ -103,8 +103,8 @@ def homogeneity(stat: torch.Tensor, alpha: float) -> dict:
     drawn, null = float(stat[0]), stat[1:]
     m = int(alpha / 2 * (len(null) + 1) + 1e-9)
     above = int((null >= drawn - 1e-12).sum())  # ties count against refusing
-    return {"value": drawn, "p": (1 + above) / (len(null) + 1), "threshold": float(null.sort(descending=True)[0][m - 1]),
-            "fails": above < m, "m": m}
+    threshold = float(null.sort(descending=True).values[m - 1])
+    return {"value": drawn, "p": (1 + above) / (len(null) + 1), "threshold": threshold, "fails": above < m, "m": m}
 
 
 def lossless_check(engine, prompts, *, n: int = 128, first: int = 6, temperature: float = 1.0, stop=(),
