@@ -27,7 +27,7 @@ import torch
 from harness.logger import BACKENDS, parse_backends
 from parallel.cli import HELP_ALL, grouped_help, print_help, wants_help
 from parallel.cli import show_value as _show
-from harness.config_checks import (_TYPE_CHECKS, AUTO_FLAG, FLAG, _block_ok, _installed, _parses, _problem,
+from harness.config_checks import (_TYPE_CHECKS, AUTO_FLAG, FLAG, MASK_ROW, _block_ok, _installed, _parses, _problem,
                                     _taps_ok, _update_sizes, _writable_dir, above, at_least, backend_problem, one_of)
 from harness.drafters import FAMILIES as DRAFTERS
 from serving import formats
@@ -329,7 +329,7 @@ CHECKS = {
     "anchors":            at_least(1),
     "block_gamma":        at_least(0),
     "draft_layers":       at_least(1),
-    "mask_token_id":      ((lambda v, c: v >= -1), ">= 0, or -1 (the tokenizer's mask token, else the task's pad)"),
+    "mask_token_id":      MASK_ROW,
     "markov_rank":        at_least(1),
     "confidence_threshold": ((lambda v, c: 0 <= v <= 1 and (v == 0 or c.drafter == "dspark")),
                            "in [0, 1] (0: off), and above 0 only with --drafter=dspark (its confidence head)"),

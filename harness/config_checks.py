@@ -1,6 +1,6 @@
 """The pieces Config's per-field checks (harness/config.CHECKS) are built from: the row makers (a range, a choice, a
 flag), the type checks and the helpers some rows call (can this directory be written, does the policy have these
-layers, which sizes do the updates cut).
+layers, which sizes do the updates cut, can the policy emit this MASK id: the run's tokenizer read at check time).
 
 May import parallel, tasks and model (the presets), nothing of harness but presets; backend_problem imports
 backends.attention_flash when it asks flash-attn itself.
@@ -128,6 +128,56 @@ def _block_ok(c) -> bool:
     k = c.num_draft_tokens
     return (type(k) is int and k <= most and (c.eval_draft_tokens or k) <= most and not c.tree
             and not c.draft_vocab)
+
+
+def default_mask(tok, hf_mode: bool) -> int | None:
+    """The MASK id --mask_token_id=-1 means: the tokenizer's mask token; else, outside HF mode, the task's pad (the
+    built-in task's reserved <pad>); None in HF mode without a mask token (drafters.mask_token_id names the flag)."""
+    mask = getattr(tok, "mask_id", None)
+    if mask is not None:
+        return int(mask)
+    return None if hf_mode else int(tok.pad_id)
+
+
+def emits(tok, i: int) -> bool:
+    """Can the policy emit id i (tok: its task's tokenizer)? Yes for an EOS id (any of tok.eos_ids, the pad too where
+    it is one, HF's fallback) and for an id the tokenizer writes as text (decode([i]) is not empty: the built-in
+    task's digits and signs, an HF checkpoint's ordinary tokens); no for a special token that ends nothing (the
+    built-in <pad> and <bos>, an HF mask token: they decode to nothing) and an id past the tokenizer's vocabulary."""
+    return i in tok.eos_ids or (0 <= i < tok.vocab_size and tok.decode([i]) != "")
+
+
+def _task_tok(c):
+    """The run's tokenizer, read without building the run: the HF checkpoint's, else the --task task's; None when it
+    cannot be read (then the rows of --model, --data or --task say why, or the build does)."""
+    try:
+        if c.hf_mode:
+            from tasks.hf_task import HFTokenizer
+            return HFTokenizer(c.model)
+        from tasks.protocol import make_task
+        return make_task(c.task, c).tok
+    except Exception:  # noqa: BLE001 -- a peek: whatever went wrong is reported where the input is checked
+        return None
+
+
+def _mask_ok(v: int, c) -> bool:
+    """--mask_token_id: >= -1, and with a block drafter that drafts (not --no_spec) the id it resolves to (-1:
+    default_mask) is one the policy never emits (`emits`) and, outside HF mode (where the checkpoint's embedding
+    may be larger than its tokenizer), inside the task's vocabulary."""
+    if v < -1:
+        return False
+    if c.drafter == "eagle3" or c.no_spec:
+        return True
+    tok = _task_tok(c)
+    i = None if tok is None else v if v >= 0 else default_mask(tok, c.hf_mode)
+    if i is None:
+        return True  # unreadable here, or HF mode without a mask token: drafters.mask_token_id names the flag
+    return (c.hf_mode or i < tok.vocab_size) and not emits(tok, i)
+
+
+MASK_ROW = (_mask_ok, "-1 (the tokenizer's mask token, else the task's pad) or an id >= 0; with --drafter dflash or "
+                      "dspark one the policy never emits: no EOS id, no id the task's tokenizer writes as text (the "
+                      "built-in task's: 0 <pad> or 1 <bos>), inside the task's vocabulary")
 
 
 _TYPE_CHECKS = {

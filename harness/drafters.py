@@ -22,6 +22,7 @@ from draft import DraftConfig, Eagle3Draft
 from draft_dflash import DFlashDraft
 from draft_dspark import DSparkDraft
 from drafter import check_drafter
+from harness.config_checks import default_mask
 from rl_loop import DraftTrainer
 from serving.hf_io import read_json
 
@@ -68,15 +69,13 @@ def options(cfg, tsk) -> dict:
 
 def mask_token_id(cfg, tsk) -> int:
     """--mask_token_id when set (>= 0); else the tokenizer's mask token; else the task's pad id when the task never
-    emits it (the built-in task's reserved <pad>). HF mode without either: a one-line error naming the flag."""
+    emits it (the built-in task's reserved <pad>): config_checks.default_mask. HF mode without either: a one-line
+    error naming the flag. That the policy never emits it is checked with the config (config_checks._mask_ok)."""
     if cfg.mask_token_id >= 0:
         return cfg.mask_token_id
-    tok = tsk.tok
-    mask = getattr(tok, "mask_id", None)
+    mask = default_mask(tsk.tok, cfg.hf_mode)
     if mask is not None:
-        return int(mask)
-    if not cfg.hf_mode:
-        return int(tok.pad_id)
+        return mask
     raise ValueError(f"--drafter={cfg.drafter}: the tokenizer has no mask token; pass --mask_token_id=ID (an id the "
                      "policy never emits)")
 
