@@ -19,7 +19,7 @@ eagle_aux_hidden_state_layer_ids` = tap (it adds the one itself). cospec's tap t
 
     draft.export(path)                                    # the draft alone (Eagle3Draft.export calls export_draft)
     write_servables(out, policy, draft, tokenizer_dir, step=s)   # <out>/policy/ (HF checkpoint) + <out>/draft/ (export)
-    python -m serving.export runs/default/draft                   # reads an export back, checks it as engines load it
+    python -m serving.export runs/default/draft                   # reads every format back, checks each as loaded
 
 Each directory lands atomically: written under a temporary sibling name, then renamed into place (a reader sees the
 old directory or the new one, never half of one; between the two renames the path is briefly absent, and a kill there
@@ -356,15 +356,41 @@ def check_export(path: str) -> dict:
     return cfg
 
 
+def check_exports(path: str):
+    """Every format of the draft export at `path`: a folder of any format (serving/formats.detect), or a run's
+    <out>/draft whose FORMATS_FILE lists {format: sub-folder}, each folder checked by export_checks.check_folder.
+    Yields one line per format that passes; then a fault in any is one ValueError naming its file and field or
+    tensor (the faults of several formats joined by "; ")."""
+    from serving.export_checks import check_folder
+    from serving.hf_io import read_json
+    listing = os.path.join(path, FORMATS_FILE)
+    if not os.path.isfile(listing):
+        yield check_folder(path)[2]
+        return
+    formats = read_json(listing)
+    if not formats or not all(isinstance(v, str) for v in formats.values()):
+        raise ValueError(f"{listing}: expected {{format: sub-folder}} of the formats the export holds, got {formats}")
+    faults, families = [], {}
+    for fmt, sub in formats.items():
+        try:
+            families[fmt], _, line = check_folder(os.path.normpath(os.path.join(path, sub)), listed=fmt)
+        except ValueError as e:
+            faults.append(str(e))
+            continue
+        yield line
+    if len(set(families.values())) > 1:
+        faults.append(f"{listing}: its formats hold different draft families {families}")
+    if faults:
+        raise ValueError("; ".join(faults))
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        raise ValueError("usage: python -m serving.export DRAFT_DIR     # checks an exported draft (e.g. "
-                         "runs/<name>/draft)")
-    c = check_export(argv[0])
-    print(f"{argv[0]}: {ARCHITECTURE}, H={c['hidden_size']}, draft vocab {c['draft_vocab_size']} of "
-          f"{c['vocab_size']}, aux ids vLLM {c['eagle_aux_hidden_state_layer_ids']} / SGLang "
-          f"{c['eagle_config']['eagle_aux_hidden_state_layer_ids']}, {c['torch_dtype']}: ok")
+        raise ValueError("usage: python -m serving.export PATH     # checks an exported draft: a run's <out>/draft "
+                         "(every format its formats.json lists) or one folder of any format")
+    for line in check_exports(argv[0]):
+        print(line, flush=True)
     return 0
 
 

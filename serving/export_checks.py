@@ -1,27 +1,33 @@
-"""An exported EAGLE-3 draft read back as carefully as an HF checkpoint (--model) is: every error names the file, and
-the key or the tensor, before anything is built from it.
+"""A draft export read back as carefully as an HF checkpoint (--model) is: every error names the file, and the key or
+the tensor, before anything is built from it.
 
     read_export_config(path, a)  config.json: valid JSON, architectures [a], every key a draft needs (each missing
                                  one named), its sizes checked by model.ModelConfig (heads >= 1, KV heads | heads)
     read_export_weights(path)    model.safetensors: readable (a truncated file named), every float tensor finite
     shape_problems(sd, cfg)      each tensor's shape against config.json: "<file>: tensor 'x' has shape (a, b),
                                  expected (c, d) (config.json: intermediate_size=64)"
+    check_folder(path)           one folder of any family in any format (serving/formats.detect), as its loader reads
+                                 it: config.json's fields, every tensor's name and shape against the cospec draft the
+                                 config describes (built on the meta device: no weights allocated), and the fields the
+                                 draft takes from the policy, against find_policy's folder, else the file's own
 
-serving/export.py's check_export runs these first (so Eagle3Draft.from_export, `--draft PATH`, gets them too), then its
-engine-format checks. A draft directory is checked on its own: the pair check against a sibling policy/ applies only
-where that sibling is there (a draft copied away from its run is a draft on its own).
+serving/export.py's check_export runs the first three (so Eagle3Draft.from_export, `--draft PATH`, gets them too),
+then its engine-format checks; its check_exports runs check_folder on every format a run wrote. A draft directory is
+checked on its own: the pair check against a sibling policy/ applies only where that sibling is there (a draft copied
+away from its run is a draft on its own).
 
-Letters: H hidden, I intermediate, D head dim, V target vocab, Vd draft vocab.
+Letters: H hidden, I intermediate, D head dim, V target vocab, Vd draft vocab, r Markov rank.
 """
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from model import ModelConfig
+from model import ModelConfig, Transformer
 from serving.hf_io import read_json
 
 # what Eagle3Draft.from_export and the engines read from config.json
@@ -102,3 +108,300 @@ def shape_problems(path: str, sd: dict, cfg: dict) -> list:
             out.append(f"{file}: tensor {k!r} has shape {tuple(sd[k].shape)}, expected {want} from config.json "
                        f"({', '.join(f'{n}={cfg[n]}' for n in keys.split(', '))})")
     return out
+
+
+
+# ------------------------------------------------------------------------------------ every family, every format
+IGNORED = ("embed_tokens.weight",)  # the verifier's embedding in a speculators file: cospec shares the policy's
+BLOCK_IGNORED = IGNORED + ("lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight", "d2t", "t2d")
+# which config fields each tensor's shape comes from (the first pattern in its name that matches), for the errors
+_SHAPE_FIELDS = (("markov", ("markov_rank", "vocab_size")), ("confidence", ("hidden_size", "markov_rank")),
+                 ("fc.", ("hidden_size", "tap_layers")), ("_norm.", ("head_dim",)),
+                 ("q_proj", ("num_attention_heads", "head_dim", "hidden_size")), ("o_proj", ("num_attention_heads",
+                  "head_dim", "hidden_size")), ("k_proj", ("num_key_value_heads", "head_dim", "hidden_size")),
+                 ("v_proj", ("num_key_value_heads", "head_dim", "hidden_size")),
+                 ("mlp", ("intermediate_size", "hidden_size")), ("lm_head", ("draft_vocab_size", "hidden_size")),
+                 ("d2t", ("draft_vocab_size",)), ("t2d", ("vocab_size",)))
+
+
+def check_folder(path: str, listed: str | None = None) -> tuple:
+    """Check the draft folder `path` (any format serving/formats.detect names) the way its loader reads it. listed:
+    the format formats.json says the folder holds. -> (family, format, "PATH: <family>, <format> format (<arch>),
+    H=..., ...: ok"); a fault is a ValueError naming the file and the field or tensor."""
+    from harness import drafters
+    from serving import speculators_format as spec
+    from serving.export import FORMATS_FILE
+    from serving.formats import VLLM_ARCH, detect
+    file, wfile = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
+    if not os.path.isfile(file):
+        raise ValueError(f"{path}: expected an exported draft folder (config.json + model.safetensors, or a run's "
+                         f"draft/ with {FORMATS_FILE}); {file} is missing")
+    cfg = read_json(file)
+    arch = (cfg.get("architectures") or [None])[0]
+    if not spec.is_speculators(cfg) and arch not in VLLM_ARCH and arch not in (None, *drafters.BY_ARCHITECTURE):
+        raise ValueError(f"{file}: architectures={cfg.get('architectures')}: expected a draft's ({', '.join(VLLM_ARCH)}"
+                         f", a speculators config, or cospec's {', '.join(drafters.BY_ARCHITECTURE)}); a policy "
+                         "checkpoint is --model's")
+    family, fmt = _named(path, file, lambda: detect(path))
+    if listed is not None and listed != fmt:
+        raise ValueError(f"{os.path.join(draft_root(path), FORMATS_FILE)}: lists {path} as the {listed} format; its "
+                         f"config.json is the {fmt} format")
+    if (family, fmt) == ("eagle3", "vllm"):
+        from serving.export import check_export
+        check_export(path)  # what vLLM and SGLang read (ENGINE_FIXED, d2t / t2d, both aux-id conventions, the pair)
+    sd = read_export_weights(path)  # readable, finite
+    policy, how = find_policy(path, cfg)
+    P = policy_fields(policy) if policy else None
+    cls = drafters.family(family).cls
+    if fmt == "cospec":
+        config, problems = _cospec_config(path, file, family, cfg, P), []
+    else:
+        config, problems = _served_config(path, file, family, fmt, cfg, sd, P)
+    draft = _meta_draft(cls, config, file)
+    names = _file_names(family, fmt)
+    expected = {names(k): tuple(v.shape) for k, v in draft.state_dict().items()}
+    if fmt == "speculators" and "embed_tokens.weight" in sd:  # the verifier's, where a file holds it: (V, H)
+        expected["embed_tokens.weight"] = (config.vocab_size, config.hidden_size)
+    maps_optional = family == "eagle3" and config.draft_vocab_size == config.vocab_size
+    tolerated = () if fmt == "cospec" else IGNORED if family == "eagle3" else BLOCK_IGNORED
+    missing = [k for k in expected if k not in sd and not (maps_optional and k in ("d2t", "t2d"))]
+    extra = [k for k in sd if k not in expected and k not in tolerated]
+    problems += [f"{wfile}: tensor(s) {missing} missing (config.json describes a {family} draft that has them)"] * bool(
+        missing)
+    problems += [f"{wfile}: tensor(s) {extra} are no {family} draft's (its loader would drop or refuse them)"] * bool(
+        extra)
+    problems += [f"{wfile}: tensor {k!r} has shape {tuple(sd[k].shape)}, expected {want} from config.json "
+                 f"({_shape_fields(k, config)})" for k, want in expected.items()
+                 if k in sd and tuple(sd[k].shape) != want]
+    if family == "eagle3" and not problems:
+        problems += vocab_map_problems(wfile, sd, config.draft_vocab_size, config.vocab_size)
+    if fmt != "cospec":
+        problems += _slot_problems(file, cfg, draft) if family != "eagle3" else []
+    sub = draft_root(path) != os.path.abspath(path)
+    if fmt != "cospec" and ((how == "run" and (family, fmt) != ("eagle3", "vllm")) or sub):
+        problems += pair_problems(path)  # check_export did it for EAGLE-3's vLLM format; a checkpoint has no pair
+    if problems:
+        raise ValueError("; ".join(problems))
+    known = policy is not None or (family, fmt) == ("dflash", "vllm")  # z-lab's file names the target's depth
+    return family, fmt, summary(path, family, fmt, arch, config, policy, known)
+
+
+def summary(path: str, family: str, fmt: str, arch: str, c, policy: str | None, depth_known: bool = True) -> str:
+    """The line a folder that passes gets: what it holds, and what it was checked against."""
+    parts = [f"{family}, {fmt} format ({arch})", f"H={c.hidden_size}"]
+    if family == "eagle3":
+        parts.append(f"draft vocab {c.draft_vocab_size} of {c.vocab_size}")
+    else:
+        parts += [f"block {c.block_size}", f"mask {c.mask_token_id}", f"{c.num_layers} layer(s)"]
+    if family == "dspark":
+        parts.append(f"markov rank {c.markov_rank}")
+    parts.append(f"taps {list(c.tap_layers)}" + f" of {c.target_num_layers} layers" * depth_known)
+    parts.append(f"policy {policy}" if policy else "no policy found (checked against the file's own fields)")
+    return f"{path}: {', '.join(parts)}: ok"
+
+
+def draft_root(path: str) -> str:
+    """<out>/draft for a format's sub-folder <out>/draft/<sub> (its formats.json lists <sub>), else `path`; absolute."""
+    from serving.export import FORMATS_FILE
+    p = os.path.abspath(path)
+    listing = os.path.join(os.path.dirname(p), FORMATS_FILE)
+    if os.path.isfile(listing):
+        subs = read_json(listing).values()
+        if os.path.basename(p) in [os.path.normpath(s) for s in subs if isinstance(s, str) and s != "."]:
+            return os.path.dirname(p)
+    return p
+
+
+def find_policy(path: str, cfg: dict) -> tuple:
+    """(folder, how) of the policy the draft at `path` serves: a run's <out>/policy beside <out>/draft, also for a
+    format's sub-folder <out>/draft/<sub> ("run"); else the local folder a speculators config names as its verifier
+    ("verifier"); else (None, None): the file is checked against its own fields."""
+    run = os.path.join(os.path.dirname(draft_root(path)), "policy")
+    if os.path.isdir(run):
+        return run, "run"
+    verifier = (cfg.get("speculators_config") or {}).get("verifier") if isinstance(
+        cfg.get("speculators_config"), dict) else None
+    name = verifier.get("name_or_path") if isinstance(verifier, dict) else None
+    if isinstance(name, str) and os.path.isfile(os.path.join(name, "config.json")):
+        return name, "verifier"
+    return None, None
+
+
+def policy_fields(folder: str) -> SimpleNamespace:
+    """What a draft takes from its policy, read from <folder>/config.json (any HF decoder's)."""
+    file = os.path.join(folder, "config.json")
+    hf = read_json(file)
+    for k in ("hidden_size", "vocab_size", "num_hidden_layers"):
+        if not (type(hf.get(k)) is int and hf[k] >= 1):
+            raise ValueError(f"{file}: {k}={hf.get(k)!r}: expected an integer >= 1 (the policy the draft serves)")
+    return SimpleNamespace(hidden_size=hf["hidden_size"], vocab_size=hf["vocab_size"],
+                           num_hidden_layers=hf["num_hidden_layers"],
+                           max_position_embeddings=hf.get("max_position_embeddings", 4096))
+
+
+def _file_fields(family: str, fmt: str, cfg: dict, scfg: dict, file: str, names: dict) -> SimpleNamespace:
+    """A policy stand-in from the draft's own fields, where no policy is found: hidden size and vocabulary from its
+    layer config; the layer count z-lab's num_target_layers, else the least the aux ids allow (EAGLE-3 never taps the
+    last layer)."""
+    tl = scfg.get("transformer_layer_config") or {}
+    for k in ("hidden_size", "vocab_size"):
+        v = tl.get(k)
+        if not (type(v) is int and v >= 1):
+            key = f"transformer_layer_config.{k}"
+            raise ValueError(f"{file}: {names.get(key, key)}={v!r}: expected an integer >= 1")
+    if (family, fmt) == ("dflash", "vllm"):
+        n = cfg.get("num_target_layers")
+        if not (type(n) is int and n >= 1):
+            raise ValueError(f"{file}: num_target_layers={n!r}: expected the target's layer count, an integer >= 1")
+    else:
+        aux = scfg.get("eagle_aux_hidden_state_layer_ids" if family == "eagle3" else "aux_hidden_state_layer_ids")
+        n = max([i for i in aux or () if type(i) is int] + [0]) + (family == "eagle3")
+    return SimpleNamespace(hidden_size=tl["hidden_size"], vocab_size=tl["vocab_size"], num_hidden_layers=max(n, 1),
+                           max_position_embeddings=tl.get("max_position_embeddings", 4096))
+
+
+def _served_config(path: str, file: str, family: str, fmt: str, cfg: dict, sd: dict, P) -> tuple:
+    """(the cospec config of a vllm / speculators file, checked against the policy P or the file's own fields,
+    [problems of the fields to_cospec does not read])."""
+    from draft import DraftConfig
+    from harness import drafters
+    from serving import speculators_format as spec
+    from serving.export import check_exportable
+    from serving.formats import _from_vllm
+    scfg, ssd, names = _named(path, file, lambda: _from_vllm(family, cfg, sd)) if fmt == "vllm" else (cfg, sd, {})
+    policy = P
+    P = P or _file_fields(family, fmt, cfg, scfg, file, names)
+    shown = (lambda k: "midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k) \
+        if (family, fmt) == ("eagle3", "vllm") else (lambda k: k)
+    gone = [shown(k) for k in ("fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight")
+            if k not in ssd]
+    if gone:  # to_cospec reads their widths
+        raise ValueError(f"{os.path.join(path, 'model.safetensors')}: tensor(s) {gone} missing (a {family} draft "
+                         "has them)")
+    key = "eagle_aux_hidden_state_layer_ids" if family == "eagle3" else "aux_hidden_state_layer_ids"
+    aux, zlab = scfg.get(key), (family, fmt) == ("dflash", "vllm")
+    if policy is None and not zlab and not (isinstance(aux, list) and all(type(i) is int and i >= 1 for i in aux)
+                                            and aux == sorted(set(aux))):
+        raise ValueError(f"{file}: {names.get(key, key)}={aux!r}, expected ascending distinct hidden-state ids >= 1 "
+                         "(layer i's output is i + 1; no policy found to bound them)")
+    try:
+        fam, fields, _ = _named(path, file, lambda: spec.to_cospec(scfg, ssd, P, path, names))
+    except ValueError as e:
+        if policy is not None or "the policy" not in str(e):
+            raise
+        own = f"num_target_layers={P.num_hidden_layers}" if zlab else "fields"
+        raise ValueError(f"{e} [no policy found: 'the policy' is the file's own {own}]") from None
+    cls = drafters.family(fam).cls
+    config = _named(path, file, lambda: DraftConfig(**fields) if fam == "eagle3" else cls.config_class()(**fields))
+    layer = cfg if fmt == "vllm" else cfg.get("transformer_layer_config") or {}
+    where = "" if fmt == "vllm" else "transformer_layer_config."
+    problems = [f"{file}: {where}{k}={layer[k]!r}, expected {v!r} (cospec's {family} layer)"
+                for k, v in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False))
+                if layer.get(k, v) != v]
+    if family == "eagle3":
+        try:  # the engines feed fc exactly 3 states and capture no state after the last layer
+            check_exportable(config.tap_layers, P.num_hidden_layers)
+        except ValueError as e:
+            problems.append(f"{file}: {key}={aux}: {e}")
+    if (family, fmt) == ("dflash", "vllm"):  # z-lab's fields beyond the speculators ones
+        d = cfg.get("dflash_config") or {}
+        n = cfg.get("num_target_layers")
+        if policy is not None and n is not None and n != policy.num_hidden_layers:
+            problems.append(f"{file}: num_target_layers={n!r}, expected the policy's num_hidden_layers "
+                            f"{policy.num_hidden_layers}")
+        if "block_size" in cfg and "block_size" in d and cfg["block_size"] != d["block_size"]:
+            problems.append(f"{file}: block_size={cfg['block_size']!r} but dflash_config.block_size="
+                            f"{d['block_size']!r}: expected one block size")
+        problems += [f"{file}: {k}={v!r}, expected false (cospec's DFlash block attends to all of itself)"
+                     for k, v in (("is_causal", cfg.get("is_causal")), ("dflash_config.causal", d.get("causal")))
+                     if v]
+    return config, problems
+
+
+def _cospec_config(path: str, file: str, family: str, cfg: dict, P):
+    """The config of cospec's own checkpoint (draft.save), checked against the policy P where one is found."""
+    from draft import DraftConfig
+    from harness import drafters
+    raw = {k: v for k, v in cfg.items() if k != "architectures"}
+    cls = drafters.family(family).cls
+    config = _named(path, file, lambda: DraftConfig(**raw) if family == "eagle3" else cls.config_class()(**raw))
+    if P is not None:
+        for k, pk in (("hidden_size", "hidden_size"), ("vocab_size", "vocab_size"),
+                      ("target_num_layers", "num_hidden_layers")):
+            if getattr(config, k) != getattr(P, pk):
+                raise ValueError(f"{file}: {k}={getattr(config, k)!r}, expected the policy's {pk} {getattr(P, pk)}")
+    return config
+
+
+def _meta_draft(cls, config, file: str):
+    """The cospec draft `config` describes, on the meta device (shapes, no storage), beside a policy stand-in whose
+    embedding and LM head are all the draft reads of it."""
+    try:
+        stand_in = ModelConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=1,
+                               intermediate_size=1, num_attention_heads=1, num_key_value_heads=1, head_dim=2)
+    except ValueError as e:
+        raise ValueError(f"{file}: {e}") from None
+    with torch.device("meta"):
+        return cls(config, Transformer(stand_in))
+
+
+def _file_names(family: str, fmt: str):
+    """cospec's parameter name -> the file's name for it (serving/speculators_format.py's RENAMES, layers.0.)."""
+    from serving.speculators_format import RENAMES
+    if fmt != "speculators":
+        return lambda k: k  # cospec's names are vLLM's EAGLE-3 and z-lab's DFlash names
+    if family == "eagle3":
+        return lambda k: "layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k
+    back = {v: k for k, v in RENAMES.items()}
+    return lambda k: back.get(k, k)
+
+
+def _shape_fields(name: str, c) -> str:
+    keys = next((ks for part, ks in _SHAPE_FIELDS if part in name), ("hidden_size",))
+    return ", ".join(f"{len(c.tap_layers)} taps" if k == "tap_layers" else f"{k}={getattr(c, k)}" for k in keys)
+
+
+def _slot_problems(file: str, cfg: dict, draft) -> list:
+    """A speculators block draft's proposal methods propose no more tokens than the slots the draft trained."""
+    methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or []
+    k_max = draft.max_draft_tokens
+    return [f"{file}: speculators_config.proposal_methods[{i}].speculative_tokens={m.get('speculative_tokens')!r}, "
+            f"expected an integer in [1, {k_max}] (the slots this block draft trained)"
+            for i, m in enumerate(methods) if isinstance(m, dict) and "speculative_tokens" in m
+            and not (type(m["speculative_tokens"]) is int and 1 <= m["speculative_tokens"] <= k_max)]
+
+
+def vocab_map_problems(file: str, sd: dict, Vd: int, V: int) -> list:
+    """d2t int64 offsets to Vd distinct target ids, t2d (V,) bool exactly their image; nothing where they are absent."""
+    if "d2t" not in sd or "t2d" not in sd:
+        return []
+    ids = torch.arange(Vd) + sd["d2t"]
+    if sd["d2t"].dtype != torch.int64 or int(ids.min()) < 0 or int(ids.max()) >= V or ids.unique().numel() != Vd:
+        return [f"{file}: tensor 'd2t': expected int64 offsets to {Vd} distinct target ids in [0, {V})"]
+    if not torch.equal(sd["t2d"], torch.zeros(V, dtype=torch.bool).index_fill(0, ids, True)):
+        return [f"{file}: tensor 't2d': expected exactly the target ids d2t maps to"]
+    return []
+
+
+def pair_problems(path: str) -> list:
+    """The run's pair check (serving/export.check_pair) on <out>/draft, and a format's sub-folder written by the same
+    export as <out>/draft (the same PAIR_FILE)."""
+    from serving.export import PAIR_FILE, check_pair
+    root = draft_root(path)
+    out = check_pair(root)
+    mine, top = os.path.join(path, PAIR_FILE), os.path.join(root, PAIR_FILE)
+    if root != os.path.abspath(path) and os.path.isfile(top) and (
+            not os.path.isfile(mine) or read_json(mine) != read_json(top)):
+        out.append(f"{mine}: missing or not {top}: the formats in {root} come from different exports")
+    return out
+
+
+def _named(path: str, file: str, call):
+    """call(); its ValueError (serving/formats.py's and speculators_format.py's name the folder: "draft 'PATH': ")
+    names `file` instead; a malformed value read as the wrong type is one line naming the file too."""
+    try:
+        return call()
+    except ValueError as e:
+        raise ValueError(f"{file}: {str(e).removeprefix(f'draft {path!r}: ')}") from None
+    except (KeyError, TypeError, AttributeError, IndexError) as e:
+        raise ValueError(f"{file}: malformed ({type(e).__name__}: {e})") from None

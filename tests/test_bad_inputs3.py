@@ -182,10 +182,10 @@ def _other_pair(d):  # the policy of another step beside the draft
 
 
 @pytest.mark.parametrize("damage, target, message", [
-    (lambda d: None, "missing", "{d}/missing: expected an exported EAGLE-3 draft directory"),
+    (lambda d: None, "missing", "{d}/missing: expected an exported draft folder"),
     (_truncate, "draft", "{d}/draft/model.safetensors: unreadable safetensors file"),
-    (lambda d: None, "policy", "{d}/policy/config.json: architectures=['LlamaForCausalLM']: expected "
-                               "['LlamaForCausalLMEagle3'] (an exported EAGLE-3 draft; a policy checkpoint is"),
+    (lambda d: None, "policy", "{d}/policy/config.json: architectures=['LlamaForCausalLM']: expected a draft's "
+                               "(LlamaForCausalLMEagle3, DFlashDraftModel, a speculators config"),
     (_other_pair, "draft", "the draft (step 1) was exported beside another policy than {d}/policy"),
 ])
 def test_serving_export_refusals_are_one_line(servables, tmp_path, capsys, damage, target, message):
