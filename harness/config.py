@@ -27,8 +27,9 @@ import torch
 from harness.logger import BACKENDS, parse_backends
 from parallel.cli import HELP_ALL, grouped_help, print_help, wants_help
 from parallel.cli import show_value as _show
-from harness.config_checks import (_TYPE_CHECKS, AUTO_FLAG, FLAG, MASK_ROW, _block_ok, _installed, _parses, _problem,
-                                    _taps_ok, _update_sizes, _writable_dir, above, at_least, backend_problem, one_of)
+from harness.config_checks import (_TYPE_CHECKS, AUTO_FLAG, BLOCK_MAX, FITS_BLOCK, FLAG, MASK_ROW, _block_ok,
+                                    _fits_block, _installed, _parses, _problem, _taps_ok, _update_sizes, _writable_dir,
+                                    above, at_least, backend_problem, fitted_block, one_of)
 from harness.drafters import FAMILIES as DRAFTERS
 from serving import formats
 from harness.flag_groups import GROUPS
@@ -209,8 +210,8 @@ class Config:
         """A block drafter's W: block_size, or with block_size = 0 the slots the largest k it drafts (num_draft_tokens,
         eval_draft_tokens) needs: k + 1 for dflash (slot 0 is the anchor), k for dspark (every slot drafts, so none
         is trained that is never proposed; at least 2, DFlashConfig's floor); 0 while k is auto (refused)."""
-        k, dspark = self.num_draft_tokens, self.drafter == "dspark"
-        return self.block_size or (max(k, self.eval_draft_tokens, 2 * dspark) + (not dspark) if type(k) is int else 0)
+        k = self.num_draft_tokens
+        return self.block_size or (fitted_block(max(k, self.eval_draft_tokens), self.drafter) if type(k) is int else 0)
 
     def attn_backend_on(self, device) -> str:
         """--attn_backend as run on `device`: auto is the fused Triton kernel where the models live on CUDA (the torch
@@ -325,7 +326,8 @@ CHECKS = {
                            f"one of {', '.join(DRAFTERS)}; a block drafter (dflash, dspark) with a fixed "
                            "--num_draft_tokens and --eval_draft_tokens <= block_size - 1 (dspark: block_size; "
                            "--block_size=0, the default, fits the block to them), and no --tree or --draft_vocab"),
-    "block_size":         ((lambda v, c: v == 0 or 2 <= v <= 64), "0 (k + 1; dspark: k, at least 2) or in [2, 64]"),
+    "block_size":         ((lambda v, c: v == 0 or 2 <= v <= BLOCK_MAX),
+                           f"0 (k + 1; dspark: k, at least 2) or in [2, {BLOCK_MAX}]"),
     "anchors":            at_least(1),
     "block_gamma":        at_least(0),
     "draft_layers":       at_least(1),
@@ -338,8 +340,8 @@ CHECKS = {
     "group_size":         at_least(2),  # GRPO's advantage is relative to the group: one sample has none
     "temperature":        ((lambda v, c: v > 0), "> 0 (GRPO needs G different samples of a prompt: greedy decoding, "
                            "tau = 0, would give G identical ones and log-probs at 1 / 0)"),
-    "num_draft_tokens":   ((lambda v, c: v == "auto" or (type(v) is int and v >= 1)),
-                           ">= 1, or auto (adaptive, at most max_draft_tokens)"),
+    "num_draft_tokens":   ((lambda v, c: v == "auto" or (type(v) is int and v >= 1 and _fits_block(v, c))),
+                           f">= 1, or auto (adaptive, at most max_draft_tokens); {FITS_BLOCK}"),
     "max_draft_tokens":   ((lambda v, c: 1 <= v <= 16), "in [1, 16]"),
     "tree":               ((lambda v, c: isinstance(v, tuple) and all(type(b) is int and b >= 1 for b in v)
                                          and len(v) in (0, c.num_draft_tokens)
@@ -365,7 +367,7 @@ CHECKS = {
     "eval_every":         at_least(1),
     "eval_prompts":       at_least(1),
     "eval_samples":       at_least(1),
-    "eval_draft_tokens":  ((lambda v, c: v >= 0), ">= 0 (0 = num_draft_tokens)"),
+    "eval_draft_tokens":  ((lambda v, c: v >= 0 and _fits_block(v, c)), f">= 0 (0 = num_draft_tokens); {FITS_BLOCK}"),
     "bootstrap":          at_least(1),
     "pp":                 at_least(1),
     "cp":                 at_least(1),

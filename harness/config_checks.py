@@ -122,6 +122,25 @@ def _taps_ok(taps: tuple, c) -> bool:
             and 0 <= taps[0] and taps[-1] <= n - 2)
 
 
+BLOCK_MAX = 64  # a block's most slots W: --block_size's range is [2, BLOCK_MAX], and so is the W that 0 fits to k
+
+
+def fitted_block(k: int, drafter: str) -> int:
+    """The W --block_size=0 fits to k drafts per forward: k + 1 for dflash (slot 0 is the anchor), k for dspark
+    (every slot drafts, so none is trained that is never proposed; at least 2, DFlashConfig's floor)."""
+    return max(k, 2) if drafter == "dspark" else k + 1
+
+
+def _fits_block(k, c) -> bool:
+    """--num_draft_tokens / --eval_draft_tokens = k: where --block_size=0 fits a block drafter's block to it, that
+    block holds at most BLOCK_MAX slots (an explicit --block_size has its own row; eagle3 has no block)."""
+    return c.drafter == "eagle3" or c.block_size != 0 or type(k) is not int or fitted_block(k, c.drafter) <= BLOCK_MAX
+
+
+FITS_BLOCK = (f"with --drafter dflash and --block_size=0 at most {BLOCK_MAX - 1} (dspark: {BLOCK_MAX}): the block "
+              f"fitted to it, k + 1 slots (dspark: k), holds at most {BLOCK_MAX}, as --block_size does")
+
+
 def _block_ok(c) -> bool:
     """A block drafter's k: fixed, at most its trained slots (W - 1; dspark: W, W = c.block_slots); a chain only."""
     most = c.block_slots - (c.drafter == "dflash")

@@ -1,10 +1,13 @@
-"""A block drafter's inputs refused at config time, before any training, in one line naming the flag: a MASK id the
-policy can emit (an EOS id -- any of several --, the pad where it is an EOS, an id the task's tokenizer writes as
-text; the built-in task and an HF checkpoint's word-level tokenizer), whether passed or resolved from -1.
+"""A block drafter's inputs refused at config time, before any training, in one line naming the flag:
+1. a MASK id the policy can emit (an EOS id -- any of several --, the pad where it is an EOS, an id the task's
+   tokenizer writes as text; the built-in task and an HF checkpoint's word-level tokenizer), passed or resolved
+   from -1;
+2. a k whose fitted block (--block_size=0: W = k + 1, dspark k) leaves --block_size's range [2, 64], named by the
+   flag that makes it big (--num_draft_tokens or --eval_draft_tokens).
 
 The cases run config.parse_args, and train.py's main as `python train.py` runs it with the build replaced by a
-failure; the HF checkpoints are tokenizer files and a config.json, no weights. Adds under 1 s to the suite on 2 busy cores
-(`timeout 600 python -m pytest -q tests/test_bad_inputs_block.py --durations=5`).
+failure; the HF checkpoints are tokenizer files and a config.json, no weights. Adds under 1 s to the suite on 2 busy
+cores (`timeout 600 python -m pytest -q tests/test_bad_inputs_block.py --durations=5`).
 """
 import json
 import re
@@ -15,6 +18,7 @@ import train
 from harness import drafters
 from harness.config import parse_args
 from harness.experiment import build_task
+from harness.config_checks import BLOCK_MAX
 from hf_util import write_jsonl, write_word_tokenizer
 from parallel.cli import run_main
 from tasks.task import VOCAB
@@ -106,3 +110,31 @@ def test_an_hf_mask_token_that_ends_responses_is_refused(tmp_path):
                                                                          "mask_token": "<unk>"}))
     cfg = parse_args(flags)
     assert drafters.mask_token_id(cfg, build_task(cfg)) == 3
+
+
+# ----------------------------------------------------------------------- 2. a fitted block past --block_size's range
+@pytest.mark.parametrize("family, most", [("dflash", BLOCK_MAX - 1), ("dspark", BLOCK_MAX)])
+def test_a_derived_block_obeys_block_sizes_range(family, most):
+    """Was: --drafter dflash --num_draft_tokens 100 with --block_size=0 trained and exported block_size 101, where an
+    explicit --block_size is held to [2, 64]."""
+    assert parse_args([f"--drafter={family}", f"--num_draft_tokens={most}"]).block_slots == BLOCK_MAX
+    for flags, named in ((["--num_draft_tokens=100"], "--num_draft_tokens=100"),
+                         ([f"--num_draft_tokens={most + 1}"], f"--num_draft_tokens={most + 1}"),
+                         (["--num_draft_tokens=3", "--eval_draft_tokens=100"], "--eval_draft_tokens=100")):
+        with pytest.raises(ValueError) as e:
+            parse_args([f"--drafter={family}"] + flags)
+        msg = str(e.value)
+        assert msg.startswith(f"{named}: expected ") and f"at most {BLOCK_MAX - 1} (dspark: {BLOCK_MAX})" in msg
+        assert "\n" not in msg and msg.count(": expected") == 1, msg  # one line, the one flag that makes it big
+    assert parse_args([f"--drafter={family}", "--block_size=64", f"--num_draft_tokens={most}"]).block_slots == 64
+    with pytest.raises(ValueError, match=re.escape("--block_size=65: expected 0 (k + 1; dspark: k, at least 2) or in "
+                                                   "[2, 64]")):
+        parse_args([f"--drafter={family}", "--block_size=65"])
+    assert parse_args(["--num_draft_tokens=100"]).num_draft_tokens == 100  # EAGLE-3 has no block
+
+
+def test_a_derived_block_too_big_ends_train_py_at_start(monkeypatch, capsys, tmp_path):
+    line = ends_before_the_build(monkeypatch, capsys, ["--preset=test", "--drafter=dflash", "--num_draft_tokens=100",
+                                                        f"--out={tmp_path / 'run'}", f"--cache_dir={tmp_path / 'c'}"])
+    assert line.startswith("train.py: --num_draft_tokens=100: expected >= 1") and "at most 63" in line, line
+    assert not (tmp_path / "c").exists() and not (tmp_path / "run").exists()
