@@ -16,7 +16,8 @@ row's block ends before its first slot with c_k < threshold (DeepSpec's static c
 k's own d_{k+1}: whether slot k is proposed is decided before its token is drawn, so the shorter proposal is still
 verified exactly. Training (draft_block.py's anchors and targets; teacher-forced prev_k = x_{a+k}):
 
-    L = sum_k exp(-k / gamma) mean_a [0.1 CE(p, q_k) + 0.9 ||q_k - p||_1 + BCE(c_k, alpha_k)],   p = p_{a+k}
+    L = sum_{a,k} w_k m_{a,k} [0.1 CE(p, q_k) + 0.9 ||q_k - p||_1 + BCE(c_k, alpha_k)] / sum_{a,k} m_{a,k},
+        w_k = exp(-k / gamma),  p = p_{a+k}   (one mean over every trained pair, as speculators' DSpark loss)
 
 with alpha_k = sum_v min(p_v, q_{k,v}) (detached) and gamma by default default_gamma(W + 1) (`loss`). The two logit
 terms are computed apart and streamed over chunks of anchors (`StreamingMarkovLoss`, draft_loss.StreamingSoftCE's
@@ -130,10 +131,11 @@ class DSparkDraft(DFlashDraft):
         N = h.shape[0]
         loss, stats = h[:0].sum(), []  # () an exact zero attached to the block's graph, whatever N
         agree_prev = torch.ones(N, dtype=torch.bool, device=h.device)
+        n = count.sum().clamp_min(1)  # every trained (anchor, slot) pair
         for j, k in enumerate(self.trained_slots):
             x = self.norm(h[:, k])  # (N, H)
             v, dt = valid[j], at_least_f32(x).dtype
-            coef = (math.exp(-j / gamma) / count[j].clamp_min(1)).to(dt) * v.to(dt)  # (N,)
+            coef = (math.exp(-j / gamma) / n).to(dt) * v.to(dt)  # (N,) one mean over every pair, as DFlash's
             m = self.markov_in(slot_tokens(k)).to(x.dtype)  # (N, r) W1[prev], prev = x_{a+k} (teacher-forced)
             l, alpha, s, agree = StreamingMarkovLoss.apply(x, m, self.head_weight, self.markov_out.weight, coef, v,
                                                            src[j], agree_prev, teacher, max(chunk, 1))
@@ -144,12 +146,17 @@ class DSparkDraft(DFlashDraft):
             stats.append(s)
         return loss, torch.stack(stats)
 
-    def check_exportable(self):  # drafter.py
-        raise ValueError("a DSpark draft has no serving format here (vLLM's DFlash loader has no Markov head); "
-                         "save() keeps it")
+    def check_exportable(self):  # drafter.py: the speculators format holds every field
+        return None
 
-    def export(self, path: str, **kw):
-        self.check_exportable()
+    def export(self, path: str, *, dtype=torch.bfloat16, pair: dict | None = None, verifier: str | None = None,
+               **kw):
+        """The speculators format (serving/speculators_format.py: the Markov and confidence heads in its names), at
+        `path` itself; vLLM's DFlash format has no Markov head. kw (max_position_embeddings) is not needed there."""
+        from serving.export import write_export
+        from serving.speculators_format import beside
+        cfg, sd = beside(self, "dspark", verifier=verifier, dtype=dtype)["speculators"]
+        write_export(path, cfg, sd, pair, top="speculators", also={})
 
 
 # --------------------------------------------------------------------------------------------- the streamed function

@@ -31,23 +31,25 @@ def policy():
 
 def dense_loss(draft, out, tokens, cu, mask, anchors):
     """0.1 CE + 0.9 L1 + BCE(confidence, alpha) per slot k (teacher p_{a+k}, prev = x_{a+k}), weights exp(-k/gamma),
+    summed over every trained (anchor, slot) pair and divided by their count,
     gamma = default_gamma(W + 1); the confidence head reads [norm(h_k); W1[prev]]."""
     h = draft.block_forward(out.taps, tokens, cu, anchors, attn_fn=oracle)
     T, W = len(tokens), draft.cfg.block_size
     seq_end = cu[1:].long()[torch.searchsorted(cu[1:].long(), anchors, right=True)]
     p_all = torch.softmax(out.logits.double(), -1)
-    loss = 0.0
+    loss, count = 0.0, 0
     for k in range(W):
         t = (anchors + k).clamp(max=T - 1)
         ok = (anchors + k < seq_end) & mask[t]
+        count = count + ok.sum()
         xm = torch.cat([draft.norm(h[:, k]), draft.markov_in(tokens[t])], -1)  # (N, H + r)
         z = F.linear(xm, draft.head())
         q, p = torch.softmax(z, -1), p_all[t]
         alpha = torch.minimum(p, q).sum(-1).detach()
         bce = F.binary_cross_entropy_with_logits(draft.confidence(xm)[:, 0], alpha, reduction="none")
         rows = 0.1 * -(p * torch.log_softmax(z, -1)).sum(-1) + 0.9 * (q - p).abs().sum(-1) + bce
-        loss = loss + math.exp(-k / default_gamma(W + 1)) * (rows * ok).sum() / ok.sum().clamp_min(1)
-    return loss
+        loss = loss + math.exp(-k / default_gamma(W + 1)) * (rows * ok).sum()
+    return loss / count.clamp_min(1)  # one mean over every trained (anchor, slot) pair
 
 
 def test_chunked_loss_equals_dense(policy):
