@@ -283,11 +283,13 @@ def dense_pass_losses(hs, logits_fn, draft_ids, teacher_logits, valid, labels, c
 
 # ------------------------------------------------------------------------------------------------ pass targets, sums
 def pass_targets(tokens, cu_seqlens, loss_mask, num_passes: int, ring, *, hard_labels: bool, t2d):
-    """Per pass d, at each anchor row i: valid (T,) = loss_mask[i+d] (loss_mask is per prediction, rl_loop.py's
-    indexing: the prediction of x_{i+d+1} counts) and, with hard labels, the target id x_{i+d+1} (the draft must be
-    able to name it: t2d). Returns (valid list, labels list or None, count (P,) global)."""
+    """Per pass d, at each anchor row i: valid (T,) = loss_mask[i] & loss_mask[i+d] (loss_mask is per prediction,
+    rl_loop.py's indexing: x_{i+1} was sampled by the policy, so a chain from i occurs at inference, and the
+    prediction of x_{i+d+1} counts) and, with hard labels, the target id x_{i+d+1} (the draft must be able to name
+    it: t2d). Returns (valid list, labels list or None, count (P,) global)."""
     shifted = lambda x, d, fill: cp_shift(x, cu_seqlens, d, group=ring, fill=fill)[0]  # noqa: E731
-    valid = [shifted(loss_mask.bool(), d, False) for d in range(1, num_passes + 1)]
+    m = loss_mask.bool()
+    valid = [m & shifted(m, d, False) for d in range(1, num_passes + 1)]
     labels = [shifted(tokens, d + 1, 0) for d in range(1, num_passes + 1)] if hard_labels else None
     if hard_labels:
         valid = [m & t2d[y] for m, y in zip(valid, labels)]

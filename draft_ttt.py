@@ -9,6 +9,8 @@ branch local). With the draft's equations (draft.py):
     h^d_i = Layer(x = [norm(e(x_{i+d})); norm(h^{d-1}_i)],  residual h^{d-1}_i,  RoPE position i+d-1)
     L     = sum_d w_d * mean_i CE(p_{i+d}, q^d_i),          w_d = pass_weight^(d-1)   (0.8 unless --ttt_decay)
 
+over the anchors i whose x_{i+1} and x_{i+d+1} are response tokens (`pass_targets`).
+
 (soft CE = forward KL + const), streamed over token chunks by draft_loss.py (no (T, V) tensor kept; the teacher may be
 the policy's hidden + LM head). Metrics per pass: top-1 agreement with the teacher, that agreement given all earlier
 passes agreed, the expected acceptance alpha_d = E sum_x min(p(x), q(x)), and the predicted acceptance length
@@ -115,7 +117,8 @@ def ttt_loss(draft, taps: dict, tokens, cu_seqlens, teacher_logits=None, *, teac
     -- no (T, V) tensor at all -- its final normed hidden teacher_hidden (T, H) with its LM-head weight
     teacher_head (V, H). loss_mask (T,) bool per prediction: row j's prediction of x_{j+1} counts (default: each row
     whose sequence has a next token; required under CP, false on the padding). Pass d at anchor i counts iff
-    loss_mask[i+d]. Under CP every (T, ...) input is this rank's zigzag shard and the returned loss is this rank's
+    loss_mask[i] and loss_mask[i+d]: the chain starts at a token the policy sampled (as at inference, where the
+    first chain starts after the prefill's sampled token) and predicts a counted token. Under CP every (T, ...) input is this rank's zigzag shard and the returned loss is this rank's
     share: the sum over ranks is the global loss, so the draft's grads are summed over the CP group (as data
     parallelism does). Metrics are global floats. chunk: rows per chunk of the streamed loss
     (draft_loss.StreamingSoftCE, O(chunk * V) memory; None: one 256 MiB fp32 block, draft_loss.chunk_rows); 0 runs

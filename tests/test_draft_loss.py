@@ -160,3 +160,19 @@ def test_teacher_index_reads_row_i_plus_d(cp):
         for got, want in per_rank:
             assert got.shape[0] > 0
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_passes_count_the_chains_inference_drafts():
+    """A chain from anchor i occurs at inference only once x_{i+1} was sampled by the policy: prompt n tokens,
+    response to L -> pass d counts anchors n - 1 .. L - 2 - d (never i = n - 2, whose pass 1 would draft x_n, the
+    token the prefill samples itself). speculators' EAGLE-3 counts pass d where x_{i+d} is a response token: the
+    same anchors from pass 1, and earlier ones (i >= n - d) from pass 2 on. ~0.01 s."""
+    from draft_loss import pass_targets
+    n, L, P = 5, 14, 3
+    tokens, cu = torch.arange(L), torch.tensor([0, L], dtype=torch.int32)
+    row_mask = torch.zeros(L, dtype=torch.bool)
+    row_mask[n - 1: L - 1] = True  # row j: x_{j+1} is a response token
+    valid, _, count = pass_targets(tokens, cu, row_mask, P, as_ring(None), hard_labels=False, t2d=None)
+    for d, v in enumerate(valid, 1):
+        assert v.nonzero()[:, 0].tolist() == list(range(n - 1, L - 1 - d)), d
+    assert count.tolist() == [L - n - d for d in range(1, P + 1)]
