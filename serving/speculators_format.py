@@ -3,7 +3,9 @@
 A folder holds config.json and model.safetensors. The config names the family in `speculators_model_type` and keeps
 the draft's own decoder layers in `transformer_layer_config` (a transformers config: Llama for cospec's EAGLE-3 layer,
 Qwen3 for the block drafts' q/k-normed layers). The verifier's embedding and LM head are not stored: the library
-reloads them from `speculators_config.verifier.name_or_path`, and cospec shares the policy's.
+reloads them from `speculators_config.verifier.name_or_path`, and cospec shares the policy's. EAGLE-3's folder
+holds the embedding too (embed_tokens.weight, the policy's at export): the library reads it from the file; cospec
+shares the live policy's and does not read it.
 
     field (config.json)                    cospec                          note
     eagle_aux_hidden_state_layer_ids       tap + 1  (EAGLE-3)              hidden_states index: 0 is the embedding,
@@ -91,13 +93,15 @@ def from_cospec(draft, family: str, *, verifier: str | None = None, verifier_arc
                                                else []}}}
     if block:
         cfg.update(aux_hidden_state_layer_ids=aux, block_size=c.block_size, mask_token_id=c.mask_token_id,
-                   sample_from_anchor=family == "dspark", sliding_window_non_causal=False)
+                   sample_from_anchor=family == "dspark", sliding_window_non_causal=True)
     else:
         cfg.update(eagle_aux_hidden_state_layer_ids=aux, embed_requires_grad=False, **EAGLE3_FIXED)
     if family == "dspark":
         cfg.update(markov_rank=c.markov_rank, **DSPARK_FIXED)
     back = {v: k for k, v in RENAMES.items()}
     sd = {}
+    if not block:  # the library's EAGLE-3 reads its embedding from the file (only a missing one from the verifier)
+        sd["embed_tokens.weight"] = draft.embed_weight.detach().to(device="cpu", dtype=dtype).contiguous()
     for name, t in draft.state_dict().items():
         if not block and name in ("d2t", "t2d") and c.draft_vocab_size == c.vocab_size:
             continue  # the library keeps no maps at a full draft vocabulary

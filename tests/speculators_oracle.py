@@ -190,7 +190,8 @@ def load(family: str, draft_dir: str, attn: str):
 
 
 def check_verifier_weights(model):
-    """embed_tokens, lm_head (full vocabulary), verifier_lm_head and verifier_norm equal the verifier's."""
+    """embed_tokens, lm_head (a block draft's full vocabulary: the library never saves it), verifier_lm_head and
+    verifier_norm equal the verifier's. An EAGLE-3 file holds its own lm_head, read from the file as it is."""
     from speculators.utils.loading import load_model_layers
     path = model.config.speculators_config.verifier.name_or_path
     w = load_model_layers(["embed_tokens.weight", "lm_head.weight", "model.norm.weight"], path)
@@ -200,7 +201,7 @@ def check_verifier_weights(model):
     pairs = [("embed_tokens", model.embed_tokens.weight, w["embed_tokens.weight"]),
              ("verifier_lm_head", model.verifier_lm_head.weight, head),
              ("verifier_norm", model.verifier_norm.weight, w["model.norm.weight"])]
-    if not model.use_draft_vocab:
+    if not model.use_draft_vocab and model.config.speculators_model_type != "eagle3":
         pairs.append(("lm_head", model.lm_head.weight, head))
     for name, got, want in pairs:
         if not torch.equal(got.float(), want.float()):
