@@ -116,8 +116,10 @@ def train_family(cfg, policy, lang, name: str, opts: dict):
 
 
 def cached_family(cfg, policy, lang, name, opts, key):
-    """Train (or load) the family's draft; the cache key is the policy's and the draft's settings."""
-    path = os.path.join(cfg.cache, key, f"{name}-W{opts['block_size']}-a{opts['anchors']}-m{opts['mask_token_id']}")
+    """Train (or load) the family's draft; the cache key is the policy's and the draft's settings (DSpark's "-cm": its
+    confidence head reads the Markov embedding, an (H + r)-wide row, and its gamma is default_gamma(W + 1))."""
+    tag = f"-W{opts['block_size']}-a{opts['anchors']}-m{opts['mask_token_id']}" + ("-cm" if name == "dspark" else "")
+    path = os.path.join(cfg.cache, key, name + tag)
     if os.path.isfile(os.path.join(path, "draft", "config.json")):
         with open(os.path.join(path, "draft_metrics.json")) as f:
             return architecture(os.path.join(path, "draft")).load(os.path.join(path, "draft"), policy).eval(), \
