@@ -61,7 +61,7 @@ BAD_VALUE = {
     "zero1": "maybe", "device_gib": "-1", "micro_batch_tokens": "-5",
     "rollout_engine": "sglang",
     "drafter": "medusa", "block_size": "1", "anchors": "0", "block_gamma": "-1", "draft_layers": "0",
-    "mask_token_id": "-2", "markov_rank": "0",
+    "mask_token_id": "-2", "markov_rank": "0", "confidence_threshold": "1.5",
 }
 FIELDS = {f.name: f.type for f in dataclasses.fields(Config)}
 
