@@ -118,11 +118,12 @@ def ttt_loss(draft, taps: dict, tokens, cu_seqlens, teacher_logits=None, *, teac
     teacher_head (V, H). loss_mask (T,) bool per prediction: row j's prediction of x_{j+1} counts (default: each row
     whose sequence has a next token; required under CP, false on the padding). Pass d at anchor i counts iff
     loss_mask[i] and loss_mask[i+d]: the chain starts at a token the policy sampled (as at inference, where the
-    first chain starts after the prefill's sampled token) and predicts a counted token. Under CP every (T, ...) input is this rank's zigzag shard and the returned loss is this rank's
-    share: the sum over ranks is the global loss, so the draft's grads are summed over the CP group (as data
-    parallelism does). Metrics are global floats. chunk: rows per chunk of the streamed loss
-    (draft_loss.StreamingSoftCE, O(chunk * V) memory; None: one 256 MiB fp32 block, draft_loss.chunk_rows); 0 runs
-    the dense reference (draft_loss.dense_pass_losses, every (T, V) tensor materialised)."""
+    first chain starts after the prefill's sampled token) and predicts a counted token. Under CP every (T, ...)
+    input is this rank's zigzag shard and the returned loss is this rank's share: the sum over ranks is the global
+    loss, so the draft's grads are summed over the CP group (as data parallelism does). Metrics are global floats.
+    chunk: rows per chunk of the streamed loss (draft_loss.StreamingSoftCE, O(chunk * V) memory; None: one 256 MiB
+    fp32 block, draft_loss.chunk_rows); 0 runs the dense reference (draft_loss.dense_pass_losses, every (T, V) tensor
+    materialised)."""
     ring = as_ring(group)
     teacher = make_teacher(teacher_logits, teacher_hidden, teacher_head, tokens.shape[0], draft.cfg.vocab_size,
                            cu_seqlens, num_passes, ring)

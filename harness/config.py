@@ -30,8 +30,8 @@ from parallel.cli import show_value as _show
 from harness.config_checks import (_TYPE_CHECKS, AUTO_FLAG, BLOCK_MAX, FITS_BLOCK, FLAG, MASK_ROW, _block_ok,
                                     _fits_block, _installed, _parses, _problem, _taps_ok, _update_sizes, _writable_dir,
                                     above, at_least, backend_problem, fitted_block, one_of)
+from harness.draft_formats import take_from_draft
 from harness.drafters import FAMILIES as DRAFTERS
-from serving import formats
 from harness.flag_groups import GROUPS
 from harness.presets import PRESETS
 from model import PRESETS as MODEL_PRESETS
@@ -151,7 +151,7 @@ class Config:
 
     def __post_init__(self):
         """Every field against its row of CHECKS (all failures in one error), then the checks across the mode."""
-        self._from_draft()
+        take_from_draft(self)
         types = {f.name: f.type for f in dataclasses.fields(self)}
         bad = [_problem(k, getattr(self, k), _TYPE_CHECKS[t]) for k, t in types.items() if t in _TYPE_CHECKS]
         bad = [e for e in bad if e] or [_problem(k, getattr(self, k), CHECKS[k], self) for k in types if k in CHECKS]
@@ -171,28 +171,6 @@ class Config:
         elif self.data:
             raise ValueError(f"data={self.data!r}: prompts from a file need --model=<HF checkpoint directory> "
                              "(the built-in task generates its own)")
-
-    def _from_draft(self):
-        """--draft PATH: the family (--drafter auto) and a block draft's block_size, mask_token_id, draft_layers and
-        markov_rank come from the file; a flag set to another value is refused naming it (serving/formats.py)."""
-        if not (self.draft and os.path.isfile(os.path.join(formats.resolve(self.draft), "config.json"))):
-            self.drafter = "eagle3" if self.drafter == "auto" else self.drafter
-            return
-        f = formats.draft_fields(self.draft)
-        if self.drafter not in ("auto", f["family"]):
-            raise ValueError(f"--drafter {self.drafter}: --draft {self.draft!r} holds a {f['family']} draft "
-                             f"({f['format']} format); pass --drafter {f['family']} or leave --drafter out")
-        self.drafter = f["family"]
-        defaults = {x.name: x.default for x in dataclasses.fields(self)}
-        own = {"block_size": "block_size", "mask_token_id": "mask_token_id", "draft_layers": "num_layers",
-               "markov_rank": "markov_rank"}
-        for flag, key in own.items():
-            if key not in f:
-                continue
-            if getattr(self, flag) not in (defaults[flag], f[key]):
-                raise ValueError(f"--{flag}={getattr(self, flag)}: --draft {self.draft!r} has {key}={f[key]}; "
-                                 f"leave --{flag} out (the draft brings its own)")
-            setattr(self, flag, f[key])
 
     @property
     def run_seed(self) -> int:
@@ -291,7 +269,7 @@ CHECKS = {
     "cold_start":         FLAG,
     "draft":              ((lambda v, c: v == "" or (os.path.isfile(os.path.join(v, "config.json")) and not c.cold_start
                                                      and not c.draft_vocab and not c.tap_layers)),
-                           "'' or a draft directory (config.json) in a format serving/formats.py reads, not with "
+                           "'' or a draft directory (config.json) in a format harness/draft_formats.py reads, not with "
                            "--cold_start, "
                            "--draft_vocab or --tap_layers (the draft brings its own)"),
     "no_spec":            ((lambda v, c: not v or not (c.draft or c.cold_start or c.num_draft_tokens == "auto" or c.tree

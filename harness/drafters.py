@@ -7,7 +7,7 @@ training attention. eagle3 is the default (the experiment's numbers are EAGLE-3'
     options(cfg, tsk)                                  the family's construction and loss options (a warm-up's key)
     build_draft(name, policy, opts, tap_layers=, draft_vocab=)   a fresh draft of that family for the policy
     make_trainer(name, draft, opt, opts, ...) / config_trainer(cfg, tsk, draft, opt)   its rl_loop.DraftTrainer
-    architecture(path) / name_of(cls)                 the family class of a saved draft (config.json names it) / its name
+    architecture(path)                                 the family class of a saved draft (config.json names it)
     mask_token_id(cfg, tsk)                            the block drafters' MASK id
 """
 from __future__ import annotations
@@ -49,11 +49,6 @@ def family(name: str) -> Family:
     if name not in FAMILIES:
         raise ValueError(f"drafter={name!r}: expected one of {sorted(FAMILIES)}")
     return FAMILIES[name]
-
-
-def name_of(cls) -> str:
-    """The family name of a draft class."""
-    return next(n for n, f in FAMILIES.items() if f.cls is cls)
 
 
 def options(cfg, tsk) -> dict:

@@ -39,7 +39,7 @@ from backends.attention_padded import auto_causal_attention
 from backends.fused_logprob import budget_rows
 from dist_step import DistCotrainer
 from harness import drafters
-from serving import formats
+from harness.draft_formats import load_draft
 from serving.hf_io import from_pretrained
 from harness.mesh import Mesh, model_dtype
 from harness.memory_model import resolve_zero1
@@ -229,12 +229,12 @@ def build_models(cfg: Config, dev: torch.device, log=print, mesh: Mesh | None = 
 
 def warm_draft(cfg: Config, tsk, policy, pkey: str, mesh: Mesh | None = None) -> tuple:
     """-> (the warm-up draft, loaded from cache): the cached offline fit (under torchrun trained on every rank
-    together), a draft from --draft in any format serving/formats.py reads (no warm-up; loaded None), or (None,
+    together), a draft from --draft in any format harness/draft_formats.py reads (no warm-up; loaded None), or (None,
     None) with --no_spec."""
     if cfg.no_spec:
         return None, None
     if cfg.draft:  # no warm-up (warmup_cached.draft = None in the summary); the control arms start from it too
-        return formats.load_draft(cfg.draft, policy, cfg.drafter), None
+        return load_draft(cfg.draft, policy, cfg.drafter, drafters.options(cfg, tsk)), None
     dev = next(policy.parameters()).device
     return warmup.warm_draft(policy, draft_spec(cfg, tsk, pkey, dev), cache_dir=cfg.cache_dir,
                              log_every=max(cfg.draft_warmup_steps // 4, 1), chunk_mib=cfg.chunk_mib,

@@ -46,6 +46,7 @@ import torch
 from safetensors.torch import save_file
 
 from parallel.cli import writing
+from serving.formats import FORMATS_FILE
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # vLLM's registry name and SGLang's EntryClass
 NUM_AUX = 3  # both engines hard-code fc to 3 target hidden states
@@ -62,7 +63,6 @@ ENGINE_FIXED = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt",
                    "added_tokens.json")
-FORMATS_FILE = "formats.json"  # {format: sub-folder} of an export holding several formats
 PAIR_FILE = "servable.json"  # {"step", "weights_sha256"} in policy/, {"step", "policy_sha256"} in draft/
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32", torch.float64: "float64"}
 

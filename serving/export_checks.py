@@ -130,7 +130,7 @@ def check_folder(path: str, listed: str | None = None) -> tuple:
     H=..., ...: ok"); a fault is a ValueError naming the file and the field or tensor."""
     from harness import drafters
     from serving import speculators_format as spec
-    from serving.export import FORMATS_FILE
+    from serving.formats import FORMATS_FILE
     from serving.formats import VLLM_ARCH, detect
     file, wfile = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
     if not os.path.isfile(file):
@@ -202,7 +202,7 @@ def summary(path: str, family: str, fmt: str, arch: str, c, policy: str | None, 
 
 def draft_root(path: str) -> str:
     """<out>/draft for a format's sub-folder <out>/draft/<sub> (its formats.json lists <sub>), else `path`; absolute."""
-    from serving.export import FORMATS_FILE
+    from serving.formats import FORMATS_FILE
     p = os.path.abspath(path)
     listing = os.path.join(os.path.dirname(p), FORMATS_FILE)
     if os.path.isfile(listing):
@@ -267,8 +267,8 @@ def _served_config(path: str, file: str, family: str, fmt: str, cfg: dict, sd: d
     from harness import drafters
     from serving import speculators_format as spec
     from serving.export import check_exportable
-    from serving.formats import _from_vllm
-    scfg, ssd, names = _named(path, file, lambda: _from_vllm(family, cfg, sd)) if fmt == "vllm" else (cfg, sd, {})
+    from serving.formats import from_vllm
+    scfg, ssd, names = _named(path, file, lambda: from_vllm(family, cfg, sd)) if fmt == "vllm" else (cfg, sd, {})
     policy = P
     P = P or _file_fields(family, fmt, cfg, scfg, file, names)
     shown = (lambda k: "midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k) \

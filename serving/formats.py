@@ -1,4 +1,4 @@
-"""A draft from a folder in any format the field publishes, for `--draft PATH`; and which formats a run writes.
+"""Which draft format a folder holds, what a run's config takes from it, and which formats a run writes.
 
     format        family            config.json names it by                      written by
     cospec        all three         architectures Cospec*Draft                   draft.save (checkpoints)
@@ -6,12 +6,11 @@
     vllm          DFlash            architectures DFlashDraftModel + dflash_config   serving/export_dflash.py (z-lab's)
     speculators   all three         speculators_model_type eagle3|dflash|dspark  serving/speculators_format.py
 
-The family is read from the file; a `--drafter` that names another is refused. Every field the draft takes from the
-policy is checked against it (hidden size, vocabulary and d2t / t2d, tap ids in each format's own convention, mask
-token, block size, head counts against the weights' shapes), and a mismatch is one line naming the field.
+The family is read from the file. A vLLM-native config reads as the speculators format states it (`from_vllm`), so
+one set of checks (speculators_format.to_cospec) serves every format; harness/draft_formats.py builds the draft.
 
-    draft = load_draft("runs/default/draft", policy)                 # any format
-    draft = load_draft(path, policy, drafter="dflash")               # and it must hold a DFlash draft
+    detect("runs/default/draft")          # ("eagle3", "vllm")
+    draft_fields(path)                    # {family, format, block_size, mask_token_id, ...}: what the config takes
 """
 from __future__ import annotations
 
@@ -23,12 +22,12 @@ import torch
 from serving import speculators_format as spec
 
 VLLM_ARCH = {"LlamaForCausalLMEagle3": "eagle3", "DFlashDraftModel": "dflash"}
-from serving.export import FORMATS_FILE  # <out>/draft/formats.json: {format: sub-folder} of what the run wrote
+COSPEC_ARCH = {"Eagle3DraftModel": "eagle3", "CospecDFlashDraft": "dflash", "CospecDSparkDraft": "dspark"}  # save()
+FORMATS_FILE = "formats.json"  # <out>/draft/formats.json: {format: sub-folder} of what the run wrote
 
 
 def detect(path: str) -> tuple:
     """(family, format) of the draft folder `path`, from its config.json."""
-    from harness import drafters
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         hint = f" (its {FORMATS_FILE} lists the formats' sub-folders)" \
@@ -41,8 +40,11 @@ def detect(path: str) -> tuple:
     arch = (cfg.get("architectures") or [None])[0]
     if arch in VLLM_ARCH:
         return VLLM_ARCH[arch], "vllm"
-    cls = drafters.architecture(path)  # cospec's own checkpoint, or a one-line error naming the architecture
-    return drafters.name_of(cls), "cospec"
+    arch = arch or "Eagle3DraftModel"  # cospec's own EAGLE-3 checkpoints once had no architectures
+    if arch not in COSPEC_ARCH:
+        raise ValueError(f"draft {path!r}: architectures={cfg.get('architectures')!r}: expected one of "
+                         f"{sorted(VLLM_ARCH) + sorted(COSPEC_ARCH)}, or a speculators config")
+    return COSPEC_ARCH[arch], "cospec"
 
 
 def draft_fields(path: str) -> dict:
@@ -60,8 +62,8 @@ def draft_fields(path: str) -> dict:
         out.update(block_size=cfg.get("block_size"), mask_token_id=cfg.get("mask_token_id"),
                    num_layers=tl.get("num_hidden_layers"))
     elif fmt == "vllm":
-        out.update(block_size=cfg.get("block_size"), mask_token_id=(cfg.get("dflash_config") or {}).get("mask_token_id"),
-                   num_layers=cfg.get("num_hidden_layers"))
+        out.update(block_size=cfg.get("block_size"), num_layers=cfg.get("num_hidden_layers"),
+                   mask_token_id=(cfg.get("dflash_config") or {}).get("mask_token_id"))
     else:
         out.update(block_size=cfg.get("block_size"), mask_token_id=cfg.get("mask_token_id"),
                    num_layers=cfg.get("num_layers"))
@@ -80,49 +82,12 @@ def resolve(path: str) -> str:
     return path
 
 
-def load_draft(path: str, policy, drafter: str | None = None):
-    """The draft saved at `path` (any format above) for `policy`, in the policy's device and dtype, sharing its
-    embedding and LM head. drafter: the family the run expects (None: whatever the file holds)."""
-    from harness import drafters
-    path = resolve(path)
-    family, fmt = detect(path)
-    if drafter is not None and drafter != family:
-        raise ValueError(f"--drafter {drafter}: {path!r} holds a {family} draft ({fmt} format); pass --drafter "
-                         f"{family} or leave --drafter out")
-    cls = drafters.family(family).cls
-    if fmt == "cospec":
-        return cls.load(path, policy)
-    cfg, sd = spec.read(path)
-    names = None
-    if fmt == "vllm":
-        if family == "eagle3":
-            from serving.export import check_export
-            check_export(path)  # the format as the engines read it (ENGINE_FIXED, d2t / t2d, dtype)
-        cfg, sd, names = _from_vllm(family, cfg, sd)
-    fam, fields, sd = spec.to_cospec(cfg, sd, policy.cfg, path, names)
-    config = cls.config_class()(**fields) if hasattr(cls, "config_class") else _eagle3_config(fields)
-    p = next(policy.parameters())
-    draft = (cls(config, policy) if hasattr(cls, "config_class") else cls(config, policy)).to(
-        device=p.device, dtype=p.dtype)
-    if fam == "eagle3":
-        from serving.draft_vocab import maps
-        ids = torch.arange(config.draft_vocab_size) + sd["d2t"] if "d2t" in sd else torch.arange(config.draft_vocab_size)
-        sd["d2t"], sd["t2d"] = maps(ids, config.vocab_size)
-    try:
-        draft.load_state_dict({k: v if v.dtype in (torch.int64, torch.bool) else v.to(p.dtype) for k, v in sd.items()})
-    except RuntimeError as e:
-        raise ValueError(f"draft {path!r}: its weights do not fit a cospec {fam} draft of this config: "
-                         + " ".join(str(e).split())[:400]) from None
-    draft.attach(policy)
-    return draft
-
-
 LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
               "rms_norm_eps", "rope_theta", "rope_parameters", "max_position_embeddings", "vocab_size",
               "num_hidden_layers", "layer_types", "use_sliding_window")
 
 
-def _from_vllm(family: str, cfg: dict, sd: dict) -> tuple:
+def from_vllm(family: str, cfg: dict, sd: dict) -> tuple:
     """A vLLM-native config and weights as the speculators format states them, and the file's own field names (for
     the errors): EAGLE-3's aux ids are vLLM's (tap + 1) already, z-lab's DFlash target_layer_ids are taps."""
     layer = {k: cfg[k] for k in LAYER_KEYS if k in cfg}
@@ -144,8 +109,3 @@ def _from_vllm(family: str, cfg: dict, sd: dict) -> tuple:
     return out, sd, {**{f"transformer_layer_config.{k}": k for k in LAYER_KEYS},
                      "aux_hidden_state_layer_ids": "dflash_config.target_layer_ids (+ 1)",
                      "mask_token_id": "dflash_config.mask_token_id", "draft_vocab_size": "vocab_size"}
-
-
-def _eagle3_config(fields: dict):
-    from draft import DraftConfig
-    return DraftConfig(**fields)

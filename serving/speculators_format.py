@@ -123,22 +123,29 @@ def beside(draft, family: str, *, verifier: str | None = None, dtype=torch.bfloa
 
 def _need(cfg: dict, key: str, path: str):
     if key not in cfg:
-        raise ValueError(f"draft {path!r}: config.json has no {key!r} (a speculators {cfg.get('speculators_model_type')}"
-                         " config holds it)")
+        fam = cfg.get("speculators_model_type")
+        raise ValueError(f"draft {path!r}: config.json has no {key!r} (a speculators {fam} config holds it)")
     return cfg[key]
 
 
 def to_cospec(cfg: dict, sd: dict, policy_cfg, path: str, names: dict | None = None) -> tuple:
     """(family, cospec config fields, state dict in cospec's names) of a speculators folder read as (cfg, sd), checked
     against the policy's config. Every mismatch is a ValueError naming the field and both values. names: {field:
-    the name the file uses} for a file translated from another format (serving/formats.py)."""
+    the name the file uses} for a file translated from another format (serving/formats.from_vllm)."""
     fam = family_of(cfg, path)
-    tl = _need(cfg, "transformer_layer_config", path)
-    P, names = policy_cfg, names or {}
+    names = names or {}
 
     def bad(field, got, want):
         raise ValueError(f"draft {path!r}: {names.get(field, field)}={got!r}, expected {want}")
 
+    fields = _layer_fields(fam, cfg, sd, policy_cfg, path, bad)
+    part = _eagle3_part if fam == "eagle3" else _block_part
+    return (fam,) + part(fam, cfg, sd, policy_cfg, path, bad, fields)
+
+
+def _layer_fields(fam: str, cfg: dict, sd: dict, P, path: str, bad) -> dict:
+    """The draft layer's config fields every family shares, checked against the policy P and the weights' shapes."""
+    tl = _need(cfg, "transformer_layer_config", path)
     if tl.get("model_type") != LAYER_TYPE[fam]:
         bad("transformer_layer_config.model_type", tl.get("model_type"),
             f"{LAYER_TYPE[fam]!r} (cospec's {fam} layer: " + ("Llama's, no q/k norm)" if fam == "eagle3"
@@ -172,29 +179,33 @@ def to_cospec(cfg: dict, sd: dict, policy_cfg, path: str, names: dict | None = N
     if sd["fc.weight"].shape[1] != len(aux) * P.hidden_size:
         bad(key, aux, f"{sd['fc.weight'].shape[1] // P.hidden_size} ids: fc.weight reads "
                       f"{sd['fc.weight'].shape[1]} = ids x hidden_size")
-    fields = dict(vocab_size=P.vocab_size, hidden_size=P.hidden_size, intermediate_size=tl["intermediate_size"],
-                  num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd,
-                  tap_layers=tuple(i - 1 for i in aux), target_num_layers=P.num_hidden_layers,
-                  rms_norm_eps=tl.get("rms_norm_eps", 1e-6), rope_theta=rope.get("rope_theta", 10000.0),
-                  max_position_embeddings=tl.get("max_position_embeddings", P.max_position_embeddings))
+    return dict(vocab_size=P.vocab_size, hidden_size=P.hidden_size, intermediate_size=tl["intermediate_size"],
+                num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd,
+                tap_layers=tuple(i - 1 for i in aux), target_num_layers=P.num_hidden_layers,
+                rms_norm_eps=tl.get("rms_norm_eps", 1e-6), rope_theta=rope.get("rope_theta", 10000.0),
+                max_position_embeddings=tl.get("max_position_embeddings", P.max_position_embeddings))
+
+
+def _eagle3_part(fam, cfg: dict, sd: dict, P, path: str, bad, fields: dict) -> tuple:
+    """EAGLE-3's switches, one layer, its draft vocabulary; layers.0.* -> midlayer.*."""
+    tl, Vd = cfg["transformer_layer_config"], _need(cfg, "draft_vocab_size", path)
+    for k, v in EAGLE3_FIXED.items():
+        if cfg.get(k, v) != v:
+            bad(k, cfg[k], f"{v} (cospec's EAGLE-3 computes with {k}={v})")
+    if tl.get("num_hidden_layers", 1) != 1:
+        bad("transformer_layer_config.num_hidden_layers", tl.get("num_hidden_layers"), "1 (one EAGLE-3 layer)")
+    if not 1 <= Vd <= P.vocab_size:
+        bad("draft_vocab_size", Vd, f"in [1, the policy's vocab_size {P.vocab_size}]")
+    if Vd < P.vocab_size and not {"d2t", "t2d"} <= set(sd):
+        bad("draft_vocab_size", Vd, "a full vocabulary, or d2t and t2d in model.safetensors")
+    out = {"midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k: t
+           for k, t in sd.items() if k != "embed_tokens.weight"}  # the embedding: cospec shares the policy's
+    return dict(fields, draft_vocab_size=Vd), out
+
+
+def _block_part(fam, cfg: dict, sd: dict, P, path: str, bad, fields: dict) -> tuple:
+    """A block draft's vocabulary (the policy's), slot convention, mask, block size and DSpark's heads."""
     Vd = _need(cfg, "draft_vocab_size", path)
-    out = {}
-    if fam == "eagle3":
-        for k, v in EAGLE3_FIXED.items():
-            if cfg.get(k, v) != v:
-                bad(k, cfg[k], f"{v} (cospec's EAGLE-3 computes with {k}={v})")
-        if tl.get("num_hidden_layers", 1) != 1:
-            bad("transformer_layer_config.num_hidden_layers", tl.get("num_hidden_layers"), "1 (one EAGLE-3 layer)")
-        if not 1 <= Vd <= P.vocab_size:
-            bad("draft_vocab_size", Vd, f"in [1, the policy's vocab_size {P.vocab_size}]")
-        if Vd < P.vocab_size and not {"d2t", "t2d"} <= set(sd):
-            bad("draft_vocab_size", Vd, "a full vocabulary, or d2t and t2d in model.safetensors")
-        fields["draft_vocab_size"] = Vd
-        for name, t in sd.items():
-            if name == "embed_tokens.weight":
-                continue  # the verifier's: cospec shares the policy's
-            out["midlayer." + name.removeprefix("layers.0.") if name.startswith("layers.0.") else name] = t
-        return fam, fields, out
     if Vd != P.vocab_size:
         bad("draft_vocab_size", Vd, f"the policy's vocab_size {P.vocab_size} (cospec's block drafts use the "
                                     "policy's LM head, the whole vocabulary)")
@@ -207,7 +218,8 @@ def to_cospec(cfg: dict, sd: dict, policy_cfg, path: str, names: dict | None = N
         bad("mask_token_id", mask, f"an id in [0, {P.vocab_size})")
     if not isinstance(W, int) or not 2 <= W <= 64:
         bad("block_size", W, "in [2, 64]")
-    fields.update(mask_token_id=mask, block_size=W, num_layers=tl.get("num_hidden_layers", 1))
+    fields = dict(fields, mask_token_id=mask, block_size=W,
+                  num_layers=cfg["transformer_layer_config"].get("num_hidden_layers", 1))
     if fam == "dspark":
         for k, v in DSPARK_FIXED.items():
             if cfg.get(k, v) != v:
@@ -216,17 +228,9 @@ def to_cospec(cfg: dict, sd: dict, policy_cfg, path: str, names: dict | None = N
         if not isinstance(r, int) or r < 1:
             bad("markov_rank", r, ">= 1 (cospec's DSpark has a Markov head)")
         fields["markov_rank"] = r
-    for name, t in sd.items():
-        if name not in ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight",
-                        "d2t", "t2d"):
-            out[RENAMES.get(name, name)] = t
-    return fam, fields, out
-
-
-def write(path: str, cfg: dict, sd: dict, pair: dict | None = None):
-    """config.json + model.safetensors, atomically (serving/export.write_export)."""
-    from serving.export import write_export
-    write_export(path, cfg, sd, pair)
+    verifier = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight", "d2t",
+                "t2d")
+    return fields, {RENAMES.get(k, k): t for k, t in sd.items() if k not in verifier}
 
 
 def read(path: str) -> tuple:

@@ -1,7 +1,7 @@
-"""--draft PATH in every format the field publishes (serving/formats.py): each family in each of its formats loads back
-to the same draft and the same logits; a file that does not fit the policy is refused in one line naming the field; a
-run starts from each cell with no warm-up, its control arms from the loaded draft. ~35 s on 2 cores (one SFT warm-up
-of the test preset, then 5 builds from its cache)."""
+"""--draft PATH in every format the field publishes (harness/draft_formats.py, serving/formats.py): each family in each
+of its formats loads back to the same draft and the same logits; a file that does not fit the policy is refused in
+one line naming the field; a run starts from each cell with no warm-up, its control arms from the loaded draft.
+~35 s on 2 cores (one SFT warm-up of the test preset, then 5 builds from its cache)."""
 import json
 import os
 
@@ -14,7 +14,9 @@ from draft_dspark import DSparkDraft
 from harness.config import parse_args
 from model import ModelConfig, Transformer
 from serving import speculators_format as spec
-from serving.formats import detect, draft_fields, load_draft
+from harness.draft_formats import load_draft
+from serving.export import write_export
+from serving.formats import detect, draft_fields
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -126,7 +128,7 @@ MISFITS = [
 def test_a_misfit_is_refused_naming_the_field(tmp_path, family, field, value, match):
     policy = _policy()
     cfg, sd = _speculators(tmp_path, family, policy)
-    spec.write(str(tmp_path / "d"), _edit(cfg, field, value), sd)
+    write_export(str(tmp_path / "d"), _edit(cfg, field, value), sd)
     with pytest.raises(ValueError, match=match) as e:
         load_draft(str(tmp_path / "d"), policy)
     assert "\n" not in str(e.value)
@@ -135,7 +137,7 @@ def test_a_misfit_is_refused_naming_the_field(tmp_path, family, field, value, ma
 def test_eagle3_reduced_vocab_needs_its_maps(tmp_path):
     policy = _policy()
     cfg, sd = _speculators(tmp_path, "eagle3", policy)
-    spec.write(str(tmp_path / "d"), cfg, {k: v for k, v in sd.items() if k != "d2t"})
+    write_export(str(tmp_path / "d"), cfg, {k: v for k, v in sd.items() if k != "d2t"})
     with pytest.raises(ValueError, match="draft_vocab_size=.*expected a full vocabulary, or d2t and t2d"):
         load_draft(str(tmp_path / "d"), policy)
 

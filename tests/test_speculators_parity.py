@@ -30,10 +30,10 @@ from draft_block import block_targets
 from draft_dflash import DFlashDraft
 from draft_dspark import DSparkDraft
 from draft_loss import make_teacher
+from harness.draft_formats import load_draft
 from model import ModelConfig, Transformer
 from parallel.ring import as_ring
 from serving.export import write_servables
-from serving.formats import load_draft
 from serving.speculators_format import RENAMES
 from speculators_util import run_oracle, speculators_python
 
