@@ -35,14 +35,18 @@ def vllm_python() -> str | None:
 
 
 def served_method(draft_dir: str, k: int) -> str:
-    """vLLM's speculative method for the export in draft_dir: "dflash" for serving/export_dflash.py's architecture,
-    else "eagle3". A DFlash block of W slots drafts k <= W - 1 tokens: vLLM 0.32 reads no block size (it runs
-    1 + num_speculative_tokens query slots, v1/spec_decode/dflash.py, DFlashProposer.set_inputs_first_pass), so a
-    larger k would silently propose from slots the draft never trained; refused here."""
+    """vLLM's speculative method for the export in draft_dir: "dflash" for serving/export_dflash.py's architecture
+    or a speculators-format DFlash draft, else "eagle3". A DFlash block of W slots drafts k <= W - 1 tokens: vLLM
+    0.32 reads no block size (it runs 1 + num_speculative_tokens query slots, v1/spec_decode/dflash.py,
+    DFlashProposer.set_inputs_first_pass), so a larger k would silently propose from slots the draft never trained;
+    refused here."""
     from serving.export_dflash import ARCHITECTURE
     with open(os.path.join(draft_dir, "config.json")) as f:
         cfg = json.load(f)
-    if ARCHITECTURE not in cfg.get("architectures", []):
+    fam = cfg.get("speculators_model_type")  # the speculators format: vLLM reads it natively
+    if fam not in (None, "eagle3", "dflash"):
+        raise ValueError(f"draft_dir={draft_dir!r}: speculators_model_type={fam!r}: served here are eagle3 and dflash")
+    if fam != "dflash" and ARCHITECTURE not in cfg.get("architectures", []):
         return "eagle3"
     if not 1 <= k <= cfg["block_size"] - 1:
         raise ValueError(f"k: a DFlash draft of block_size {cfg['block_size']} drafts 1..{cfg['block_size'] - 1} "

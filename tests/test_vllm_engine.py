@@ -228,3 +228,20 @@ def test_dflash_export_served_refit_greedy_and_acceptance(served_dflash):
     rows = [json.loads(line) for line in open(s["tmp"] / "dflash" / "metrics.jsonl")]  # the run's vLLM-rollout step
     step = [r for r in rows if r["kind"] == "train"][0]
     assert len(step["engine_sum"]) == 16 and step["engine_accept"] > 1.2 and step["engine_gap"] is None
+
+
+@pytest.mark.parametrize("family", ["eagle3", "dflash"])
+def test_speculators_format_served_greedy_equal(served, served_dflash, family):
+    """The run's <out>/draft/speculators (the same draft in the speculators format), served by vLLM's own reader of
+    that format: greedy vLLM with it = without it = cospec, acceptance within TOL_T0 of cospec's."""
+    s = served if family == "eagle3" else served_dflash
+    out = s["tmp"] / ("run" if family == "eagle3" else "dflash")
+    with VllmEngine(str(out / "policy"), str(out / "draft" / "speculators"), k=K) as eng:
+        assert eng.method == family
+        t = dict(s, eng=eng)
+        spec, plain = _vllm(t, 0), _vllm(t, 0, spec=False)
+    ours, _ = _cospec(s, None, 0)
+    want = _cospec(s, s["trained"], 0)[1].acceptance_length_uncut
+    print(f"{family}, speculators format: greedy acceptance vLLM {spec.acceptance_length:.3f}, cospec {want:.3f}")
+    assert [x[0] for x in spec.tokens] == [x[0] for x in plain.tokens] == ours
+    assert abs(spec.acceptance_length - want) <= TOL_T0
