@@ -119,6 +119,7 @@ SOURCES = {
     "ring + branch attention, peak MiB": ("json", "bench/results/attention.json", _attention),
     "speculative rollouts vs autoregressive": ("json", "bench/results/rollout_auto.json", _rollout, ("3",)),
     "the exports served and refit by a real engine": ("test", ["tests/test_vllm_engine.py"]),
+    "every family's draft in the field's formats": ("test", ["tests/test_speculators_parity.py"]),
     "the end-to-end RL step with rollouts from vLLM": ("json", "bench/results/e2e_vllm.json", _e2e_vllm,
                                                        ("4", "3", "0.5")),
     "**H200**: the first GPU run": ("test", ["tests/test_gpu_check.py"]),
