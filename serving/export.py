@@ -358,14 +358,16 @@ def check_export(path: str) -> dict:
 
 def check_exports(path: str):
     """Every format of the draft export at `path`: a folder of any format (serving/formats.detect), or a run's
-    <out>/draft whose FORMATS_FILE lists {format: sub-folder}, each folder checked by export_checks.check_folder.
-    Yields one line per format that passes; then a fault in any is one ValueError naming its file and field or
-    tensor (the faults of several formats joined by "; ")."""
+    <out>/draft whose FORMATS_FILE lists {format: sub-folder}, each folder checked by export_checks.check_folder
+    with this file's engine checks. Yields one line per format that passes; then a fault in any is one ValueError
+    naming its file and field or tensor (the faults of several formats joined by "; ")."""
     from serving.export_checks import check_folder
     from serving.hf_io import read_json
+    engine = {"check_export": check_export, "check_exportable": check_exportable, "check_pair": check_pair,
+              "PAIR_FILE": PAIR_FILE}  # export_checks imports nothing of this file's: it is handed them
     listing = os.path.join(path, FORMATS_FILE)
     if not os.path.isfile(listing):
-        yield check_folder(path)[2]
+        yield check_folder(path, engine=engine)[2]
         return
     formats = read_json(listing)
     if not formats or not all(isinstance(v, str) for v in formats.values()):
@@ -373,7 +375,7 @@ def check_exports(path: str):
     faults, families = [], {}
     for fmt, sub in formats.items():
         try:
-            families[fmt], _, line = check_folder(os.path.normpath(os.path.join(path, sub)), listed=fmt)
+            families[fmt], _, line = check_folder(os.path.normpath(os.path.join(path, sub)), fmt, engine=engine)
         except ValueError as e:
             faults.append(str(e))
             continue

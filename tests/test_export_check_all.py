@@ -2,8 +2,10 @@
 every format: each valid export passes with one line per format, a run's <out>/draft has each format in formats.json
 checked, and a damaged copy is refused in one line naming the file and the fault (a truncated or NaN weights file,
 tap ids out of the policy's range, out of order or not matching fc, a MASK id out of range, a missing or misshapen
-tensor, DSpark's Markov and confidence heads, a switch at a value cospec does not compute). Adds ~2 s to the suite on
-a 2-core CPU (1.4-1.9 s measured: every export is a tiny policy's, every expected shape a meta-device draft's)."""
+tensor, DSpark's Markov and confidence heads, a switch at a value cospec does not compute); export_checks'
+expected_tensors is held to each family's real draft. Adds ~1 s to the suite on a 2-core CPU (0.4-0.6 s measured:
+every export is a tiny policy's, the checker computes every expected shape from config fields)."""
+import dataclasses
 import json
 import os
 import re
@@ -14,12 +16,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draft import Eagle3Draft
-from draft_dflash import DFlashDraft
-from draft_dspark import DSparkDraft
+from draft import DraftConfig, Eagle3Draft
+from draft_dflash import DFlashConfig, DFlashDraft
+from draft_dspark import DSparkConfig, DSparkDraft
 from model import ModelConfig, Transformer
 from parallel.cli import run_main
 from serving import export
+from serving.export_checks import COSPEC_FIELDS, expected_tensors
 from serving.hf_io import save_pretrained
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -285,3 +288,44 @@ def test_cospec_checkpoints_are_checked_too(made, tmp_path, capsys, family):
 ])
 def test_not_a_draft(made, target, match):
     _refused(made[0] / target, re.escape(match.format(d=made[0])))
+
+
+@pytest.mark.parametrize("cospec_fault,match", [
+    (_set("num_layers", 0), "num_layers=0: expected >= 1"),
+    (_set("tap_layers", [1, 7]), r"tap_layers=\(1, 7\): ids \[7\] out of range"),
+    (_set("head_dim", "8"), "head_dim='8': expected an even integer"),
+    (lambda d: _config(d, lambda c: c.pop("tap_layers")), r"missing key\(s\) \['tap_layers'\]"),
+    (_set("extra", 1), r"unknown key\(s\) \['extra'\]"),
+])
+def test_a_cospec_checkpoints_fields_are_its_configs(made, tmp_path, cospec_fault, match):
+    """cospec's own checkpoint is read as its load reads it: its config dataclass's keys, each value in range."""
+    d = _copy(made, tmp_path, "cospec_dspark")
+    cospec_fault(d)
+    assert f"{d / 'config.json'}: " in _refused(d, match)
+
+
+# a second policy, so that the table is held to sizes that differ: GQA, head_dim != H / heads, 6 layers, V = 53
+ODD = dict(vocab_size=53, hidden_size=24, intermediate_size=40, num_hidden_layers=6, num_attention_heads=3,
+           num_key_value_heads=1, head_dim=10, qk_norm=True)
+SHAPED = {
+    "eagle3": lambda p: Eagle3Draft.from_target(p, tap_layers=(0, 2, 3), intermediate_size=56,
+                                                draft_vocab=torch.arange(0, p.cfg.vocab_size, 3)),
+    "dflash": lambda p: DFlashDraft.from_target(p, mask_token_id=5, block_size=5, num_layers=3, tap_layers=(1, 3),
+                                                intermediate_size=48),
+    "dspark": lambda p: DSparkDraft.from_target(p, mask_token_id=1, block_size=3, num_layers=1, markov_rank=3),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("preset", [{}, ODD])
+def test_the_shape_table_is_each_drafts_own(made, family, preset):
+    """export_checks.expected_tensors, from the config fields alone, gives every tensor of the family's draft with its
+    shape; COSPEC_FIELDS is the family's config dataclass ({field: default}, ... for none)."""
+    policy = made[1] if not preset else Transformer(ModelConfig.preset("tiny", **preset))
+    for make in (FAMILIES[family], SHAPED[family]):
+        draft = make(policy)
+        want = {k: tuple(v.shape) for k, v in draft.state_dict().items()}
+        assert expected_tensors(family, dataclasses.asdict(draft.cfg)) == want
+    cls = {"eagle3": DraftConfig, "dflash": DFlashConfig, "dspark": DSparkConfig}[family]
+    assert COSPEC_FIELDS[family] == {f.name: ... if f.default is dataclasses.MISSING else f.default
+                                     for f in dataclasses.fields(cls)}
