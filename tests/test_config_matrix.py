@@ -3,7 +3,8 @@ each as two co-training updates (dist_step.DistCotrainer, 4 gloo ranks) against 
 
 The product has 3 x 2 x 2 x 2 x 4 = 96 cells; CASES is a pairwise covering subset (every pair of values of any two
 factors appears in some case; test_cases_cover_every_pair checks it), plus one case that isolates ZeRO-1's re-homing
-of an untied head under pp. Layouts, as (dp, pp, cp) on 4 ranks: pp 2 and cp 2 each beside dp 2, pp 2 x cp 2, dp 4.
+of an untied head under pp and one that runs DSpark's pp 2 x cp 2 bf16 case again in fp64 (its bf16 tolerance is
+looser: BF16_DSPARK_TOL). Layouts, as (dp, pp, cp) on 4 ranks: pp 2 and cp 2 each beside dp 2, pp 2 x cp 2, dp 4.
 
 Each case runs an RL step's two updates as harness/update.py does: pi_old of the second minibatch from one no-grad
 forward (DistCotrainer.old_logp) before the first update, the first update on-policy, one refit after the last. Checks:
@@ -47,12 +48,15 @@ CASES = [("eagle3", "pp2", "fp32", True, False), ("eagle3", "cp2", "bf16", False
          ("dflash", "pp2", "bf16", False, True), ("dflash", "cp2", "fp32", True, False),
          ("dflash", "pp2xcp2", "bf16", True, False), ("dflash", "dp4", "fp32", True, True),
          ("dspark", "pp2", "fp32", False, True), ("dspark", "cp2", "fp32", True, True),
-         ("dspark", "pp2xcp2", "bf16", True, False), ("dspark", "dp4", "bf16", False, False),
+         ("dspark", "pp2xcp2", "bf16", True, False),
+         ("dspark", "pp2xcp2", "fp32", True, False), ("dspark", "dp4", "bf16", False, False),
          ("dflash", "pp2", "fp32", True, False)]
 MICRO, MASK, CLIP, LR = 4, 5, 0.5, 0.05
 FP64_TOL = 1e-8
 BF16_TOL = 0.03  # ||bf16 dist - bf16 one process|| / ||one process|| per tensor; measured <= 0.014
 BF16_L1_TOL = 0.15  # the same for DSpark's Markov head (compare's docstring says why); measured <= 0.056
+BF16_DSPARK_TOL = 0.06  # DSpark's backbone: the L1 subgradient's flips reach it through q; measured <= 0.038 (its
+# fp64 run of the same layout, pp 2 x cp 2 with ZeRO-1, is exact within FP64_TOL)
 HALVES = ([0, 2, 5, 7], [1, 3, 4, 6])  # the step's two minibatches (each holds one of the zero-variance sequences)
 
 
@@ -173,7 +177,7 @@ def rel_l2(a, b) -> float:
     return float((a - b).norm()) / (scale if scale > 0 else 1.0)
 
 
-def compare(got: dict, ref: dict, dtype: str) -> dict:
+def compare(got: dict, ref: dict, dtype: str, family: str = "") -> dict:
     """{what: (error, tolerance)}: losses, this rank's gradients by name (its stage; the draft on the last stage) and
     every weight after both updates. fp32 (run in fp64): max |difference| within FP64_TOL. bf16: per tensor,
     ||difference|| / ||one process|| within BF16_TOL (BF16_L1_TOL for DSpark's Markov head, whose gradient is the L1
@@ -189,16 +193,18 @@ def compare(got: dict, ref: dict, dtype: str) -> dict:
         out[f"update {u + 1} losses"] = (rel_l2([g["loss_policy"], *g["loss_draft"]],
                                                 [r["loss_policy"], *r["loss_draft"]]), BF16_TOL)
         for part in ("policy", "draft"):
-            out.update({f"update {u + 1} {part} grad {n}": (rel_l2(t, r[part][n]), tol_of(n))
+            out.update({f"update {u + 1} {part} grad {n}": (rel_l2(t, r[part][n]), tol_of(n, part, family))
                         for n, t in g[part].items()})
     for part in ("policy", "draft"):
-        out.update({f"{part} weight {n}": (rel_l2(t, ref["weights"][part][n]), tol_of(n))
+        out.update({f"{part} weight {n}": (rel_l2(t, ref["weights"][part][n]), tol_of(n, part, family))
                     for n, t in got["weights"][part].items()})
     return out
 
 
-def tol_of(name: str) -> float:
-    return BF16_L1_TOL if name.startswith("markov_") else BF16_TOL
+def tol_of(name: str, part: str, family: str) -> float:
+    if name.startswith("markov_"):
+        return BF16_L1_TOL
+    return BF16_DSPARK_TOL if (part, family) == ("draft", "dspark") else BF16_TOL
 
 
 # ------------------------------------------------------------------------------------------------------ the matrix
@@ -211,7 +217,7 @@ def _worker(rank, world, cases, refs):
             got = run(Grid.build(pp=pp, cp=cp, dp=dp), family, dtype, tied, zero1, checks)
             prints = [None] * world
             dist.all_gather_object(prints, got["prints"])
-            out.append({"diff": compare(got, refs[(family, dtype, tied)], dtype),
+            out.append({"diff": compare(got, refs[(family, dtype, tied)], dtype, family),
                         "shared": [p for c in checks for p in c], "prints_agree": all(p == prints[0] for p in prints),
                         "lp_err": [u["lp_err"] for u in got["updates"]]})
         except Exception as e:  # noqa: BLE001 - reported by the case's own test; the other cases still run
