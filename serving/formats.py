@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import os
 
-import torch
-
 from serving import speculators_format as spec
 
 VLLM_ARCH = {"LlamaForCausalLMEagle3": "eagle3", "DFlashDraftModel": "dflash"}
@@ -40,7 +38,7 @@ def detect(path: str) -> tuple:
     arch = (cfg.get("architectures") or [None])[0]
     if arch in VLLM_ARCH:
         return VLLM_ARCH[arch], "vllm"
-    arch = arch or "Eagle3DraftModel"  # cospec's own EAGLE-3 checkpoints once had no architectures
+    arch = arch or "Eagle3DraftModel"  # no architectures: an EAGLE-3 checkpoint (drafters.architecture's rule)
     if arch not in COSPEC_ARCH:
         raise ValueError(f"draft {path!r}: architectures={cfg.get('architectures')!r}: expected one of "
                          f"{sorted(VLLM_ARCH) + sorted(COSPEC_ARCH)}, or a speculators config")

@@ -27,6 +27,7 @@ FAMILIES = {
 }
 CELLS = [("eagle3", "vllm", "."), ("eagle3", "speculators", "speculators"), ("dflash", "vllm", "."),
          ("dflash", "speculators", "speculators"), ("dspark", "speculators", ".")]
+SAVED = [("eagle3", "cospec", "."), ("dflash", "cospec", "."), ("dspark", "cospec", ".")]  # draft.save()
 
 
 def _policy():
@@ -56,11 +57,11 @@ def _logits(d, policy):
     return d.logits(h)
 
 
-@pytest.mark.parametrize("family,fmt,sub", CELLS)
+@pytest.mark.parametrize("family,fmt,sub", CELLS + SAVED)
 def test_every_cell_loads_back_the_same_draft(tmp_path, family, fmt, sub):
     policy = _policy()
     d = _draft(family, policy)
-    d.export(str(tmp_path / "d"), dtype=torch.float32)
+    d.save(str(tmp_path / "d")) if fmt == "cospec" else d.export(str(tmp_path / "d"), dtype=torch.float32)
     path = str(tmp_path / "d" / sub)
     assert detect(path) == (family, fmt)
     back = load_draft(path, policy, drafter=family)
@@ -69,8 +70,9 @@ def test_every_cell_loads_back_the_same_draft(tmp_path, family, fmt, sub):
     for k, v in back.state_dict().items():
         assert torch.equal(v, want[k]), k
     assert torch.equal(_logits(back, policy), _logits(d, policy))
-    listing = json.loads((tmp_path / "d" / "formats.json").read_text())
-    assert listing[fmt] == sub  # <out>/draft says which formats it holds, and where
+    if fmt != "cospec":
+        listing = json.loads((tmp_path / "d" / "formats.json").read_text())
+        assert listing[fmt] == sub  # <out>/draft says which formats it holds, and where
 
 
 def test_drafter_must_agree_with_the_file(tmp_path):
@@ -185,3 +187,13 @@ def test_a_run_starts_from_each_cell(tmp_path):
                          ("offline", s.offline.draft if s.offline else None)):
             if got is not None:
                 assert all(torch.equal(v, want[k].to(v.dtype)) for k, v in got.state_dict().items()), (family, arm)
+
+
+def test_the_architecture_table_is_each_drafts_own(tmp_path):
+    """serving/formats.COSPEC_ARCH (serving may not import the drafts) names what each family's save() writes."""
+    from serving.formats import COSPEC_ARCH
+    policy = _policy()
+    for family, make in FAMILIES.items():
+        make(policy).save(str(tmp_path / family))
+        arch = json.loads((tmp_path / family / "config.json").read_text())["architectures"][0]
+        assert COSPEC_ARCH[arch] == family and detect(str(tmp_path / family)) == (family, "cospec")
