@@ -22,13 +22,16 @@ DFlash (`--drafter dflash --block_size 4 --draft_layers 1 --anchors 8`, the same
 warm-up; one more worker with "method": "dflash", started with a random draft; the run's one RL step takes its
 rollouts from vLLM with the DFlash draft, --rollout_engine vllm): refit of the trained draft (checksum; the fused
 context-K/V buffers rebuilt), greedy vLLM with it = without it = cospec, acceptance within TOL_T0 / TOL_T1 of
-cospec's as above. Measured (one run): EAGLE-3 greedy 1.975 / 1.975, T = 1 (64 samples per prompt) 2.145 / 2.124;
-DFlash greedy 1.707 / 1.707, T = 1 1.993 / 1.975, random draft 1.28 (docs/serving.md: the same export with
-target_layer_ids one layer early, as if vLLM did not add 1, loses 0.2-0.3).
+cospec's as above. The same two drafts in the speculators format (<out>/draft/speculators), each in its own worker:
+greedy-equal, acceptance as cospec's. Measured (one run, `pytest -q -m slow -s`): EAGLE-3 greedy 1.783 / 1.783, T = 1
+2.192 / 2.162, cold draft 1.05; DFlash greedy 1.695 / 1.695, T = 1 2.006 / 2.019, random draft 1.131; the speculators
+format 1.783 / 1.783 and 1.695 / 1.695 (docs/serving.md: a DFlash export with target_layer_ids one layer early, as if
+vLLM did not add 1, loses 0.2-0.3).
 Without vLLM's environment the test is skipped with the line that installs it; in CI (CI=true) that is a failure.
-Time: 2 min 48 s for the file (8 tests) on a 2-core machine at load average ~1 from an empty cache: the
-policy's 200-step SFT 6 s, the draft warm-ups 7 s and ~30 s, each worker's start and the checks the rest. Under load
-it stretches: 13 min 46 s at load average ~4 and 12-14 min at ~10, on the same machine.
+Time: 2 min 48 s for the file (8 tests, before the two speculators-format workers) on a 2-core machine at load
+average ~1 from an empty cache: the policy's 200-step SFT 6 s, the draft warm-ups 7 s and ~30 s, each worker's start
+and the checks the rest. Under load it stretches: 13 min 46 s at load average ~4 and 12-14 min at ~10, on the same
+machine.
 Marked slow: `pytest -q -m slow` runs it, and CI does.
 """
 import copy
