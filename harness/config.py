@@ -270,8 +270,7 @@ CHECKS = {
     "draft":              ((lambda v, c: v == "" or (os.path.isfile(os.path.join(v, "config.json")) and not c.cold_start
                                                      and not c.draft_vocab and not c.tap_layers)),
                            "'' or a draft directory (config.json) in a format harness/draft_formats.py reads, not with "
-                           "--cold_start, "
-                           "--draft_vocab or --tap_layers (the draft brings its own)"),
+                           "--cold_start, --draft_vocab or --tap_layers (the draft brings its own)"),
     "no_spec":            ((lambda v, c: not v or not (c.draft or c.cold_start or c.num_draft_tokens == "auto" or c.tree
                                                    or True in (c.frozen_arm, c.cold_arm, c.offline_arm))),
                            "false with --draft, --cold_start, --num_draft_tokens=auto, --tree or a control arm set "
