@@ -7,15 +7,21 @@ from draft import Eagle3Draft
 from model import ModelConfig, Transformer
 
 
-def make_small_vocab_pair():
-    """A 6-token policy with peaked, position-dependent distributions and a deliberately mismatched draft (random
-    head, 4 of the 6 tokens only: a (4, ...) tree root exhausts its support)."""
+def peaked_policy():
+    """A 6-token policy with peaked, position-dependent distributions (seed 0; its matrices scaled by 25)."""
     torch.manual_seed(0)
     policy = Transformer(ModelConfig.preset("tiny", vocab_size=6)).eval()
     with torch.no_grad():
         for p in policy.parameters():
             if p.dim() == 2:
                 p.mul_(25)
+    return policy
+
+
+def make_small_vocab_pair():
+    """peaked_policy and a deliberately mismatched draft (random head, 4 of the 6 tokens only: a (4, ...) tree root
+    exhausts its support)."""
+    policy = peaked_policy()
     draft = Eagle3Draft.from_target(policy, draft_vocab=[0, 2, 3, 5], tap_layers=(0, 1))  # the taps it was tuned on
     with torch.no_grad():
         draft.lm_head.weight.normal_(0, 1.0)

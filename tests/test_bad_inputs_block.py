@@ -14,28 +14,15 @@ import re
 
 import pytest
 
-import train
 from harness import drafters
 from harness.config import parse_args
 from harness.experiment import build_task
 from harness.config_checks import BLOCK_MAX
 from hf_util import write_jsonl, write_word_tokenizer
-from parallel.cli import run_main
 from tasks.task import VOCAB
+from test_startup_checks import ends_before_the_build
 
 MASK_RULE = "--mask_token_id={}: expected -1 (the tokenizer's mask token, else the task's pad) or an id >= 0"
-
-
-def ends_before_the_build(monkeypatch, capsys, argv) -> str:
-    """train.py's main: exit 1, one line on stderr, and no model built. -> that line."""
-    def build(*a, **k):
-        pytest.fail(f"{argv}: the run reached the build (model load, warm-ups) instead of refusing at start")
-    monkeypatch.setattr(train, "build", build)
-    with pytest.raises(SystemExit) as e:
-        run_main(train.main, train.__file__, argv)
-    err = capsys.readouterr().err
-    assert e.value.code == 1 and err.count("\n") == 1 and "Traceback" not in err, (e.value.code, err)
-    return err.strip()
 
 
 # ------------------------------------------------------------------------------- 1. a MASK id the policy emits

@@ -14,7 +14,7 @@ from harness import drafters
 from harness.config import parse_args
 from harness.experiment import build_task
 from model import ModelConfig, Transformer, greedy_generate
-from spec_cases import exact_first3
+from spec_cases import exact_first3, peaked_policy
 from speculative import generate, residual, verify
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -117,12 +117,7 @@ def first3(anticipating=False, N=8000):
     W = 2; c_k reads W1[prev_k] alone, so a row's cut turns on the token before the slot). anticipating: the bug the
     paper's appendix A warns of, slot k's cut read from its OWN token's W1 row (decided after the token is drawn),
     which biases the output."""
-    torch.manual_seed(0)
-    policy = Transformer(ModelConfig.preset("tiny", vocab_size=6)).eval()
-    with torch.no_grad():
-        for p in policy.parameters():
-            if p.dim() == 2:
-                p.mul_(25)
+    policy = peaked_policy()
     draft = DSparkDraft.from_target(policy, mask_token_id=5, block_size=2, tap_layers=(0, 1), markov_rank=3,
                                     confidence_threshold=0.5)
     H = draft.cfg.hidden_size

@@ -24,16 +24,10 @@ from parallel.cli import run_main
 from serving import export
 from serving.export_checks import COSPEC_FIELDS, expected_tensors
 from serving.hf_io import save_pretrained
+from format_cases import CELLS, FAMILIES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FAMILIES = {
-    "eagle3": lambda p: Eagle3Draft.from_target(p, draft_vocab=torch.arange(0, p.cfg.vocab_size, 2)),
-    "dflash": lambda p: DFlashDraft.from_target(p, mask_token_id=0, block_size=4, num_layers=2),
-    "dspark": lambda p: DSparkDraft.from_target(p, mask_token_id=0, block_size=4, num_layers=2, markov_rank=4),
-}
-CELLS = [("eagle3", "vllm", "."), ("eagle3", "speculators", "speculators"), ("dflash", "vllm", "."),
-         ("dflash", "speculators", "speculators"), ("dspark", "speculators", ".")]
 ARCH = {("eagle3", "vllm"): "LlamaForCausalLMEagle3", ("eagle3", "speculators"): "Eagle3DraftModel",
         ("dflash", "vllm"): "DFlashDraftModel", ("dflash", "speculators"): "DFlashDraftModel",
         ("dspark", "speculators"): "DSparkDraftModel"}

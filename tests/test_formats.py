@@ -9,24 +9,16 @@ import pytest
 import torch
 
 from draft import Eagle3Draft
-from draft_dflash import DFlashDraft
-from draft_dspark import DSparkDraft
 from harness.config import parse_args
 from model import ModelConfig, Transformer
 from serving import speculators_format as spec
 from harness.draft_formats import load_draft
 from serving.export import write_export
 from serving.formats import detect, draft_fields
+from format_cases import CELLS, FAMILIES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FAMILIES = {
-    "eagle3": lambda p: Eagle3Draft.from_target(p, draft_vocab=torch.arange(0, p.cfg.vocab_size, 2)),
-    "dflash": lambda p: DFlashDraft.from_target(p, mask_token_id=0, block_size=4, num_layers=2),
-    "dspark": lambda p: DSparkDraft.from_target(p, mask_token_id=0, block_size=4, num_layers=2, markov_rank=4),
-}
-CELLS = [("eagle3", "vllm", "."), ("eagle3", "speculators", "speculators"), ("dflash", "vllm", "."),
-         ("dflash", "speculators", "speculators"), ("dspark", "speculators", ".")]
 SAVED = [("eagle3", "cospec", "."), ("dflash", "cospec", "."), ("dspark", "cospec", ".")]  # draft.save()
 
 
