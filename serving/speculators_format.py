@@ -13,6 +13,10 @@ shares the live policy's and does not read it.
     draft_vocab_size, d2t, t2d             draft_vocab_size, d2t, t2d      target id = draft id + d2t[draft id]
     block_size, mask_token_id              the same
     sample_from_anchor                     False for DFlash (slot k predicts x_{a+k}), True for DSpark (x_{a+k+1})
+    sliding_window_non_causal              true: the block attends to all of itself (vLLM 0.32 reads the field as
+                                           dflash_config.causal for every layer; the library, for sliding layers)
+    speculators_config.proposal_methods    greedy, speculative_tokens = the trained slots (EAGLE-3: 3, cospec's
+                                           default TTT passes)
     markov_rank                            markov_rank (DSpark; head type "vanilla")
     enable_confidence_head,                true, true: DSpark's confidence head reads [norm(h_k); W1[prev_k]]
     confidence_head_with_markov
@@ -80,7 +84,7 @@ def from_cospec(draft, family: str, *, verifier: str | None = None, verifier_arc
     c = draft.cfg
     aux = [t + 1 for t in c.tap_layers]
     block = family != "eagle3"
-    k = (c.block_size if family == "dspark" else c.block_size - 1) if block else 3
+    k = (c.block_size if family == "dspark" else c.block_size - 1) if block else 3  # drafts per step, served
     cfg = {"architectures": [ARCHITECTURES[family]], "speculators_model_type": family, "speculators_version": VERSION,
            "transformer_layer_config": _layer(family, c),
            "draft_vocab_size": int(getattr(c, "draft_vocab_size", c.vocab_size)), "target_hidden_size": None,
