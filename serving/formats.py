@@ -31,8 +31,7 @@ def detect(path: str) -> tuple:
         hint = f" (its {FORMATS_FILE} lists the formats' sub-folders)" \
             if os.path.isfile(os.path.join(path, FORMATS_FILE)) else ""
         raise ValueError(f"--draft {path!r}: expected a draft folder with config.json{hint}")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
+    cfg = read_config(cfg_path)
     if spec.is_speculators(cfg):
         return spec.family_of(cfg, path), "speculators"
     arch = (cfg.get("architectures") or [None])[0]
@@ -45,13 +44,24 @@ def detect(path: str) -> tuple:
     return COSPEC_ARCH[arch], "cospec"
 
 
+def read_config(cfg_path: str) -> dict:
+    """config.json as a dict, or a ValueError naming the file."""
+    try:
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"draft {cfg_path}: not a readable JSON file ({type(e).__name__}: {e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"draft {cfg_path}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
 def draft_fields(path: str) -> dict:
     """What a run's config takes from the draft at `path` before any model exists: {family, format, and for a block
     draft block_size, mask_token_id, num_layers (and markov_rank)}."""
     path = resolve(path)
     family, fmt = detect(path)
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
+    cfg = read_config(os.path.join(path, "config.json"))
     out = {"family": family, "format": fmt}
     if family == "eagle3":
         return out

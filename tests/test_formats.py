@@ -189,3 +189,9 @@ def test_the_architecture_table_is_each_drafts_own(tmp_path):
         make(policy).save(str(tmp_path / family))
         arch = json.loads((tmp_path / family / "config.json").read_text())["architectures"][0]
         assert COSPEC_ARCH[arch] == family and detect(str(tmp_path / family)) == (family, "cospec")
+
+
+def test_an_unreadable_config_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config.json: not a readable JSON file \(JSONDecodeError"):
+        parse_args(["--preset=test", f"--draft={tmp_path}"])
