@@ -19,7 +19,8 @@ warm-up, co-trained, frozen and offline-extended drafts), the same seeds and the
 budget the acceptance of the three arms at the run's eval k (the same k for every family: a block drafter needs
 k <= block_size - 1), the paired-bootstrap CIs of co-trained - frozen and co-trained - offline per seed, the rollout
 speedup inside the loop, the e2e step against plain GRPO (wall and CPU) and the draft's training seconds per step.
-Runs go to runs/budget/<drafter>_<every>_s<seed>; writes bench/results/families.{json,md} (--name: another).
+Runs go to runs/budget/<drafter>_<every>_s<seed>; writes bench/results/families.{json,md} (--name: another). A
+train.py flag only some of the families read (--block_size) goes to their runs alone (family_flags).
 
     python bench/bench_e2e_budget.py --drafters eagle3,dflash,dspark --seeds 0,1,2 --budgets 2 --parallel 1 \
         --runs runs/fam_l1 -- --draft_layers=1 --block_size=8 --anchors=8   # the one-layer table (each run alone)
@@ -148,6 +149,21 @@ def parse(argv: list):
     return args, [f for f in flags if f != "--"] + ["--threads=1"]
 
 
+def family_flags(flags: list, drafter: str, drafters: list) -> list:
+    """The train.py `flags` less those `drafter` does not read while one of `drafters` does: a block flag given for
+    the side by side (--block_size=8) stays out of EAGLE-3's and the plain runs' commands, which would refuse it
+    (config_checks.check_family_flags). --key=value and --key value alike; a flag no listed family reads stays."""
+    drop = set().union(*(DRAFTERS[d].flags for d in drafters)) - DRAFTERS[drafter].flags
+    out, i = [], 0
+    while i < len(flags):
+        key, eq, _ = flags[i].partition("=")
+        n = 1 if eq or i + 1 == len(flags) or flags[i + 1].startswith("--") else 2
+        if key[2:] not in drop:
+            out += flags[i:i + n]
+        i += n
+    return out
+
+
 def run_name(drafter, every: int, seed: int) -> str:  # EAGLE-3's budget runs keep their names without --drafters
     return f"{every}_s{seed}" if drafter is None else f"{drafter}_{every}_s{seed}"
 
@@ -156,13 +172,15 @@ def main(argv: list):
     args, flags = parse(argv)
     seeds, budgets = [int(s) for s in args.seeds.split(",")], [int(b) for b in args.budgets.split(",")]
     drafters = args.drafters or [None]
-    own = lambda d: flags + ([f"--drafter={d}"] if d else [])  # noqa: E731
+    own = lambda d: (family_flags(flags, d or "eagle3", args.drafters or [])  # noqa: E731
+                     + ([f"--drafter={d}"] if d else []))
     for d in drafters:  # each family's warm-up trained once, then read from the cache by its runs
         subprocess.run([sys.executable, "-m", "harness.warmup", *own(d)], cwd=ROOT, check=True,
                        stdout=subprocess.DEVNULL)
     spec = [(os.path.join(args.runs, run_name(d, b, s)), own(d) + [f"--rl_seed={s}", f"--draft_every={b}"])
             for d in drafters for b in budgets for s in seeds]
-    plain = [(os.path.join(args.runs, f"plain_s{s}"), flags + [f"--rl_seed={s}", "--no_spec"]) for s in seeds]
+    plain = [(os.path.join(args.runs, f"plain_s{s}"),
+              family_flags(flags, "eagle3", args.drafters or []) + [f"--rl_seed={s}", "--no_spec"]) for s in seeds]
     jobs = spec[:1] + plain + spec[1:]  # the first spec run trains the draft warm-up while the plain runs need none
     with ThreadPoolExecutor(args.parallel) as ex:
         list(ex.map(lambda j: run(*j), jobs))

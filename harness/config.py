@@ -29,7 +29,7 @@ from parallel.cli import HELP_ALL, grouped_help, print_help, wants_help
 from parallel.cli import show_value as _show
 from harness.config_checks import (_TYPE_CHECKS, AUTO_FLAG, BLOCK_MAX, FITS_BLOCK, FLAG, MASK_ROW, _block_ok,
                                     _fits_block, _installed, _parses, _problem, _taps_ok, _update_sizes, _writable_dir,
-                                    above, at_least, backend_problem, fitted_block, one_of)
+                                    above, at_least, backend_problem, check_family_flags, fitted_block, one_of)
 from harness.draft_formats import take_from_draft
 from harness.drafters import FAMILIES as DRAFTERS
 from harness.flag_groups import GROUPS
@@ -157,6 +157,7 @@ class Config:
         bad = [e for e in bad if e] or [_problem(k, getattr(self, k), CHECKS[k], self) for k in types if k in CHECKS]
         if any(bad):
             raise ValueError("; ".join(e for e in bad if e))
+        check_family_flags(self, DRAFTERS)  # a flag only another draft family reads: one line naming them all
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda': CUDA is not available here (use --device=auto or --device=cpu)")
         if self.hf_mode:
@@ -302,7 +303,7 @@ CHECKS = {
     "drafter":            ((lambda v, c: v in DRAFTERS and (v == "eagle3" or _block_ok(c))),
                            f"one of {', '.join(DRAFTERS)}; a block drafter (dflash, dspark) with a fixed "
                            "--num_draft_tokens and --eval_draft_tokens <= block_size - 1 (dspark: block_size; "
-                           "--block_size=0, the default, fits the block to them), and no --tree or --draft_vocab"),
+                           "--block_size=0, the default, fits the block to them)"),
     "block_size":         ((lambda v, c: v == 0 or 2 <= v <= BLOCK_MAX),
                            f"0 (k + 1; dspark: k, at least 2) or in [2, {BLOCK_MAX}]"),
     "anchors":            at_least(1),
@@ -310,8 +311,7 @@ CHECKS = {
     "draft_layers":       at_least(1),
     "mask_token_id":      MASK_ROW,
     "markov_rank":        at_least(1),
-    "confidence_threshold": ((lambda v, c: 0 <= v <= 1 and (v == 0 or c.drafter == "dspark")),
-                           "in [0, 1] (0: off), and above 0 only with --drafter=dspark (its confidence head)"),
+    "confidence_threshold": ((lambda v, c: 0 <= v <= 1), "in [0, 1] (0: off; dspark's confidence head)"),
     "steps":              at_least(1),
     "prompts_per_step":   at_least(1),
     "group_size":         at_least(2),  # GRPO's advantage is relative to the group: one sample has none

@@ -1,12 +1,14 @@
 """The pieces Config's per-field checks (harness/config.CHECKS) are built from: the row makers (a range, a choice, a
 flag), the type checks and the helpers some rows call (can this directory be written, does the policy have these
-layers, which sizes do the updates cut, can the policy emit this MASK id: the run's tokenizer read at check time).
+layers, which sizes do the updates cut, can the policy emit this MASK id: the run's tokenizer read at check time),
+and the check across the draft families (check_family_flags: a flag only another family reads).
 
 May import parallel, tasks and model (the presets), nothing of harness but presets; backend_problem imports
 backends.attention_flash when it asks flash-attn itself.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -142,11 +144,11 @@ FITS_BLOCK = (f"with --drafter dflash and --block_size=0 at most {BLOCK_MAX - 1}
 
 
 def _block_ok(c) -> bool:
-    """A block drafter's k: fixed, at most its trained slots (W - 1; dspark: W, W = c.block_slots); a chain only."""
+    """A block drafter's k: fixed, at most its trained slots (W - 1; dspark: W, W = c.block_slots). --tree and
+    --draft_vocab are EAGLE-3's flags: check_family_flags refuses them here."""
     most = c.block_slots - (c.drafter == "dflash")
     k = c.num_draft_tokens
-    return (type(k) is int and k <= most and (c.eval_draft_tokens or k) <= most and not c.tree
-            and not c.draft_vocab)
+    return type(k) is int and k <= most and (c.eval_draft_tokens or k) <= most
 
 
 def default_mask(tok, hf_mode: bool) -> int | None:
@@ -206,6 +208,26 @@ _TYPE_CHECKS = {
     "str":   ((lambda v, c: isinstance(v, str)), "a string"),
     "bool":  ((lambda v, c: isinstance(v, bool)), "true or false"),
 }
+
+
+def check_family_flags(c, families: dict):
+    """Refuse, in one line, every flag set off its Config default that the run's draft family (c.drafter) does not
+    read while another does: `--block_size=8: only --drafter dflash / dspark read it (this run's --drafter is
+    eagle3)`. families: harness/drafters.FAMILIES (name -> its .flags). A block draft's block_size, mask_token_id,
+    draft_layers and markov_rank taken from --draft (draft_formats.take_from_draft) are its own family's."""
+    readers = {}  # flag -> the families that read it
+    for name, fam in families.items():
+        for flag in fam.flags:
+            readers.setdefault(flag, []).append(name)
+    groups = {}  # the families that read them -> the offending flags, in the Config's order
+    for f in dataclasses.fields(c):
+        v = getattr(c, f.name)
+        if f.name in readers and c.drafter not in readers[f.name] and v != f.default:
+            groups.setdefault(tuple(readers[f.name]), []).append(f"--{f.name}={_show(v)}")
+    bad = [f"{', '.join(flags)}: only --drafter {' / '.join(r)} read{'s' * (len(r) == 1)} "
+           f"{'them' if len(flags) > 1 else 'it'}" for r, flags in groups.items()]
+    if bad:
+        raise ValueError(f"{'; '.join(bad)} (this run's --drafter is {c.drafter})")
 
 
 def _problem(key: str, value, rule, cfg=None) -> str | None:

@@ -5,6 +5,7 @@ which class a name means, which of the config's flags its constructor and its lo
 training attention. eagle3 is the default (the experiment's numbers are EAGLE-3's).
 
     options(cfg, tsk)                                  the family's construction and loss options (a warm-up's key)
+    FAMILIES[name].flags                               its config flags: set with a family that reads none, refused
     build_draft(name, policy, opts, tap_layers=, draft_vocab=)   a fresh draft of that family for the policy
     make_trainer(name, draft, opt, opts, ...) / config_trainer(cfg, tsk, draft, opt)   its rl_loop.DraftTrainer
     architecture(path)                                 the family class of a saved draft (config.json names it)
@@ -27,17 +28,31 @@ from rl_loop import DraftTrainer
 from serving.hf_io import read_json
 
 
+# the config flag each option is read from (options); None: one the whole run reads
+OPTION_FLAGS = dict(mask_token_id="mask_token_id", block_size="block_size", num_layers="draft_layers",
+                    markov_rank="markov_rank", confidence_threshold="confidence_threshold", anchors="anchors",
+                    gamma="block_gamma", seed=None)
+
+
 @dataclass(frozen=True)
 class Family:
     cls: type
     build_keys: tuple  # the options its from_target takes
     loss_keys: tuple  # the options its loss takes (rl_loop.DraftTrainer.opts)
     attn_fn: Optional[Callable] = None  # the single-process training attention (None: the family's default)
+    own_flags: tuple = ()  # the config flags it reads beside its options' (EAGLE-3's TTT, draft vocabulary, tree)
+
+    @property
+    def flags(self) -> set:
+        """The config flags that are the family's: its options' (OPTION_FLAGS) and its own_flags. A flag set off its
+        default that only other families read is refused (config_checks.check_family_flags)."""
+        return {OPTION_FLAGS[k] for k in self.build_keys + self.loss_keys if OPTION_FLAGS[k]} | set(self.own_flags)
 
 
 BLOCK_BUILD, BLOCK_LOSS = ("mask_token_id", "block_size", "num_layers"), ("anchors", "gamma", "seed")
 FAMILIES = {
-    "eagle3": Family(Eagle3Draft, (), (), auto_branch_attention),
+    "eagle3": Family(Eagle3Draft, (), (), auto_branch_attention,
+                     ("ttt_passes", "ttt_decay", "draft_vocab", "tree")),
     "dflash": Family(DFlashDraft, BLOCK_BUILD, BLOCK_LOSS),
     "dspark": Family(DSparkDraft, BLOCK_BUILD + ("markov_rank", "confidence_threshold"), BLOCK_LOSS),
 }

@@ -38,7 +38,8 @@ def test_the_builtin_tasks_emitted_ids_are_refused_as_a_mask(family):
     for i, flags in ((0, []), (0, ["--mask_token_id=0"]), (1, ["--mask_token_id=1"])):
         cfg = parse_args([f"--drafter={family}"] + flags)
         assert drafters.mask_token_id(cfg, build_task(cfg)) == i
-    parse_args(["--mask_token_id=2"])  # EAGLE-3 reads no MASK
+    with pytest.raises(ValueError, match=re.escape("--mask_token_id=2: only --drafter dflash / dspark read it")):
+        parse_args(["--mask_token_id=2"])  # EAGLE-3 reads no MASK (tests/test_family_flags.py)
     parse_args(["--drafter=dflash", "--mask_token_id=2", "--no_spec"])  # nor does a run without a draft
 
 

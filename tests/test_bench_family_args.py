@@ -71,3 +71,16 @@ def test_family_table_names_empty_fields():
     assert bench_e2e_budget.missing(res) == ["dflash 1/2 seed 0: rollout_speedup"]
     table = bench_e2e_budget.family_table(res).splitlines()
     assert len(table) == 4 and "[+0.10, +0.20]" in table[2] and "| - |" in table[3]
+
+
+def test_e2e_a_block_flag_goes_to_the_block_families_alone():
+    """EAGLE-3's and the plain runs' train.py refuse --block_size (config_checks.check_family_flags): the side by side
+    hands each family the flags it reads; one no listed family reads stays, for train.py to refuse."""
+    flags = ["--preset", "test", "--block_size=8", "--anchors", "8", "--markov_rank=4", "--ttt_passes", "2", "--resume"]
+    listed = ["eagle3", "dflash", "dspark"]
+    assert bench_e2e_budget.family_flags(flags, "eagle3", listed) == ["--preset", "test", "--ttt_passes", "2",
+                                                                      "--resume"]
+    assert bench_e2e_budget.family_flags(flags, "dflash", listed) == ["--preset", "test", "--block_size=8",
+                                                                      "--anchors", "8", "--resume"]
+    assert bench_e2e_budget.family_flags(flags, "dspark", listed) == flags[:6] + ["--resume"]
+    assert bench_e2e_budget.family_flags(flags, "dflash", ["dflash"]) == flags  # --markov_rank: refused by train.py

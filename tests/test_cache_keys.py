@@ -78,7 +78,8 @@ UNREAD = {"name": "other", "out": "elsewhere", "cache_dir": "other_cache", "thre
 def write_checkpoint(path, words="What is + ? 0 1 2 3 4 5 6".split()) -> str:
     """Tokenizer files and a config.json: all a task and a key read of a checkpoint (no weights)."""
     V = write_word_tokenizer(path, words)
-    (path / "config.json").write_text(json.dumps({"vocab_size": V, "max_position_embeddings": 256}))
+    (path / "config.json").write_text(json.dumps({"vocab_size": V, "max_position_embeddings": 256,
+                                                  "mask_token_id": 3}))  # <unk>: --drafter=dflash's MASK
     return str(path)
 
 
@@ -97,7 +98,7 @@ def hf(tmp_path):
              "data": write_prompts(tmp_path / "p2.jsonl", offset=1), "chat_template": str(tmp_path / "t2.jinja")}
     cfg = parse_args(["--preset=test", f"--model={write_checkpoint(tmp_path / 'llama')}",
                       f"--data={write_prompts(tmp_path / 'p.jsonl')}", f"--chat_template={tmp_path / 't.jinja'}",
-                      "--max_new_tokens=10", "--eval_fraction=0.3", "--mask_token_id=3"])  # (--drafter=dflash)
+                      "--max_new_tokens=10", "--eval_fraction=0.3"])
     return cfg, {k: other.get(k, v) for k, v in HF_CHANGES.items()}
 
 

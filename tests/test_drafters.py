@@ -41,10 +41,15 @@ def test_registry_builds_each_family(policy, name, cls, taps):
 
 
 @pytest.mark.parametrize("flags", [["--num_draft_tokens=auto"], ["--block_size=8", "--num_draft_tokens=8"],
-                                   ["--tree=2,1"], ["--draft_vocab=8"],
                                    ["--block_size=8", "--num_draft_tokens=2", "--eval_draft_tokens=9"]])
 def test_block_drafter_refuses_chain_features(flags):
     with pytest.raises(ValueError, match="--drafter=dflash: expected"):
+        parse_args(["--drafter=dflash"] + flags)
+
+
+@pytest.mark.parametrize("flags", [["--tree=2,1", "--num_draft_tokens=2"], ["--draft_vocab=8"]])
+def test_block_drafter_refuses_eagle3s_flags(flags):  # tests/test_family_flags.py: every family's flags
+    with pytest.raises(ValueError, match="only --drafter eagle3 reads it"):
         parse_args(["--drafter=dflash"] + flags)
 
 
@@ -74,7 +79,8 @@ def test_warmup_key_by_family():
     for name in ("eagle3", "dflash"):
         cfg = parse_args([f"--drafter={name}", "--num_draft_tokens=3"])
         keys[name] = DraftSpec.from_config(cfg, build_task(cfg), "p").key()
-    cfg = parse_args(["--block_size=4", "--anchors=2"])  # block flags do not touch an EAGLE-3 warm-up's key
+    cfg = parse_args([])  # block fields (refused as flags with eagle3) do not touch an EAGLE-3 warm-up's key
+    cfg.block_size, cfg.anchors = 4, 2
     assert DraftSpec.from_config(cfg, build_task(cfg), "p").key() == keys["eagle3"] != keys["dflash"]
 
 

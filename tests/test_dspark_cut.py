@@ -157,10 +157,12 @@ def test_flag_reaches_the_draft_and_defaults():
     """--confidence_threshold: DeepSpec's default 0 (off), checked in [0, 1], DSpark only, carried to the draft (its
     config, so a saved or fresh copy keeps it). --block_size=0 gives DSpark k slots, all proposed (DFlash: k + 1)."""
     assert parse_args(["--drafter=dspark"]).confidence_threshold == 0.0
-    for bad in (["--drafter=dspark", "--confidence_threshold=1.5"], ["--drafter=dflash", "--confidence_threshold=0.3"],
+    for bad in (["--drafter=dspark", "--confidence_threshold=1.5"],
                 ["--drafter=dspark", "--confidence_threshold=-0.1"]):
         with pytest.raises(ValueError, match=r"^--confidence_threshold=\S+: expected in \[0, 1\]"):
             parse_args(bad)
+    with pytest.raises(ValueError, match=r"^--confidence_threshold=0.3: only --drafter dspark reads it"):
+        parse_args(["--drafter=dflash", "--confidence_threshold=0.3"])
     cfg = parse_args(["--drafter=dspark", "--num_draft_tokens=3", "--confidence_threshold=0.4"])
     tsk = build_task(cfg)
     policy = Transformer(ModelConfig.preset("mini", vocab_size=18))
