@@ -13,9 +13,10 @@ Why the split of the work does not change the step (rl_loop's module docstring h
   2. Next-token log-probs under CP. log p(x_t | x_<t) reads the logits at t-1, which may sit on another CP rank. So
      the labels move instead: they are taken per prediction (rl_loop.py: indexing), row p carrying target x_{p+1}
      and token p+1's w, old/ref log-probs (0 past a sequence's end); each rank then needs only its own logits rows.
-  3. Draft. The draft's TTT loss is a mean per micro-batch (per-pass counts), averaged over the M micro-batches as in
-     cotrain_step. DP rank r therefore takes WHOLE single-process micro-batches r, r+dp, ...; under CP ttt_loss(group=)
-     returns this rank's share and PipelineSchedule sums draft grads over CP.
+  3. Draft. The draft's loss (any family: EAGLE-3, DFlash, DSpark) is a mean per micro-batch (its own counts: per TTT
+     pass, or over a block drafter's (anchor, slot) pairs), averaged over the M micro-batches as in cotrain_step. DP
+     rank r therefore takes WHOLE single-process micro-batches r, r+dp, ...; under CP draft.loss(group=) returns this
+     rank's share and PipelineSchedule sums draft grads over CP.
   4. DP. PipelineSchedule averages grads over replicas; every loss returned to it is scaled by dp, so the average is the
      sum over replicas = the single-process gradient. Gradient clipping uses the global norm (sum of squares over the
      PP stages, the tied embedding counted once); then each stage steps its own optimizer, the last stage the drafts.

@@ -1,4 +1,5 @@
-"""GRPO with an online co-trained EAGLE-3 draft: the math of one RL update and the co-training step.
+"""GRPO with an online co-trained draft (any family: EAGLE-3, DFlash, DSpark): the math of one RL update and the
+co-training step.
 
 For each prompt, G responses o_1..o_G are sampled (speculatively, exactly from pi_old) and scored r_1..r_G.
 
@@ -21,7 +22,7 @@ For each prompt, G responses o_1..o_G are sampled (speculatively, exactly from p
          constant     (Dr. GRPO)  L = 1/(|M| L_max) sum_{i,t} l_{i,t}
      Each is a function in LOSS_NORMS (register_loss_norm adds one; --loss_norm picks it). dist_step.py needs every
      one LINEAR in the l_{i,t}: it takes the weights w_t = dL/dl_t once per minibatch (docs/EXTENDING.md).
-  4. Co-training: one policy forward over the packed rollouts returns logits and the taps; the draft's TTT loss reads
+  4. Co-training: one policy forward over the packed rollouts returns logits and the taps; the draft's loss reads
      the taps (detached) with the policy's own distributions (detached) as teacher:
          total = L_policy + lambda * L_draft      (no extra policy forward for the draft)
      The teacher is the UNtempered softmax(z), whatever tau: the draft fits softmax(z_d) to softmax(z), and at

@@ -1,9 +1,10 @@
-"""GRPO on speculative rollouts with an online co-trained EAGLE-3 draft -- the experiment, in one process or many.
+"""GRPO on speculative rollouts with an online co-trained draft (any family: EAGLE-3, DFlash, DSpark) -- the
+experiment, in one process or many.
 
 Each RL step: sample G responses for each of n prompts with speculative decoding (policy + co-trained draft; lossless,
 so they are exact policy samples), score them (tasks/), compute group advantages, then `updates` optimisation steps,
 each a dist_step.DistCotrainer.step (harness/update.py): ONE policy forward per micro-batch whose log-probs feed
-GRPO and whose taps feed every draft's TTT loss -- on the 1 x 1 x 1 mesh in one process, the same code as on a larger
+GRPO and whose taps feed every draft's loss -- on the 1 x 1 x 1 mesh in one process, the same code as on a larger
 mesh (rl_loop.cotrain_step is the single-process reference it equals, tests/test_dist_step.py). Every `eval_every`
 steps, on the same held-out prompts, measure the acceptance length of (a) the co-trained draft, (b) a frozen copy of
 the warm-up draft, (c) the warm-up draft trained as much offline on fresh pi_0 samples (--offline_arm) and (d) a
@@ -30,7 +31,7 @@ One loop for every world size. One process is a 1 x 1 x 1 mesh; under torchrun (
 DP x PP x CP mesh (--pp, --cp, --dp; default pp=2, cp=2), and the mode shows only where the mesh is made
 (harness/mesh.py). Each step: rollout (every rank generates its blocks of rows with a full policy + draft copy;
 harness/rollout.py) -> gather (every rank gets the whole batch) -> update (GRPO + co-training through the pipeline with
-CP inside each stage and the draft's TTT loss on the last stage; harness/update.py, dist_step.py) -> refit (the full
+CP inside each stage and the draft's loss on the last stage; harness/update.py, dist_step.py) -> refit (the full
 copies) -> eval (every rank its blocks; harness/eval_arms.py) / log (rank 0; harness/report.py) -> checkpoint
 (checkpoints/resume.py). Models
 live on each rank's own GPU when CUDA is present (--device=auto; mesh.pick_device), else on the CPU. Before any work,

@@ -38,6 +38,7 @@ from model import PRESETS as MODEL_PRESETS
 from parallel.pp_schedule import SCHEDULES
 from rl_loop import LOSS_NORMS
 from decoding.speculative_tree import Tree
+from tasks.hf_reward import REWARD_ROW
 from tasks.protocol import TASKS, factory
 
 
@@ -64,6 +65,7 @@ class Config:
     prompt_key: str = "prompt"  # HF mode: the row's prompt field (a string, or a chat: [{"role", "content"}, ...])
     answer_key: str = "answer"  # HF mode: the answer field; a dotted key reaches in (reward_model.ground_truth)
     chat_template: str = ""  # HF mode, chat prompts: "" the checkpoint's template, a file or a Jinja string, or "none"
+    reward: str = ""  # HF mode: module:function, f(prompt, response, answer) -> float; "": the math-answer rule
     eval_fraction: float = 0.1  # HF mode: share of the distinct prompts held out for eval
     max_prompt_tokens: int = 1024  # HF mode: longer prompts are dropped at load time
     max_new_tokens: int = 0  # response budget; 0: the task's own (built-in: its longest well-formed response; HF: 256)
@@ -261,6 +263,7 @@ CHECKS = {
     "answer_key":         ((lambda v, c: v != ""), "a field name (non-empty)"),
     "chat_template":      ((lambda v, c: v == "" or v == "none" or os.path.isfile(v) or "{" in v),
                            "'' (the checkpoint's), 'none', a template file or a Jinja string"),
+    "reward":             REWARD_ROW,  # tasks/hf_reward.py: its errors name the module, the function, the signature
     "eval_fraction":      ((lambda v, c: 0 < v < 1), "in (0, 1)"),
     "max_prompt_tokens":  at_least(1),
     "max_new_tokens":     ((lambda v, c: v >= 0), ">= 0 (0 = the task's own)"),

@@ -27,8 +27,8 @@ GROUPS = (
       "micro_batch_tokens", "eps_low", "eps_high", "beta", "std_norm", "loss_norm")),
     ("model and data: a model preset with the built-in task, or HF mode: --model=DIR (an HF checkpoint: Llama / "
      "Qwen2 / Qwen3 + tokenizer.json) with --data=prompts.jsonl (the checkpoint as the policy, no SFT; a math-answer "
-     "reward)", False,
-     ("model", "data", "prompt_key", "answer_key", "chat_template", "eval_fraction", "max_prompt_tokens",
+     "reward or --reward's)", False,
+     ("model", "data", "prompt_key", "answer_key", "chat_template", "reward", "eval_fraction", "max_prompt_tokens",
       "max_new_tokens", "task", "min_steps", "max_steps", "p_explicit", "format_weight")),
     ("warm-ups: the policy's SFT and the draft's offline fit, cached in --cache_dir", False,
      ("sft_steps", "sft_batch", "sft_lr", "draft_warmup_steps", "draft_warmup_batch", "draft_warmup_lr",

@@ -1,9 +1,10 @@
-"""One RL step's update: `updates` optimisation steps of the policy (GRPO) and of every draft, then one refit of the
-full copies the next rollouts use. The same path at every world size.
+"""One RL step's update: `updates` optimisation steps of the policy (GRPO) and of every draft (any family: EAGLE-3,
+DFlash, DSpark; each on the draft's loss), then one refit of the full copies the next rollouts use. The same path at
+every world size.
 
 The draft-training budget (--draft_every n): over the run's updates u = 0, 1, 2, ... the drafts train on u % n = 0
 only, a 1/n share of the policy's updates; on the others the pipeline runs without taps or draft hook, like plain
-GRPO's update. The offline-extended control is given the same number of TTT steps ("trained as much").
+GRPO's update. The offline-extended control is given the same number of draft steps ("trained as much").
 
     up = update(s, batch, timer)      # {"loss_policy", "loss_draft", "kl", "clip_frac", "ratio", "grad_norm",
                                       #  "token_mult_prob_error", "weights_fingerprint",
@@ -25,7 +26,7 @@ GRPO's update. The offline-extended control is given the same number of TTT step
                  then checked: every rank's copies have the same fingerprint (parallel/consistency.py), recorded as
                  weights_fingerprint.
   5. control     the offline-extended arm's steps on fresh pi_0 samples (offline_arm.py; sampled on every rank,
-                 trained on rank 0, then broadcast): as many TTT steps as the co-trained draft took this step,
+                 trained on rank 0, then broadcast): as many draft steps as the co-trained draft took this step,
                  timed apart ("offline"): it is the control's cost, not the co-trained run's.
 
 Teacher-forced acceptance per arm and step: the draft hook's metrics on this step's rollouts, every micro-batch of

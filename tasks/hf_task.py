@@ -11,12 +11,14 @@ The reward is R = 1[extract(response) == answer], with the final answer taken, i
 compared as exact fractions (1/2 == 0.5 == \\frac{1}{2}, 3.0 == 3, 1,000 == 1000, $5 == 5), anything else as normalised
 strings; a number may carry an exponent (1e-6 == 0.000001, so a JSON answer 1e-06 or 1e+20 can be matched). The
 reference may be a bare answer or a GSM8K-style solution ending in "#### x". The data must mean one answer per
-prompt: the same prompt twice with answers that do not compare equal is an error at load time.
+prompt: the same prompt twice with answers that do not compare equal is an error at load time. That rule is the
+default reward function, math_answer(prompt, response, answer) -> float; --reward=module:function puts yours in its
+place, with the same signature (hf_reward.py).
 
     python -m tasks.hf_task MODEL_DIR prompts.jsonl     # prints the split sizes, special tokens, a few encoded prompts
 
 Usage (the same interface as task.CountUpTask, so the experiment runs on either):
-    t = HFTask(model_dir, "prompts.jsonl", prompt_key="prompt", answer_key="answer", chat_template="")
+    t = HFTask(model_dir, "prompts.jsonl", prompt_key="prompt", answer_key="answer", chat_template="", reward="")
     problems = t.sample(8, random.Random(0))            # or t.eval_set(64): the fixed held-out split
     prompts = [t.encode_prompt(p) for p in problems]    # 1-D LongTensors, BOS as the tokenizer wants it
     R, parts = t.score(problems, responses)             # responses: generated ids, maybe ending in one of t.tok.eos_ids
@@ -34,6 +36,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from parallel.cli import read_json
 from tasks.hf_data import ChatTemplate, Example, file_sha256, load_examples
+from tasks.hf_reward import load_reward, reward_value
 
 
 # -------------------------------------------------------------------------------------------------- the reward
@@ -124,6 +127,11 @@ def math_answer_reward(response_text: str, answer) -> float:
     return float(g == a and g != "")
 
 
+def math_answer(prompt: str, response: str, answer: str) -> float:
+    """The built-in reward, the default of --reward (hf_reward.py: the signature a reward of yours has)."""
+    return math_answer_reward(response, answer)
+
+
 # ------------------------------------------------------------------------------------------------------- the data
 def load_jsonl(path: str, **kw) -> list[Example]:
     """hf_data.load_examples (jsonl or parquet; kept under its first name)."""
@@ -196,12 +204,14 @@ class HFTask:
 
     def __init__(self, model_dir: str, data_path: str, *, eval_fraction: float = 0.1, seed: int = 0,
                  max_prompt_tokens: int = 1024, max_new_tokens: int = 256, prompt_key: str = "prompt",
-                 answer_key: str = "answer", chat_template: str = ""):
+                 answer_key: str = "answer", chat_template: str = "", reward: str = ""):
         if not 0.0 <= eval_fraction < 1.0:
             raise ValueError(f"eval_fraction={eval_fraction}: expected 0 <= eval_fraction < 1")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 1")
         self.max_new_tokens = max_new_tokens  # the response budget of every rollout (truncated responses still score)
+        self.reward_spec = reward  # "" (math_answer) or --reward's module:function
+        self.reward_fn = load_reward(reward) if reward else math_answer
         self.tok = HFTokenizer(model_dir)
         cfg = _read(model_dir, "config.json")
         if "vocab_size" not in cfg:
@@ -246,9 +256,10 @@ class HFTask:
                        "eval": [e for e in kept if e.prompt in held]}
 
     def fingerprint(self) -> dict:
-        """Everything that shapes the prompts and rewards (JSON data; the warm-ups' cache keys hash it): the data
-        file's contents, the row keys, the split (eval_fraction, seed), the length filter, the chat template's text,
-        the tokenizer and special-token files' contents, the response budget."""
+        """Everything that shapes the prompts (JSON data; the draft warm-up's cache key hashes it): the data file's
+        contents, the row keys, the split (eval_fraction, seed), the length filter, the chat template's text, the
+        tokenizer and special-token files' contents, the response budget. Not --reward: no warm-up reads a reward in
+        HF mode (hf_reward.py)."""
         return {"task": "hf-math-answer", **self._selection, "max_new_tokens": self.max_new_tokens,
                 "chat_template": None if self.template is None else self.template.source}
 
@@ -279,11 +290,14 @@ class HFTask:
         return torch.tensor(ids, dtype=torch.long)
 
     def reward(self, p: Example, response_ids) -> float:
-        return math_answer_reward(self.tok.decode(response_ids), p.answer)
+        """reward_fn(prompt text, decoded response, the row's answer); --reward's return value checked."""
+        v = self.reward_fn(p.prompt, self.tok.decode(response_ids), p.answer)
+        return reward_value(v, self.reward_spec, p.line) if self.reward_spec else v
 
     def score(self, problems: list[Example], responses: list) -> tuple[torch.Tensor, dict]:
-        """Rewards (B,) for generated responses (each 1-D ids, maybe ending in EOS), and parts {"correct": (B,)}.
-        No format term and no EOS requirement: a truncated response is scored on what it wrote."""
+        """Rewards (B,) for generated responses (each 1-D ids, maybe ending in EOS), and parts {"correct": (B,)}, the
+        rewards again (with --reward: what your function returned). No format term and no EOS requirement: a
+        truncated response is scored on what it wrote."""
         R = torch.tensor([self.reward(p, r) for p, r in zip(problems, responses, strict=True)])
         return R, {"correct": R.clone()}
 

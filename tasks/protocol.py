@@ -114,7 +114,8 @@ def task_from_config(cfg):
         from tasks.hf_task import HFTask
         return HFTask(cfg.model, cfg.data, eval_fraction=cfg.eval_fraction, seed=cfg.seed,
                       max_prompt_tokens=cfg.max_prompt_tokens, max_new_tokens=cfg.max_new_tokens or 256,
-                      prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, chat_template=cfg.chat_template)
+                      prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, chat_template=cfg.chat_template,
+                      reward=cfg.reward)
     tsk = make_task(cfg.task, cfg)
     tsk.max_new_tokens = cfg.max_new_tokens or tsk.max_new_tokens
     return tsk

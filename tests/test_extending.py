@@ -1,7 +1,9 @@
 """docs/EXTENDING.md's examples run: every file under docs/examples/ is in the doc verbatim (so the doc cannot drift
 from what runs), and every `python train.py ...` line of the doc's bash blocks runs in-process, one step (--steps=1),
-each with its own --out and one shared cache; each flag's effect is checked where it lands. Measured: 24 s on a quiet
-2-core machine, 45 s to 54 s with it shared by other jobs, nearly all of it the four tiny runs and their warm-ups.
+each with its own --out and one shared cache; each flag's effect is checked where it lands. The HF-mode command
+(--reward) runs on a tiny random Llama and prompts file built here, in place of its PATH and prompts.jsonl.
+Measured: 24 s on a quiet 2-core machine, 45 s to 54 s with it shared by other jobs, nearly all of it the tiny runs
+and their warm-ups.
 """
 import glob
 import importlib
@@ -17,6 +19,7 @@ import draft
 from harness.config import parse_args
 from rl_loop import LOSS_NORMS, aggregate
 from train import train
+from hf_util import write_jsonl, write_tiny_llama
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = open(os.path.join(ROOT, "docs", "EXTENDING.md"), encoding="utf-8").read()
@@ -34,7 +37,7 @@ COMMANDS = [line for b in blocks("bash") for line in b.splitlines() if line.star
 
 def test_the_doc_shows_every_example_file_verbatim_and_each_is_small():
     shown = [b.strip() for b in blocks("python")]
-    assert len(EXAMPLES) == 2 and len(COMMANDS) == 5
+    assert len(EXAMPLES) == 3 and len(COMMANDS) == 6
     for path in EXAMPLES:
         text = open(path, encoding="utf-8").read()
         assert text.strip() in shown, f"{os.path.relpath(path, ROOT)} differs from its block in docs/EXTENDING.md"
@@ -63,12 +66,30 @@ def cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("cache"))
 
 
+@pytest.fixture(scope="module")
+def hf_files(tmp_path_factory):
+    """The HF command's PATH and prompts.jsonl: a tiny random Llama whose words make it write numbers, with the
+    layers an exported EAGLE-3 draft needs (3 taps below the last layer)."""
+    root = tmp_path_factory.mktemp("hf")
+    words = "What is + ? 0 1 2 3 4 5".split()
+    model = write_tiny_llama(root / "llama", extra_vocab=0, num_hidden_layers=6, words=words)
+    rows = [{"prompt": f"What is {a} + {b} ?", "answer": a + b} for a in range(3) for b in range(3)]
+    return {"PATH": str(model), "prompts.jsonl": write_jsonl(root / "prompts.jsonl", rows)}
+
+
 @pytest.mark.parametrize("command", COMMANDS)
-def test_each_command_of_the_doc_runs(command, cache, tmp_path, monkeypatch):
+def test_each_command_of_the_doc_runs(command, cache, tmp_path, monkeypatch, request):
     weights, ttt_loss = [], draft.Eagle3Draft.ttt_loss
     monkeypatch.setattr(draft.Eagle3Draft, "ttt_loss",
                         lambda self, *a, **k: weights.append(k.get("pass_weight")) or ttt_loss(self, *a, **k))
     argv = shlex.split(command)[2:] + ["--steps=1", f"--out={tmp_path}", f"--cache_dir={cache}"]
+    calls = []
+    if "--model" in argv:  # HF mode: the files built here, a response budget inside the tiny model's context
+        files = request.getfixturevalue("hf_files")
+        argv = [files.get(a, a) for a in argv] + ["--max_new_tokens=10"]
+        mod, _, fn = next(a for a in argv if a.startswith("--reward=")).partition("=")[2].partition(":")
+        reward = getattr(importlib.import_module(mod), fn)
+        monkeypatch.setattr(importlib.import_module(mod), fn, lambda *a: calls.append(a) or reward(*a))
     cfg = parse_args(argv)
     s = train(cfg)
     assert s["steps"] == 1 and os.path.isfile(tmp_path / "metrics.jsonl")
@@ -79,5 +100,8 @@ def test_each_command_of_the_doc_runs(command, cache, tmp_path, monkeypatch):
     if cfg.tap_layers:  # the export names the configured taps (vLLM: + 1; SGLang: as they are)
         assert exported["eagle_aux_hidden_state_layer_ids"] == [t + 1 for t in cfg.tap_layers]
         assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(cfg.tap_layers)
+    if cfg.reward:  # every response was scored by the example's function: prompt, response, the row's answer
+        assert calls and all(len(c) == 3 and all(isinstance(x, str) for x in c) for c in calls)
+        assert {c[2] for c in calls} <= {str(a + b) for a in range(3) for b in range(3)}
     if cfg.task != "countup":  # the example task's own tokenizer sized the policy
         assert json.load(open(tmp_path / "policy" / "config.json"))["vocab_size"] == 6
