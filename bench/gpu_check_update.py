@@ -66,11 +66,12 @@ def policy_config(layers: int, tiny: bool) -> ModelConfig:
 
 def run_config(family: str, size: dict, device: str):
     """train.py's Config of this update: bf16, one update, no control arms, no reference, ZeRO-1 off (one rank)."""
+    block = [] if family == "eagle3" else ["--mask_token_id=1", f"--anchors={size['anchors']}"]  # the blocks' own
     return parse_args([f"--drafter={family}", f"--device={device}", "--dtype=bf16", "--zero1=false",
-                       "--mask_token_id=1", "--frozen_arm=false", "--cold_arm=false", "--offline_arm=false",
+                       "--frozen_arm=false", "--cold_arm=false", "--offline_arm=false",
                        "--log_kl=false", "--updates=1", f"--prompts_per_step={size['prompts_per_step']}",
                        f"--group_size={size['group_size']}", f"--micro_batches={size['micro_batches']}",
-                       f"--anchors={size['anchors']}", f"--chunk_mib={size['chunk_mib']}"])
+                       f"--chunk_mib={size['chunk_mib']}", *block])
 
 
 def setup(cfg, m: ModelConfig, dev: torch.device, seq: int, prompt: int) -> SimpleNamespace:
