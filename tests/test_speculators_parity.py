@@ -212,6 +212,7 @@ def test_eagle3_cospec_draft_in_the_library(tmp_path, policy):
     loss, _ = draft.ttt_loss(b["taps"], b["tokens"], b["cu"], b["logits"], loss_mask=b["row_mask"], num_passes=P,
                              pass_weight=0.8)
     loss.backward()
+    loss = loss.detach()
     # the named terms: the teacher's entropy (CE vs KL; the teacher renormalised over the draft vocabulary on both
     # sides) and the LM head, trained by cospec ((Vd, H), exported) and frozen at the verifier's rows by the library
     p = F.log_softmax(o["targets"].double(), -1)
