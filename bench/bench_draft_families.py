@@ -48,7 +48,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # its sibling bench_draft_step, however it is run
 from bench_draft_step import _status, reset_peak  # noqa: E402
 from branch_mask import cu_seqlens_from_lengths, zigzag_shard  # noqa: E402
-from harness.drafters import FAMILIES, build_draft  # noqa: E402
+from harness.drafters import FAMILIES, build_draft, family_list  # noqa: E402
 from harness.memory_track import StorageTracker  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from parallel.cli import parser  # noqa: E402
@@ -227,9 +227,11 @@ def parse(argv):
         a.T, a.V, a.cps, a.seq_len = "1024", "4096", "1,2", 512
     ints = lambda flag, s: [int(v) for v in s.split(",")] if all(v.strip().isdigit() for v in s.split(",")) else \
         ap.error(f"--{flag}={s!r}: expected comma-separated positive integers")  # noqa: E731
-    a.T, a.V, a.cps, fams = ints("T", a.T), ints("V", a.V), ints("cps", a.cps), a.families.split(",")
-    if any(f not in FAMILIES for f in fams):
-        ap.error(f"--families={a.families!r}: expected a comma-separated subset of {sorted(FAMILIES)}")
+    a.T, a.V, a.cps = ints("T", a.T), ints("V", a.V), ints("cps", a.cps)
+    try:
+        fams = family_list(a.families, "families")
+    except ValueError as e:
+        ap.error(str(e))
     a.families = fams
     for T in a.T:
         if T % a.seq_len or any((T // a.seq_len) * a.seq_len % (2 * cp) or a.seq_len % (2 * cp) for cp in a.cps):

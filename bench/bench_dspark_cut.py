@@ -39,7 +39,6 @@ sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
 import bench_rollout as br  # noqa: E402
 import bench_rollout_families as bf  # noqa: E402
 from draft_dspark import DSparkDraft  # noqa: E402
-from parallel.cli import describe, wants_help  # noqa: E402
 from speculative import generate  # noqa: E402
 
 OWN = dict(thresholds="0,0.5,0.7,0.9", ks="6,8", batches="1,8", seeds="0,1,2,3,4", prompts="24", tau="1.0",
@@ -48,14 +47,7 @@ OWN = dict(thresholds="0,0.5,0.7,0.9", ks="6,8", batches="1,8", seeds="0,1,2,3,4
 
 def parse(argv):
     """(bench_rollout.BenchConfig, own flags parsed); bad values: SystemExit."""
-    if wants_help(argv):
-        print(describe(__doc__, __file__) + "\n\nits own flags: " + " ".join(f"--{k}={v}" for k, v in OWN.items())
-              + "; then bench_rollout.py's:\n")
-        br.parse_args(["--help"])
-    own, rest = dict(OWN), []
-    for arg in argv:
-        key, _, val = arg.removeprefix("--").partition("=")
-        (own.__setitem__(key, val) if key in own else rest.append(arg))
+    own, rest = bf.own_flags(argv, OWN, __doc__, __file__)
     try:
         o = dict(thresholds=[float(x) for x in own["thresholds"].split(",")],
                  ks=[int(x) for x in own["ks"].split(",")], batches=[int(x) for x in own["batches"].split(",")],

@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
-from harness.drafters import FAMILIES as DRAFTERS  # noqa: E402
+from harness.drafters import FAMILIES as DRAFTERS, family_list  # noqa: E402
 from harness.report import add_baseline  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")
@@ -139,9 +139,10 @@ def parse(argv: list):
     p.add_argument("--name", default=None, help="bench/results/<name>.json and .md (default: e2e_budget, or "
                    "families with --drafters)")
     args, flags = p.parse_known_args(argv)
-    bad = [d for d in args.drafters.split(",") if d and d not in DRAFTERS]
-    if bad:
-        p.error(f"--drafters={args.drafters!r}: expected a comma-separated subset of {sorted(DRAFTERS)}")
+    try:
+        args.drafters and family_list(args.drafters)
+    except ValueError as e:
+        p.error(str(e))
     if any(f.startswith("--drafter=") for f in flags):
         p.error("--drafter=...: give the families with --drafters, not as a train.py flag")
     args.drafters = [d for d in args.drafters.split(",") if d] or None

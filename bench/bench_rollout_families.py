@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # its sibling bench_rollout, however it is run
 import bench_rollout as br  # noqa: E402
-from harness.drafters import FAMILIES, architecture, build_draft  # noqa: E402
+from harness.drafters import FAMILIES, architecture, build_draft, family_list  # noqa: E402
 from parallel.cli import describe, wants_help  # noqa: E402
 from serving.hf_io import from_pretrained, save_pretrained  # noqa: E402
 from speculative import generate  # noqa: E402
@@ -46,27 +46,31 @@ QUICK = ["--policy_steps=30", "--draft_steps=30", "--draft_rollouts=16", "--batc
          "--out=bench/results/rollout_families_quick.json"]
 
 
-def parse(argv):
-    """(bench_rollout.BenchConfig with trees and auto off, drafters, block_size, anchors); bad values: SystemExit."""
+def own_flags(argv, own: dict, doc: str, file: str, extra: str = "") -> tuple:
+    """(a bench's own flags, {name: value} from `own`'s defaults and argv, the rest of argv for bench_rollout.py);
+    -h / --help prints both sets of flags and exits."""
     if wants_help(argv):
-        print(describe(__doc__, __file__) + "\n\nits own flags: " + " ".join(f"--{k}={v}" for k, v in OWN.items())
-              + " --quick; then bench_rollout.py's:\n")
+        print(describe(doc, file) + "\n\nits own flags: " + " ".join(f"--{k}={v}" for k, v in own.items()) + extra
+              + "; then bench_rollout.py's:\n")
         br.parse_args(["--help"])
-    own, rest = dict(OWN), []
+    own, rest = dict(own), []
     for arg in argv:
         key, _, val = arg.removeprefix("--").partition("=")
-        if arg == "--quick":
-            rest = QUICK + rest
-        elif key in own:
-            own[key] = val
-        else:
-            rest.append(arg)
+        (own.__setitem__(key, val) if key in own else rest.append(arg))
+    return own, rest
+
+
+def parse(argv):
+    """(bench_rollout.BenchConfig with trees and auto off, drafters, block_size, anchors); bad values: SystemExit."""
+    own, rest = own_flags([a for a in argv if a != "--quick"], OWN, __doc__, __file__, " --quick")
+    rest = QUICK + rest if "--quick" in argv else rest  # flags given after it win
     if not any(a.startswith("--out=") for a in rest):
         rest.append("--out=bench/results/rollout_families.json")
     cfg = replace(br.parse_args(rest), trees="", auto=False)
-    names = own["drafters"].split(",")
-    if not names or any(n not in FAMILIES for n in names):
-        raise SystemExit(f"--drafters={own['drafters']!r}: expected a comma-separated subset of {sorted(FAMILIES)}")
+    try:
+        names = family_list(own["drafters"])
+    except ValueError as e:
+        raise SystemExit(str(e))
     try:
         W, anchors = int(own["block_size"]), int(own["anchors"])
     except ValueError:

@@ -38,7 +38,7 @@ import bench_rollout as br  # noqa: E402
 from harness import warmup  # noqa: E402
 from harness.cache_keys import PolicySpec  # noqa: E402
 from harness.config import parse_args  # noqa: E402
-from harness.drafters import FAMILIES  # noqa: E402
+from harness.drafters import family_list  # noqa: E402
 from harness.experiment import build_task  # noqa: E402
 from model import ModelConfig  # noqa: E402
 from parallel.cli import parser, run_main  # noqa: E402
@@ -120,9 +120,10 @@ def main(argv):
     ap.add_argument("--out", default=os.path.join(BENCH, "results", "gpu_check_rollout.json"), help="JSON path")
     a = ap.parse_args(argv)
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    names = a.drafters.split(",")
-    if any(n not in FAMILIES for n in names):
-        raise SystemExit(f"--drafters={a.drafters}: expected a comma-separated subset of {sorted(FAMILIES)}")
+    try:
+        names = family_list(a.drafters)
+    except ValueError as e:
+        raise SystemExit(str(e))
     size = SIZES[a.tiny]
     tsk = build_task(run_config(names[0], size, device, a.cache_dir))
     rng = random.Random(12345)  # held-out prompts, the same for every family

@@ -186,9 +186,10 @@ def main(argv):
     ap.add_argument("--out", default="", help="JSON path ('': none)")
     a = ap.parse_args(argv)
     dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    names = a.drafters.split(",")
-    if any(n not in drafters.FAMILIES for n in names):
-        raise SystemExit(f"--drafters={a.drafters}: expected a comma-separated subset of {sorted(drafters.FAMILIES)}")
+    try:
+        names = drafters.family_list(a.drafters)
+    except ValueError as e:
+        raise SystemExit(str(e))
     size = SIZES[a.tiny]
     m = policy_config(size["layers"], a.tiny)
     res = dict(device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", torch=torch.__version__,

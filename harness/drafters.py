@@ -66,6 +66,14 @@ def family(name: str) -> Family:
     return FAMILIES[name]
 
 
+def family_list(value: str, flag: str = "drafters") -> list:
+    """A comma-separated list of family names (a benchmark's --drafters), or a one-line ValueError naming --flag."""
+    names = value.split(",")
+    if not value or any(n not in FAMILIES for n in names):
+        raise ValueError(f"--{flag}={value!r}: expected a comma-separated subset of {sorted(FAMILIES)}")
+    return names
+
+
 def options(cfg, tsk) -> dict:
     """The family's construction and loss options from the config ({} for eagle3, whose TTT options are the
     trainer's num_passes / pass_weight): part of the draft warm-up's cache key."""
