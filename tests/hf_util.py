@@ -76,3 +76,11 @@ def write_tiny_qwen3(path, words, vocab_size: int = 151936, seed: int = 0):
         bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD))
     hf.save_pretrained(path)
     return path
+
+
+def write_sum_task(root) -> tuple:
+    """A tiny word-level Llama checkpoint and 9 addition prompts ("What is a + b ?", a, b in 0..2) under `root`:
+    (checkpoint folder, prompts.jsonl path)."""
+    model = write_tiny_llama(root / "llama", extra_vocab=0, words="What is + ? 0 1 2 3 4 5".split())
+    rows = [{"prompt": f"What is {a} + {b} ?", "answer": a + b} for a in range(3) for b in range(3)]
+    return str(model), write_jsonl(root / "prompts.jsonl", rows)

@@ -16,7 +16,7 @@ from harness.experiment import build
 from harness.mesh import make_mesh
 from harness.rollout import rollout
 from tasks.hf_task import HFTask, math_answer, math_answer_reward
-from hf_util import write_jsonl, write_tiny_llama
+from hf_util import write_sum_task
 
 REWARDS = """
 SEEN = []
@@ -57,10 +57,7 @@ CONST = 3
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf")
-    model = write_tiny_llama(root / "llama", extra_vocab=0, words="What is + ? 0 1 2 3 4 5".split())
-    rows = [{"prompt": f"What is {a} + {b} ?", "answer": a + b} for a in range(3) for b in range(3)]
-    return str(model), write_jsonl(root / "prompts.jsonl", rows)
+    return write_sum_task(tmp_path_factory.mktemp("hf"))
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from harness.mesh import make_mesh
 from harness.rollout import rollout
 from tasks.hf_task import HFTask, math_answer_reward
 from dist_util import run_torchrun, why
-from hf_util import write_jsonl, write_tiny_llama
+from hf_util import write_sum_task
 from harness.config import parse_args
 from train import train
 
@@ -23,10 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def hf_files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf")
-    model = write_tiny_llama(root / "llama", extra_vocab=0, words="What is + ? 0 1 2 3 4 5".split())
-    rows = [{"prompt": f"What is {a} + {b} ?", "answer": a + b} for a in range(3) for b in range(3)]
-    return str(model), write_jsonl(root / "prompts.jsonl", rows)
+    return write_sum_task(tmp_path_factory.mktemp("hf"))
 
 
 def hf_argv(hf_files, tmp_path):
