@@ -68,6 +68,13 @@ def _rollout_families(name: str):
             for f in ("eagle3", "dflash", "dspark") for B in (1, 8, 64)]
 
 
+def _dspark_cut():
+    rows = {(r["batch"], r["k"], r["threshold"]): r for r in _load("bench/results/dspark_cut.json")["rows"]}
+    cut = [rows[(1, 8, t)] for t in (0.5, 0.7, 0.9)]
+    return ([rows[(1, 8, 0.0)]["acceptance_length"]["mean"]] + [r["drafts_cut"]["mean"] for r in cut]
+            + [r["acceptance_length"]["vs_off"][k] for r in cut for k in ("mean", "sd")])
+
+
 def _family_experiment(name="families", keys=("accept_len_cotrained", "e2e_step_speedup_measured")):
     fams = _load(f"bench/results/{name}.json")["families"]  # the families the experiment ran
     mean = lambda f, key: statistics.mean(x[key] for x in fams[f]["2"])  # noqa: E731
@@ -125,6 +132,7 @@ SOURCES = {
     "**H200**: the first GPU run": ("test", ["tests/test_gpu_check.py"]),
     "**H200**: speculative rollouts per draft family": ("json", "bench/results/rollout_families_gpu.json",
                                                         lambda: _rollout_families("rollout_families_gpu"), ("3",)),
+    "DSpark's confidence cut": ("json", "bench/results/dspark_cut.json", _dspark_cut, ("0.5", "0.7", "0.9")),
     "speculative rollouts per draft family on this CPU": ("json", "bench/results/rollout_families.json",
                                                           lambda: _rollout_families("rollout_families"), ("3",)),
     "the three draft families in the default experiment": ("json", "bench/results/families.json",
