@@ -281,43 +281,6 @@ class Eagle3Draft(nn.Module):
         draft.attach(embed)
         return draft
 
-    @classmethod
-    def from_export(cls, path: str, target: Transformer) -> "Eagle3Draft":
-        """A draft from the EAGLE-3 serving format (`export`; e.g. <out>/draft of an earlier run, or a draft trained
-        elsewhere in that format) for `target`, on its device and in its dtype (an export's bf16 weights are cast up:
-        the draft continues from the served weights, not from the fp32 ones they were rounded from). The export is
-        checked as the engines load it (export.check_export), then against the policy: hidden size, vocabulary, and
-        3 taps that exist in it (ascending, not the last layer). A mismatch is a ValueError naming the path."""
-        from safetensors import SafetensorError
-        from serving.export import check_export, check_exportable, export_state_dict
-        try:
-            c, t = check_export(path), target.cfg
-        except (OSError, SafetensorError) as e:
-            raise ValueError(f"draft {path!r}: not a readable EAGLE-3 export (config.json + model.safetensors): "
-                             f"{type(e).__name__}: {e}") from None
-        taps = tuple(c["eagle_config"]["eagle_aux_hidden_state_layer_ids"])  # cospec's taps = SGLang's aux ids
-        bad = [f"{k}={c[k]} but the policy's hidden_size={t.hidden_size}" for k in ("hidden_size", "target_hidden_size")
-               if c[k] != t.hidden_size]
-        bad += [f"vocab_size={c['vocab_size']} but the policy's is {t.vocab_size}"] * (c["vocab_size"] != t.vocab_size)
-        try:
-            check_exportable(taps, t.num_hidden_layers)
-        except ValueError as e:
-            bad.append(f"its taps do not fit the {t.num_hidden_layers}-layer policy: {e}")
-        if bad:
-            raise ValueError(f"draft {path!r} does not fit the policy: " + "; ".join(bad))
-        cfg = DraftConfig(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
-                          intermediate_size=c["intermediate_size"], num_attention_heads=c["num_attention_heads"],
-                          num_key_value_heads=c["num_key_value_heads"], head_dim=c["head_dim"], tap_layers=taps,
-                          target_num_layers=t.num_hidden_layers, draft_vocab_size=c["draft_vocab_size"],
-                          rms_norm_eps=c["rms_norm_eps"], rope_theta=c["rope_theta"],
-                          max_position_embeddings=c["max_position_embeddings"])
-        p = next(target.parameters())
-        draft = cls(cfg, target).to(device=p.device, dtype=p.dtype)
-        sd = export_state_dict(path)  # d2t / t2d filled in where a full-vocabulary export leaves them out
-        draft.load_state_dict({k: v if v.dtype in (torch.int64, torch.bool) else v.to(p.dtype) for k, v in sd.items()})
-        draft.attach(target)
-        return draft
-
 
 def _embed_weight(embed):  # a Transformer, an nn.Embedding or its weight -> the (V, H) weight
     return embed.embed.weight if isinstance(embed, Transformer) else getattr(embed, "weight", embed)

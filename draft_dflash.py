@@ -25,13 +25,11 @@ Letters: T packed tokens, S sequences, N anchors, W block size, B batch rows, H 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file
 
 import draft_block
 from attention_cp import anchor_branch_attention
@@ -43,7 +41,6 @@ from modeling.kv_cache import KVCache
 from modeling.layers import DecoderLayer, RMSNorm, apply_rope, rope_cos_sin
 from parallel.ring import as_ring
 from serving.draft_checkpoint import read_draft, write_draft
-from serving.hf_io import read_json
 
 
 def default_dflash_taps(n_layers: int, num_draft_layers: int) -> tuple:
@@ -314,27 +311,6 @@ class DFlashDraft(nn.Module):
         draft = cls(cls.config_class()(**raw), policy).to(device=draft_device(policy), dtype=sd["fc.weight"].dtype)
         draft.load_state_dict(sd)
         draft.attach(policy)
-        return draft
-
-    @classmethod
-    def from_export(cls, path: str, policy) -> "DFlashDraft":
-        """A draft from its DFlash serving export (`export`; e.g. <out>/draft of a run) for `policy`, in the policy's
-        dtype (a bf16 export is cast up, as an engine serving it in fp32 casts it). A path that is no DFlash export,
-        or weights that do not fit the policy, are a ValueError naming the path."""
-        from serving.export_dflash import ARCHITECTURE
-        cfg_path = os.path.join(path, "config.json")
-        c = read_json(cfg_path) if os.path.isfile(cfg_path) else {}
-        if c.get("architectures") != [ARCHITECTURE]:
-            raise ValueError(f"path={path!r}: expected a DFlash export (config.json with {ARCHITECTURE})")
-        d = c["dflash_config"]
-        draft = cls.from_target(policy, mask_token_id=d["mask_token_id"], tap_layers=d["target_layer_ids"],
-                                block_size=c["block_size"], num_layers=c["num_hidden_layers"],
-                                intermediate_size=c["intermediate_size"])
-        try:
-            draft.load_state_dict({k: v.to(next(policy.parameters()).dtype)
-                                   for k, v in load_file(os.path.join(path, "model.safetensors")).items()})
-        except RuntimeError as e:
-            raise ValueError(f"path={path!r}: the export does not fit the policy: {e}") from None
         return draft
 
     def export(self, path: str, *, dtype=torch.bfloat16, **kw):

@@ -19,12 +19,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from draft import Eagle3Draft  # noqa: E402
 from serving.engine_check import checked_engine  # noqa: E402
 from serving.hf_io import from_pretrained  # noqa: E402
 from serving.vllm_engine import VllmEngine  # noqa: E402
 from speculative import generate  # noqa: E402
 from tasks import task  # noqa: E402
+from harness.draft_formats import load_draft  # noqa: E402
 
 
 def cospec_cell(policy, draft, prompts, k, T, max_tokens, eos):
@@ -54,7 +54,7 @@ def main():
     a = ap.parse_args()
     torch.set_num_threads(1)
     policy = from_pretrained(os.path.join(a.run, "policy")).eval()
-    draft = Eagle3Draft.from_export(os.path.join(a.run, "draft"), policy).eval()
+    draft = load_draft(os.path.join(a.run, "draft"), policy).eval()
     src = task.CountUpTask()
     eos = src.tok.eos_ids  # every id that ends a row: both engines stop on them
     batches = [int(b) for b in a.batches.split(",")]

@@ -22,7 +22,8 @@ from harness import drafters
 from serving import formats
 from serving import speculators_format as spec
 from serving.draft_vocab import maps
-from serving.export import check_export
+from serving.export import check_export, check_exportable
+from serving.export_checks import read_export_weights
 
 RUN_OPTIONS = ("confidence_threshold",)  # config fields a run sets whatever the file says (not the weights')
 
@@ -48,13 +49,20 @@ def load_draft(path: str, policy, drafter: str | None = None, options: dict | No
 
 
 def _from_file(cls, family: str, fmt: str, path: str, policy):
-    cfg, sd = spec.read(path)
+    cfg = formats.read_config(os.path.join(path, "config.json"))
+    sd = read_export_weights(path)  # readable and finite, or one line naming the file and tensor
     names = None
     if fmt == "vllm":
         if family == "eagle3":
             check_export(path)  # the format as the engines read it (ENGINE_FIXED, d2t / t2d, dtype)
         cfg, sd, names = formats.from_vllm(family, cfg, sd)
     _, fields, sd = spec.to_cospec(cfg, sd, policy.cfg, path, names)
+    if family == "eagle3":  # what the engines feed it: 3 taps, none the policy's last layer (its export needs that)
+        try:
+            check_exportable(fields["tap_layers"], policy.cfg.num_hidden_layers)
+        except ValueError as e:
+            raise ValueError(f"draft {path!r}: its taps do not fit the {policy.cfg.num_hidden_layers}-layer "
+                             f"policy: {e}") from None
     config = DraftConfig(**fields) if family == "eagle3" else cls.config_class()(**fields)
     p = next(policy.parameters())
     draft = cls(config, policy).to(device=p.device, dtype=p.dtype)

@@ -12,8 +12,8 @@ the tensor, before anything is built from it.
                                  the fields the draft takes from the policy, against find_policy's folder, else the
                                  file's own
 
-serving/export.py's check_export runs the first three (so Eagle3Draft.from_export, `--draft PATH`, gets them too),
-then its engine-format checks; its check_exports runs check_folder on every format a run wrote, handing it those
+serving/export.py's check_export runs the first three (so `--draft PATH`, harness/draft_formats.load_draft, gets them
+too), then its engine-format checks; its check_exports runs check_folder on every format a run wrote, handing it those
 engine checks (export.py imports this file, never the reverse; no draft family is imported either). A draft directory
 is checked on its own: the pair check against a sibling policy/ applies only where that sibling is there (a draft
 copied away from its run is a draft on its own).
@@ -34,7 +34,7 @@ from serving import speculators_format as spec
 from serving.formats import COSPEC_ARCH, FORMATS_FILE, VLLM_ARCH, detect, from_vllm
 from serving.hf_io import read_json
 
-# what Eagle3Draft.from_export and the engines read from config.json
+# what --draft's loader and the engines read from config.json
 REQUIRED = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
             "vocab_size", "draft_vocab_size", "target_hidden_size", "rms_norm_eps", "rope_theta",
             "max_position_embeddings", "eagle_aux_hidden_state_layer_ids", "eagle_config")

@@ -235,14 +235,3 @@ def _block_part(fam, cfg: dict, sd: dict, P, path: str, bad, fields: dict) -> tu
     verifier = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight", "d2t",
                 "t2d")
     return fields, {RENAMES.get(k, k): t for k, t in sd.items() if k not in verifier}
-
-
-def read(path: str) -> tuple:
-    """(config.json, state dict) of a folder, or a ValueError naming what is missing."""
-    from safetensors.torch import load_file
-    cfg_path, st = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
-    if not os.path.isfile(cfg_path) or not os.path.isfile(st):
-        raise ValueError(f"draft {path!r}: expected config.json and model.safetensors there")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    return cfg, load_file(st)

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 import train
 from checkpoints.checkpoint import capture_rng, save_checkpoint
 from harness import cost_check, cost_model, memory_plan, warmup
+from harness.draft_formats import load_draft
 from harness.config import CHECKS, Config, help_text, parse_args
 from model import ModelConfig, Transformer
 from parallel.cli import TRACEBACK, field_docs, run_main
@@ -336,22 +337,21 @@ def _edit_config(**changes):
                                           "(64, 32), expected (128, 32) from config.json (intermediate_size=128"),
     (_edit_config(num_key_value_heads=3), "config.json: num_key_value_heads=3: expected a divisor of "
                                           "num_attention_heads=4"),
-    (lambda d: (d / "config.json").write_text("{"), "config.json: invalid JSON (Expecting property name"),
+    (lambda d: (d / "config.json").write_text("{"),
+     "config.json: not a readable JSON file (JSONDecodeError: Expecting property name"),
 ])
 def test_a_bad_draft_export_is_one_line_naming_the_file(servables, tmp_path, damage, message):
-    from draft import Eagle3Draft
     d, policy = _copy(servables, tmp_path)
     damage(d / "draft")
     with pytest.raises(ValueError, match=re.escape(f"{d}/draft/{message}")) as e:
-        Eagle3Draft.from_export(str(d / "draft"), policy)
+        load_draft(str(d / "draft"), policy)
     assert "\n" not in str(e.value)
 
 
 def test_a_draft_copied_away_from_its_run_works_on_its_own(servables, tmp_path):
     """Was: `cp -a runs/x/draft d` refused as --draft d ("policy/servable.json is missing")."""
-    from draft import Eagle3Draft
     shutil.copytree(servables[0] / "draft", tmp_path / "d")
-    draft = Eagle3Draft.from_export(str(tmp_path / "d"), servables[1])
+    draft = load_draft(str(tmp_path / "d"), servables[1])
     assert draft.tap_layers == (1, 2, 3)
 
 

@@ -1,6 +1,6 @@
-"""--draft PATH: a run starts from a draft in the EAGLE-3 export format (Eagle3Draft.from_export) with no draft warm-up;
-a draft that does not fit the policy is a one-line error naming it. ~50 s on 2 shared cores under load (two 1-step
-`--preset test` runs: the first exports <out>/draft, the second starts from it)."""
+"""--draft PATH: a run starts from a draft in the EAGLE-3 export format (harness/draft_formats.load_draft) with no
+warm-up; a draft that does not fit the policy is a one-line error naming it. ~50 s on 2 shared cores under load (two
+1-step `--preset test` runs: the first exports <out>/draft, the second starts from it)."""
 import json
 import os
 
@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from draft import Eagle3Draft
+from harness.draft_formats import load_draft
 from harness.config import parse_args
 from harness.experiment import build
 from harness.mesh import make_mesh
@@ -23,19 +24,19 @@ def test_from_export_round_trip_and_misfits(tmp_path):
     policy = Transformer(ModelConfig.preset("tiny")).eval()
     d = Eagle3Draft.from_target(policy, draft_vocab=torch.arange(0, 97, 3))
     d.export(str(tmp_path / "d"))
-    e = Eagle3Draft.from_export(str(tmp_path / "d"), policy)
+    e = load_draft(str(tmp_path / "d"), policy)
     assert e.tap_layers == d.tap_layers and e.cfg.draft_vocab_size == 33 and e.embed_weight is not None
     for (k, a), b in zip(d.state_dict().items(), e.state_dict().values()):  # the served (bf16) values, cast up
         assert torch.equal(a.to(torch.bfloat16).to(a.dtype) if a.is_floating_point() else a, b), k
-    for overrides, match in [(dict(hidden_size=64), "hidden_size=32 but the policy's hidden_size=64"),
-                             (dict(vocab_size=50), "vocab_size=97 but the policy's is 50"),
+    for overrides, match in [(dict(hidden_size=64), "hidden_size=32, expected the policy's hidden_size 64"),
+                             (dict(vocab_size=50), "vocab_size=97, expected the policy's vocab_size 50"),
                              (dict(num_hidden_layers=3), "taps do not fit the 3-layer policy")]:
         other = Transformer(ModelConfig.preset("tiny", **overrides))
-        with pytest.raises(ValueError, match=f"draft '.*d' does not fit the policy: .*{match}"):
-            Eagle3Draft.from_export(str(tmp_path / "d"), other)
+        with pytest.raises(ValueError, match=f"draft '.*d': .*{match}"):
+            load_draft(str(tmp_path / "d"), other)
     (tmp_path / "d" / "model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="d/model.safetensors: unreadable safetensors file"):
-        Eagle3Draft.from_export(str(tmp_path / "d"), policy)
+        load_draft(str(tmp_path / "d"), policy)
 
 
 @pytest.mark.parametrize("argv", [["--cold_start"], ["--draft_vocab=8"], ["--tap_layers=0,1,2"]])

@@ -17,6 +17,7 @@ from serving import export
 from draft import Eagle3Draft
 from serving.hf_io import from_pretrained, save_pretrained
 from model import ModelConfig, Transformer
+from harness.draft_formats import load_draft
 
 TOL = dict(rtol=1e-9, atol=1e-9)  # fp64 end to end; the two paths differ only by summation order
 
@@ -242,7 +243,7 @@ def test_full_vocabulary_export_has_no_maps_and_loads_back(tmp_path):
     draft.export(str(tmp_path / "d"), dtype=torch.float64)
     sd = load_file(str(tmp_path / "d" / "model.safetensors"))
     assert set(sd) == set(export.WEIGHTS)
-    back = Eagle3Draft.from_export(str(tmp_path / "d"), policy)
+    back = load_draft(str(tmp_path / "d"), policy)
     for (k, a), b in zip(draft.state_dict().items(), back.state_dict().values()):
         assert torch.equal(a, b), k  # d2t zeros and t2d all-true come back as the identity maps
     sd["d2t"] = torch.zeros(policy.cfg.vocab_size, dtype=torch.int64)  # the old format, which vLLM refuses

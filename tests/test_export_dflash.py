@@ -4,8 +4,8 @@ get_eagle3_aux_layers_from_config offsets them: aux id 0 the embeddings, aux id 
 context K/V precomputed from hidden_norm(fc(concat)), k_norm, RoPE;
 then the query block [y, MASK...] attending to them and to itself, non-causal; the target's head on norm(h)) --
 plain torch over the exported tensors and config.json, no cospec module -- against the draft's own block forward.
-Also DFlashDraft.from_export's round trip and the served k <= block_size - 1. ~4 s on 2 CPU cores. The export served
-by vLLM itself: tests/test_vllm_engine.py."""
+Also the export's round trip through --draft's loader and the served k <= block_size - 1. ~4 s on 2 CPU cores. The
+export served by vLLM itself: tests/test_vllm_engine.py."""
 import json
 import os
 
@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from draft_dflash import DFlashDraft
 from draft_dspark import DSparkDraft
 from model import EMBED_TAP, ModelConfig, Transformer
+from harness.draft_formats import load_draft
 
 
 def rms(x, w, eps):
@@ -105,11 +106,11 @@ def test_from_export_round_trip_and_served_method(tmp_path):
     policy = Transformer(ModelConfig.preset("tiny", qk_norm=True)).eval()
     draft = DFlashDraft.from_target(policy, mask_token_id=3, block_size=4, tap_layers=(0, 2))
     draft.export(str(tmp_path / "d"), dtype=torch.float32)
-    back = DFlashDraft.from_export(str(tmp_path / "d"), policy)
+    back = load_draft(str(tmp_path / "d"), policy)
     assert back.tap_layers == (0, 2) and back.block_size == 4 and back.cfg.mask_token_id == 3
     assert all(torch.equal(a, b) for a, b in zip(draft.state_dict().values(), back.state_dict().values()))
     assert served_method(str(tmp_path / "d"), 3) == "dflash"
     with pytest.raises(ValueError, match="k: a DFlash draft of block_size 4 drafts 1..3"):
         served_method(str(tmp_path / "d"), 4)  # vLLM would run a 5th slot the draft never trained
-    with pytest.raises(ValueError, match="expected a DFlash export"):
-        DFlashDraft.from_export(str(tmp_path), policy)
+    with pytest.raises(ValueError, match="expected a draft folder with config.json"):
+        load_draft(str(tmp_path), policy)

@@ -43,7 +43,7 @@ import pytest
 import torch
 
 from draft import Eagle3Draft
-from draft_dflash import DFlashDraft
+from harness.draft_formats import load_draft
 from harness.config import parse_args
 from serving.engine_check import (StaleDraft, StalePolicy, checked_engine, lossless_check, verify_policy_refit,
                                   verify_refit)
@@ -71,7 +71,7 @@ def served(tmp_path_factory):
     out = tmp / "run"
     train(parse_args(ARGS + [f"--cache_dir={tmp / 'cache'}", "--out", str(out)]))
     policy = from_pretrained(str(out / "policy")).eval()
-    trained = Eagle3Draft.from_export(str(out / "draft"), policy).eval()
+    trained = load_draft(str(out / "draft"), policy).eval()
     torch.manual_seed(0)
     cold = Eagle3Draft.from_target(policy).eval()
     cold.export(str(tmp / "cold"), dtype=torch.float32)  # the engine then holds exactly the trainer's weights
@@ -89,8 +89,8 @@ def served_dflash(served):
                              "--draft_warmup_steps=400", "--steps=1",
                              "--rollout_engine=vllm", f"--cache_dir={tmp / 'cache'}", "--out", str(out)]))
     policy = from_pretrained(str(out / "policy")).eval()
-    trained = DFlashDraft.from_export(str(out / "draft"), policy).eval()
-    cold = DFlashDraft.from_export(str(out / "draft"), policy).eval()
+    trained = load_draft(str(out / "draft"), policy).eval()
+    cold = load_draft(str(out / "draft"), policy).eval()
     torch.manual_seed(0)
     with torch.no_grad():
         for p in cold.parameters():
