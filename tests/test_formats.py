@@ -115,6 +115,7 @@ MISFITS = [
     ("eagle3", "draft_vocab_size", 100, r"draft_vocab_size=100, expected in \[1, the policy's vocab_size"),
     ("eagle3", "eagle_aux_hidden_state_layer_ids", [1, 2, 2], "eagle_aux_hidden_state_layer_ids=.*ascending distinct"),
     ("eagle3", "speculators_model_type", "mtp", r"speculators_model_type='mtp': cospec trains"),
+    ("eagle3", "eagle_aux_hidden_state_layer_ids", [2, 3, 4], "taps do not fit the 4-layer policy: .*last of 4"),
 ]
 
 
