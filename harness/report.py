@@ -91,8 +91,7 @@ class Report:
                      if (k := f"accept_gain_vs_{a}_ci") in ev and ev[k] is not None)
         frozen = f" (frozen {ev['speedup_frozen']:.2f}x)" if "speedup_frozen" in ev else ""
         self.print(f"{head} | acceptance (k={ev.get('eval_k', '?')}) co-trained {_num(ev['accept_cotrained'])}{more}"
-                   f"{ci} | spec {ev['tok_s_cotrained']:.0f} vs AR {ev['tok_s_ar']:.0f} tok/s, speedup "
-                   f"{ev['speedup']:.2f}x{frozen}")
+                   f"{ci} | rollout speedup {ev['speedup']:.2f}x{frozen}")  # the median of paired chunks' ratios
 
     def finish(self, warm: dict, wall_s: float, eval_prompts: int | None = None) -> dict:
         """summary.json and train.png (rank 0); returns the summary ({} on other ranks). eval_prompts: how many

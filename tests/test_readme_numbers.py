@@ -1,13 +1,19 @@
-"""The README's results table against the files its numbers come from. ~1 s.
+"""The results tables against the files their numbers come from, and the README's budget. ~1 s.
 
-Every row of the table under "## Results" is declared here, by the start of its first cell, with where its numbers
-come from:
+docs/results.md holds every result in one table; the README quotes at most 8 of its rows, shorter. Every row of both
+is declared here, by the start of its first cell, with where its numbers come from:
 - ("json", file, values): every number printed in the row's number cell is one of `values` (read from the committed
-  results file by the current code's benchmark) at the digits printed, and every value is printed. A number in the
-  cell that no value explains fails, so a figure cannot be pasted in without its source.
-- ("test", files): the row quotes what a test asserts; the command cell must name each test file, which must exist.
-- ("commit", sha): measured by older code and kept with no results file; the row must say "at commit <sha>".
+  results file by the current code's benchmark) at the digits printed. In docs/results.md every value is printed too;
+  the README may quote a subset. A number in the cell that no value explains fails, so a figure cannot be pasted in
+  without its source.
+- ("test", files): the row quotes what a test asserts; the command cell (docs/results.md) must name each test file,
+  which must exist.
+- ("commit", sha): measured by older code and kept with no results file; the row must say "at commit <sha>" (not in
+  the README, which names no commit).
 A row that is not declared fails: a new result comes with its source.
+
+The README is a front door: at most 150 lines and 1,800 words, no commit hash, no date; its quick start's times are
+the stored runs' (the main job's range, the tests' time in docs/quickstart.md), and its printout is the stored run's.
 """
 import json
 import math
@@ -148,12 +154,14 @@ SOURCES = {
 }
 
 
-def results_rows():
-    """(first cell, number cell, command cell) of each row of the README's results table."""
-    with open(os.path.join(ROOT, "README.md")) as f:
+def results_rows(page: str = "docs/results.md"):
+    """(first cell, number cell, last cell) of each row of `page`'s results table (the command cell in
+    docs/results.md, the page link in the README)."""
+    with open(os.path.join(ROOT, page)) as f:
         text = f.read()
-    section = text.split("\n## Results", 1)[1].split("\n## ", 1)[0]
-    rows = [line for line in section.splitlines() if line.startswith("|")][2:]  # header and rule dropped
+    if page == "README.md":
+        text = text.split("\n## Results", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in text.splitlines() if line.startswith("|")][2:]  # header and rule dropped
     return [[c.strip() for c in line.strip("|").split("|")][:3] for line in rows]
 
 
@@ -170,8 +178,19 @@ def source_of(first_cell: str):
     return hits[0]
 
 
-def test_the_table_is_found():
+def test_the_tables_are_found():
     assert len(results_rows()) >= 8
+    assert 4 <= len(results_rows("README.md")) <= 8, "the README quotes at most 8 results"
+
+
+def _check_numbers(first: str, number: str, src, every: bool):
+    _, path, values, *context = src
+    values, context = values(), (context[0] if context else ())
+    tokens = NUMBER.findall(number)
+    unexplained = [t for t in tokens if t not in context and not any(matches(t, v) for v in values)]
+    assert not unexplained, f"{first[:40]!r}: {unexplained} are not in {path} ({values})"
+    unprinted = [round(v, 4) for v in values if not any(matches(t, v) for t in tokens)]
+    assert not (every and unprinted), f"{first[:40]!r}: {path} holds {unprinted}, which the table does not print"
 
 
 @pytest.mark.parametrize("row", results_rows(), ids=lambda r: r[0][:40])
@@ -180,18 +199,24 @@ def test_row_matches_its_source(row):
     src = source_of(first)
     if src[0] == "commit":
         assert f"at commit {src[1]}" in number + first, f"{first[:40]!r}: label it 'measured at commit {src[1]}'"
-        return
-    if src[0] == "test":
+    elif src[0] == "test":
         for f in src[1]:
             assert os.path.isfile(os.path.join(ROOT, f)) and f in command, (first[:40], f)
-        return
-    _, path, values, *context = src
-    values, context = values(), (context[0] if context else ())
-    tokens = NUMBER.findall(number)
-    unexplained = [t for t in tokens if t not in context and not any(matches(t, v) for v in values)]
-    unprinted = [round(v, 4) for v in values if not any(matches(t, v) for t in tokens)]
-    assert not unexplained, f"{first[:40]!r}: {unexplained} in the README are not in {path} ({values})"
-    assert not unprinted, f"{first[:40]!r}: {path} holds {unprinted}, which the README does not print"
+    else:
+        _check_numbers(first, number, src, every=True)
+
+
+@pytest.mark.parametrize("row", results_rows("README.md"), ids=lambda r: r[0][:40])
+def test_readme_row_is_a_result(row):
+    """A README row is a row of docs/results.md, quoted (a subset of its numbers), linking to an existing page."""
+    first, number, link = row
+    src = source_of(first)
+    assert src[0] != "commit", f"README row {first[:40]!r}: measured by older code; keep it in docs/results.md only"
+    assert sum(r[0].startswith(k) for r in results_rows() for k in SOURCES if first.startswith(k)) == 1, first[:40]
+    page = re.fullmatch(r"\[[^]]+\]\((docs/[\w.]+\.md)\)", link)
+    assert page and os.path.isfile(os.path.join(ROOT, page[1])), f"README row {first[:40]!r}: link {link!r}"
+    if src[0] == "json":
+        _check_numbers(first, number, src, every=False)
 
 
 def test_the_stated_size_of_the_code_is_its_size():
@@ -207,3 +232,53 @@ def test_the_stated_size_of_the_code_is_its_size():
     assert int(m[2]) == len(mods), f"README says {m[2]} files; the layout test walks {len(mods)}"
     for said, n in ((m[1], lines(mods.values())), (m[3], lines(tests))):
         assert abs(float(said) * 1000 - n) <= 0.02 * n, f"README says ~{said}k lines; counted {n}"
+
+
+def _readme() -> str:
+    with open(os.path.join(ROOT, "README.md")) as f:
+        return f.read()
+
+
+def test_the_readme_keeps_its_budget():
+    """A front door: at most 150 lines and 1,800 words; no commit hash and no date (they live in docs/, beside the
+    numbers they qualify)."""
+    text = _readme()
+    assert len(text.splitlines()) <= 150, f"README: {len(text.splitlines())} lines; at most 150"
+    assert len(text.split()) <= 1800, f"README: {len(text.split())} words; at most 1,800"
+    hashes = [h for h in re.findall(r"(?<![\w/.-])[0-9a-f]{7,40}(?![\w/.-])", text) if re.search(r"[a-f]", h)
+              and re.search(r"\d", h)]
+    assert not hashes, f"README names commits {hashes}: move them to docs/ beside their numbers"
+    dates = re.findall(r"\b20\d\d-\d\d-\d\d\b", text)
+    assert not dates, f"README carries dates {dates}: move them to docs/ beside their numbers"
+
+
+def test_the_quick_starts_times_are_the_stored_runs():
+    """The main job's range is the stored default runs' wall time, in minutes to the half; the tests' time is the one
+    docs/quickstart.md states, to the minute."""
+    walls = [_load(p)["wall_s"] / 60 for p in ("docs/default_run.json", "docs/examples/default_run_661192c.json",
+                                               "docs/examples/default_run_aaab936.json")]
+    m = re.search(r"the main job: (\d+(?:\.\d)?)-(\d+(?:\.\d)?) min", _readme())
+    assert m and float(m[1]) == math.floor(min(walls) * 2) / 2 and float(m[2]) == math.floor(max(walls)), (m, walls)
+    with open(os.path.join(ROOT, "docs/quickstart.md")) as f:
+        said = re.search(r"passed, \d+ skipped[^)]*? in (\d+) min (\d+) s", f.read())
+    m = re.search(r"the tests: ~(\d+) min", _readme())
+    assert said and m and int(m[1]) == round(int(said[1]) + int(said[2]) / 60), (m, said)
+
+
+def test_the_printout_is_the_stored_runs():
+    """Every number of the README's printout is a field of the stored run it shows (docs/examples/default_run_aaab936),
+    at the digits printed: its eval lines at steps 0 and 30 and its table rows at steps 1 and 30."""
+    block = _readme().split("## What you see", 1)[1].split("```", 2)[1]
+    with open(os.path.join(ROOT, "docs/examples/default_run_aaab936_metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    for line in block.strip().splitlines()[1:]:
+        ev = re.match(r"\s+eval @ (\d+):", line)
+        step = int(ev[1]) if ev else int(line.split()[0]) if line.split()[0].isdigit() else None
+        if step is None:
+            continue  # the header
+        rec = next(r for r in records if r["step"] == step and r["kind"] == ("eval" if ev else "train"))
+        values = [v for x in rec.values() for v in (x if isinstance(x, list) else [x])
+                  if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        tokens = NUMBER.findall(line.split(":", 1)[1] if ev else line)
+        bad = [t for t in tokens if t not in ("4", str(step)) and not any(matches(t, v) for v in values)]
+        assert not bad, f"README printout, step {step}: {bad} are not in the stored run"
