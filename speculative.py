@@ -15,10 +15,9 @@ greedy (accept iff d_j = argmax p_j) and reproduces plain greedy decoding token 
 bonus included (1.0 = no speedup), is defined here, once:
     acceptance length = sum_forwards (tokens the row keeps from that forward) / sum_forwards (rows active in it)
 the prefill forward and its token excluded; the forward in which a row stops counts only the tokens kept up to EOS or
-max_new_tokens (kept_tokens). So returned tokens = rows with a prefill token + the numerator, exactly.
-vLLM's spec-decode counters count the stopping forward whole (its scheduler counts a row's accepted drafts before it
-cuts them at the stop token or max_tokens); SpecStats.acceptance_length_uncut is that count, for comparing with it:
-    acceptance length, uncut = 1 + sum_forwards (drafts the rule accepts, n) / sum_forwards (rows active in it)
+max_new_tokens (kept_tokens). So returned tokens = rows with a prefill token + the numerator, exactly. The rest a
+call measures (per-prompt and per-position counts, the uncut length vLLM reports, KV peak, time) is counted beside
+the engine: decoding/spec_stats.py.
 The log-probs returned for GRPO are the policy's, log softmax(logits / tau) (tau = 0: of the raw logits), read from
 the verification forwards.
 
@@ -46,29 +45,9 @@ from decoding.generate_args import check_generate_args, draft_shape, eos_list
 from decoding.k_control import FixedK
 from decoding.row_streams import multinomial, uniform
 from decoding.spec_rule import accept_prob, probs, residual, sample
+from decoding.spec_stats import SpecCounts, SpecStats
 from model import Transformer
 from modeling.layers import at_least_f32
-
-
-@dataclass
-class SpecStats:
-    policy_forwards: int = 0  # verification (or, without a draft, decode) forwards after the prefill
-    row_steps: int = 0  # sum over those forwards of the rows still generating
-    drafted: int = 0  # draft tokens proposed to active rows
-    accepted: int = 0  # draft tokens kept: kept - row_steps (a row's last forward counts only up to EOS / budget)
-    kept: int = 0  # tokens kept from those forwards, summed over rows (= new_tokens - rows that got a prefill token)
-    acceptance_length: float = 1.0  # kept / row_steps: tokens kept per policy forward per row, bonus included
-    accepted_uncut: int = 0  # drafts the rule accepted (n), a row's stopping forward counted whole (vLLM's counter)
-    acceptance_length_uncut: float = 1.0  # 1 + accepted_uncut / row_steps: what vLLM's counters give (module doc)
-    accept_per_position: list = field(default_factory=list)  # alpha_j = P(d_j accepted | d_<j accepted), kept positions
-    new_tokens: int = 0  # tokens returned (after EOS / max_new_tokens truncation)
-    row_kept: list = field(default_factory=list)  # per prompt: its share of `kept` (paired per-prompt comparisons)
-    row_forwards: list = field(default_factory=list)  # per prompt: verification forwards it was active in
-    row_tried: list = field(default_factory=list)  # per prompt: its drafts tried at positions 1..K (kept positions)
-    row_accepted: list = field(default_factory=list)  # per prompt: of which accepted
-    seconds: float = 0.0
-    tokens_per_s: float = 0.0
-    kv_peak_bytes: int = 0  # the most bytes both KV caches held together, read at each step's poll (host ints)
 
 
 @dataclass
@@ -131,20 +110,9 @@ class _Decode:
     y: torch.Tensor  # (b,) each row's last sampled token (not yet in the policy's cache)
     done: torch.Tensor  # (b,) bool: the row has finished (it rides along until compacted)
     pcache: object  # the policy's KV cache (kv_cache.KVCache)
+    counts: SpecCounts  # what the call measures (decoding/spec_stats.py): the acceptance length and the rest
     trunk: DraftTrunk = field(default_factory=DraftTrunk)  # the draft's cache and its state at y (no draft: empty)
     tree: object = None  # speculative_tree.Tree, or None: a chain
-    stats: SpecStats = field(default_factory=SpecStats)
-    reached: torch.Tensor = None  # (k,) rows whose draft j was tried, per position j
-    accepted: torch.Tensor = None  # (k,) of which accepted
-    accept_sum: int = 0  # tokens kept (kept_tokens), summed over forwards and rows (device scalar once stepping)
-    n_sum: int = 0  # drafts the rule accepted (n), summed over forwards and active rows, none cut (device scalar)
-    row_kept: torch.Tensor = None  # (B,) per prompt: tokens kept over its verification forwards
-    row_fwd: torch.Tensor = None  # (B,) per prompt: verification forwards it was active in
-    row_tried: torch.Tensor = None  # (B, K) per prompt: drafts tried at each position (reached, per row)
-    row_acc: torch.Tensor = None  # (B,) per prompt: drafts accepted
-    row_steps: int = 0  # rows active, summed over forwards
-    K: int = 0  # the ceiling of k (the per-position counts are sized for it)
-    drafted: object = 0  # draft tokens proposed to active rows (device scalar once stepping)
     lengths: torch.Tensor = None  # (b,) this step's proposal per row when the draft cut it short (None: k each)
     left: int = 0  # host int, set by poll: the most new tokens an open row may still take
     open: int = 0  # host int, set by poll: the rows not yet finished
@@ -218,14 +186,8 @@ def prefill(target, draft, prompts, k: int, temperature, eos_id, max_new_tokens,
                 toks=torch.zeros(B, width, dtype=torch.long, device=dev),
                 lps=torch.zeros(B, width, dtype=at_least_f32(z).dtype, device=dev),
                 n_gen=torch.ones(B, dtype=torch.long, device=dev), live=rows, y=y,
-                done=(max_new_tokens <= 1) | is_eos(y, eos),
-                pcache=pcache, reached=torch.zeros(max(K, 1), dtype=torch.long, device=dev),
-                accepted=torch.zeros(max(K, 1), dtype=torch.long, device=dev), tree=tree, K=K)
+                done=(max_new_tokens <= 1) | is_eos(y, eos), pcache=pcache, counts=SpecCounts(B, K, k, dev), tree=tree)
     s.toks[:, 0], s.lps[:, 0] = y, _logprob(z[:, None], y[:, None], temperature)[:, 0]
-    s.accept_sum, s.n_sum = torch.zeros((), dtype=torch.long, device=dev), torch.zeros((), dtype=torch.long, device=dev)
-    s.row_kept, s.row_fwd = torch.zeros(B, dtype=torch.long, device=dev), torch.zeros(B, dtype=torch.long, device=dev)
-    s.row_tried, s.row_acc = torch.zeros(B, max(k, 1), dtype=torch.long, device=dev), torch.zeros_like(s.row_kept)
-    s.row_steps = torch.zeros((), dtype=torch.long, device=dev)
     if taps is not None:
         dcache = draft.new_cache(B, max_len, block=kv_block)
         nxt = torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], 1)
@@ -243,7 +205,7 @@ def poll(s: _Decode) -> int:
     s.open = s.live.numel() - n_done
     for c, L in zip(caches, longest):
         c.bound = min(c.bound, L)
-    s.stats.kv_peak_bytes = max(s.stats.kv_peak_bytes, sum(c.allocated_bytes() for c in caches))
+    s.counts.saw_caches(caches)
     return n_done
 
 
@@ -328,44 +290,17 @@ def commit(s: _Decode, block, z, n):
     s.pcache.rollback(torch.where(s.done, 0, s.pcache.lengths - block.shape[1] + kept))  # live rows kept n + 1
     s.trunk.empty_finished(s.done)
     s.y = block[torch.arange(block.shape[0], device=block.device), n]
-    if s.k:  # per position j: draft j tried (j <= n) / accepted (j < n), among the positions the row keeps
-        j = cols[None, : s.k]
-        tried, acc = (j <= n[:, None]) & (j < kept[:, None]), (j < n[:, None]) & (j < kept[:, None])  # (b, k)
-        if s.lengths is not None:  # a slot past the row's cut was not proposed: not tried
-            tried = tried & (j < s.lengths[:, None])
-        s.reached[: s.k] += tried.sum(0)
-        s.accepted[: s.k] += acc.sum(0)
-        if s.row_tried is not None:  # per prompt (the rows' spread in acceptance, adaptive_k.AdaptiveK.end)
-            s.row_tried[s.live, : s.k] += tried
-            s.row_acc[s.live] += acc.sum(1)
-        s.drafted = s.drafted + (s.k * active.sum() if s.lengths is None else torch.where(active, s.lengths, 0).sum())
-    s.accept_sum += kept.sum()
-    s.n_sum += torch.where(active, n, 0).sum()
-    s.row_steps += active.sum()
-    if s.row_kept is not None:
-        s.row_kept[s.live] += kept
-        s.row_fwd[s.live] += active.long()
-    s.stats.policy_forwards += 1
+    s.counts.step(s, n, kept, active)  # the acceptance length's sums and the rest (decoding/spec_stats.py)
 
 
 def finish(s: _Decode, seconds: float) -> Rollout:
-    """Step 5. Truncate each row at max_new_tokens and after its first EOS; the statistics."""
+    """Step 5. Truncate each row at max_new_tokens and after its first EOS; the call's statistics (spec_stats.py)."""
     n_keep = s.n_gen.clamp(max=s.max_new_tokens)
     hit = is_eos(s.toks, s.eos) & (torch.arange(s.toks.shape[1], device=s.toks.device)[None] < n_keep[:, None])
     n_keep = torch.minimum(n_keep, torch.where(hit.any(1), hit.float().argmax(1) + 1, n_keep))  # (B,)
-    n_keep, st = n_keep.tolist(), s.stats
-    st.seconds, st.row_steps, st.kept = seconds, int(s.row_steps), int(s.accept_sum)
-    st.acceptance_length = st.kept / max(st.row_steps, 1)
-    st.drafted, st.accepted = int(s.drafted), st.kept - st.row_steps
-    st.accepted_uncut = int(s.n_sum)
-    st.acceptance_length_uncut = 1 + st.accepted_uncut / max(st.row_steps, 1)
-    st.accept_per_position = (s.accepted.float() / s.reached.clamp_min(1)).tolist() if s.K or s.k else []
-    st.new_tokens, st.tokens_per_s = sum(n_keep), sum(n_keep) / seconds
-    if s.row_kept is not None:
-        st.row_kept, st.row_forwards = s.row_kept.tolist(), s.row_fwd.tolist()
-        st.row_tried, st.row_accepted = s.row_tried.tolist(), s.row_acc.tolist()
+    n_keep = n_keep.tolist()
     return Rollout([s.toks[b, :m].clone() for b, m in enumerate(n_keep)],
-                   [s.lps[b, :m].clone() for b, m in enumerate(n_keep)], st)
+                   [s.lps[b, :m].clone() for b, m in enumerate(n_keep)], s.counts.stats(n_keep, seconds))
 
 
 if __name__ == "__main__":

@@ -273,7 +273,7 @@ class AdaptiveK:
 
     def observe(self, s):
         """k_control.py: record() the step the engine just ran."""
-        self.record(s.live.numel(), s.k, s.reached, s.accepted, ctx=s.pcache.bound)
+        self.record(s.live.numel(), s.k, s.counts.reached, s.counts.accepted, ctx=s.pcache.bound)
 
     def choose(self, rows: int, ctx: int = None, left: int = None, open_rows: int = None) -> int:
         """k for the next step at `rows` batch rows (open_rows of them not finished), context length ctx, and at most

@@ -8,8 +8,8 @@
                                             the most tokens a row may still take s.left, open rows s.open. A
                                             controller that will not draft again in the call releases the draft
                                             (s.trunk.release(): no taps, no catch-up; decoding/draft_trunk.py)
-    ctl.observe(s)                          after the step: its k s.k, the call's per-position counts s.reached /
-                                            s.accepted (K,)
+    ctl.observe(s)                          after the step: its k s.k, the call's per-position counts
+                                            s.counts.reached / s.counts.accepted (K,) (spec_stats.py)
     ctl.end(rollout) -> rollout             the call ended (its per-row counts are in rollout.stats)
 
 FixedK(k): k at every step, the paper's engine (generate's default). KSchedule: a fixed cycle of k without a clock,

@@ -13,6 +13,7 @@ from branch_mask import cu_seqlens_from_lengths
 from model import ModelConfig, Transformer, greedy_generate
 from modeling.kv_cache import KVCache
 from decoding.k_control import KSchedule
+from decoding.spec_stats import SpecCounts
 from spec_cases import SWITCHING, exact_first3, make_small_vocab_pair
 from speculative import accept_prob, generate, residual
 
@@ -265,9 +266,7 @@ def test_acceptance_hand_count():
     s = speculative._Decode(k, 1.0, eos, 6, None, toks=torch.zeros(B, 6 + 2 * (k + 1), dtype=torch.long),
                             lps=torch.zeros(B, 6 + 2 * (k + 1)), n_gen=torch.ones(B, dtype=torch.long),
                             live=torch.arange(B), y=torch.tensor([1, 1, 1]), done=torch.zeros(B, dtype=torch.bool),
-                            pcache=_StubCache([10, 10, 10]),
-                            reached=torch.zeros(k, dtype=torch.long), accepted=torch.zeros(k, dtype=torch.long))
-    s.accept_sum, s.row_steps = torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)
+                            pcache=_StubCache([10, 10, 10]), counts=SpecCounts(B, k, k, "cpu"))
     z = torch.zeros(B, k + 1, 11)
     speculative.commit(s, torch.tensor([[2, 3, 4, 5], [2, 9, 4, 5], [2, 3, 0, 0]]), z, torch.tensor([3, 3, 1]))
     assert s.done.tolist() == [False, True, False] and s.n_gen.tolist() == [5, 3, 3]
@@ -279,6 +278,7 @@ def test_acceptance_hand_count():
     # per position j, kept positions only (tried: j <= n and j < kept; accepted: j < n and j < kept):
     # fwd 1 tried rows 0,1,2 / 0,1,2 / 0 and accepted 0,1,2 / 0,1 / 0; fwd 2 tried rows 0,2 at j = 0, accepted row 0
     assert st.accept_per_position == pytest.approx([4 / 5, 2 / 3, 1 / 1])
+    assert (st.row_kept, st.row_forwards, st.row_accepted) == ([5, 2, 3], [2, 1, 2], [4, 2, 1])  # per prompt
 
 
 @pytest.mark.parametrize("k", [0, 2, 4, SWITCHING[2]])
