@@ -13,7 +13,8 @@ This file is the single source of truth for the layout (`pad_for_cp`, `pad_ring_
 `zigzag_shard`/`unshard`, `shard_anchors`: which anchors a rank holds), for the CP-aware shift `cp_shift` (the draft
 reads x_{i+d} at anchor i), and for the dense reference masks the tests use as oracles: packed causal, the TTT branch
 mask in its two conventions, the anchor mask (any draft's branch: W queries per anchor, j <= a or j < a), and tree
-masks.
+masks. Boundaries drive host-side loops through their host copy, host_cu (parallel/host_copy.py: read once per
+tensor).
 
     python branch_mask.py       # prints the layout and the masks, writes docs/branch_masks.png
 
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from parallel.host_copy import cu_to, host_cu, with_host_copy  # noqa: F401  (cu_to: its callers import it here)
 from parallel.ring import as_ring
 
 
@@ -44,7 +46,7 @@ def seq_lengths(cu_seqlens: torch.Tensor) -> torch.Tensor:  # (S+1,) -> (S,) int
 
 
 def seq_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:  # (T,) which sequence each token belongs to
-    T = host_cu(cu_seqlens)[-1]  # output_size from the host copy: repeat_interleave would read it off the device
+    T = host_cu(cu_seqlens)[-1]
     return torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=cu_seqlens.device), seq_lengths(cu_seqlens),
                                    output_size=T)
 
@@ -79,11 +81,10 @@ def pad_for_cp(cu_seqlens: torch.Tensor, cp: int) -> Padded:
     if any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"cu_seqlens: must be non-decreasing, got {list(cu)}")
     padded = (lengths + 2 * cp - 1) // (2 * cp) * (2 * cp)
-    cu_pad = torch.cat([padded.new_zeros(1), padded.cumsum(0)]).to(torch.int32)  # on the device, no host read ...
     host = [0]
     for a, b in zip(cu, cu[1:]):
         host.append(host[-1] + (b - a + 2 * cp - 1) // (2 * cp) * (2 * cp))
-    cu_pad._cospec_host = (cu_pad._version, tuple(host))  # ... and its host copy, from the host copy of cu_seqlens
+    cu_pad = with_host_copy(torch.cat([padded.new_zeros(1), padded.cumsum(0)]).to(torch.int32), tuple(host))
     index = torch.repeat_interleave(cu_pad[:-1].long(), lengths, output_size=cu[-1]) + position_ids(cu_seqlens)
     return Padded(cu_pad, index, lengths)
 
@@ -96,44 +97,19 @@ def pad_ring_of_one(cu_seqlens: torch.Tensor) -> Padded | None:
     2·cp equal chunks and check it (check_cp_padded), so the draft's TTT and, with an attention backend, the policy
     run the same code on the same padded shapes at every cp; at cp = 1 that needs even lengths. The padding rows
     follow the real ones (causal masking hides them from real queries) and carry no loss."""
-    cu = host_cu(cu_seqlens)  # the host copy: no device read
+    cu = host_cu(cu_seqlens)
     if not any((b - a) % 2 for a, b in zip(cu, cu[1:])):
         return None
     return pad_for_cp(cu_seqlens, 1)
 
 
-def host_cu(cu_seqlens: torch.Tensor) -> tuple:
-    """cu_seqlens as a tuple of Python ints: the copy that drives the host-side loops (ring steps, tiles, shifts).
-    A device tensor is read once -- a host sync -- and the copy is kept on the tensor object (re-read if the tensor is
-    modified in place), so every layer and ring step of a forward/backward reuses it. cu_to() attaches it at no cost
-    when boundaries move to the device."""
-    cached = getattr(cu_seqlens, "_cospec_host", None)
-    if cached is not None and cached[0] == cu_seqlens._version:
-        return cached[1]
-    host = tuple(int(c) for c in cu_seqlens.tolist())  # sync point (device tensors): once per tensor
-    cu_seqlens._cospec_host = (cu_seqlens._version, host)
-    return host
-
-
-def cu_to(cu_seqlens: torch.Tensor, device) -> torch.Tensor:
-    """cu_seqlens on `device`, carrying its host copy (host_cu) so that no later step reads it back."""
-    host = host_cu(cu_seqlens)
-    out = cu_seqlens.to(device)
-    out._cospec_host = (out._version, host)
-    return out
-
-
 def cu_local(cu_seqlens: torch.Tensor, cp: int) -> torch.Tensor:
-    """cu_seqlens // cp (a CP rank's local boundaries when every length is a multiple of 2·cp), carrying its host
-    copy (host_cu) so that no later step reads it back."""
-    host = tuple(c // cp for c in host_cu(cu_seqlens))
-    out = cu_seqlens // cp
-    out._cospec_host = (out._version, host)
-    return out
+    """cu_seqlens // cp: a CP rank's local boundaries when every length is a multiple of 2·cp."""
+    return with_host_copy(cu_seqlens // cp, tuple(c // cp for c in host_cu(cu_seqlens)))
 
 
 def check_cp_padded(cu_seqlens: torch.Tensor, cp: int, name: str = "cu_seqlens"):
-    """Checked on the host copy (host_cu): no device read beyond the first."""
+    """Every sequence's length a multiple of 2·cp (pad_for_cp), else a ValueError naming `name`."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name}: expected an int32 tensor [S+1], got {type(cu_seqlens).__name__} "
                         f"{getattr(cu_seqlens, 'dtype', '')}")
@@ -156,7 +132,7 @@ def zigzag_index(cu_seqlens: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
     check_cp_padded(cu_seqlens, cp)
     if not 0 <= rank < cp:
         raise ValueError(f"rank={rank}: expected 0 <= rank < cp={cp}")
-    parts, cu = [], host_cu(cu_seqlens)  # the host copy: no device read
+    parts, cu = [], host_cu(cu_seqlens)
     for start, L in zip(cu[:-1], (b - a for a, b in zip(cu, cu[1:]))):
         C = L // (2 * cp)
         for c in (rank, 2 * cp - 1 - rank):
@@ -194,9 +170,7 @@ def shard_anchors(anchor_rows, cu_seqlens: torch.Tensor, cp: int, rank: int):
 
 @functools.lru_cache(maxsize=64)
 def _zigzag_index_cached(cu: tuple, cp: int, rank: int, device) -> torch.Tensor:  # cp_shift's: once per layout
-    host = torch.tensor(cu, dtype=torch.int64)
-    host._cospec_host = (host._version, cu)  # a host tensor: its copy is itself
-    return zigzag_index(host, cp, rank).to(device)
+    return zigzag_index(with_host_copy(torch.tensor(cu, dtype=torch.int64), cu), cp, rank).to(device)
 
 
 def zigzag_shard(x: torch.Tensor, cu_seqlens: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
@@ -235,7 +209,7 @@ def cp_shift(x, cu_seqlens, d: int, *, group=None, fill=0, lengths=None):
     Differentiable in x: the adjoint of shifting by d is shifting the (masked) gradient by −d."""
     ring = as_ring(group)
     check_cp_padded(cu_seqlens, ring.size)
-    local_cu = tuple(c // ring.size for c in host_cu(cu_seqlens))  # host ints: the hops' loops never read the device
+    local_cu = tuple(c // ring.size for c in host_cu(cu_seqlens))
     T_local = local_cu[-1]
     if x.shape[0] != T_local:
         raise ValueError(f"x: expected {T_local} rows (this rank's shard of cu_seqlens over cp={ring.size}), "
