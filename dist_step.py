@@ -1,9 +1,19 @@
-"""One GRPO + draft co-training update, distributed: PP stages (pipeline.py) with CP inside each stage and DP across
-replicas -- the same optimisation step as the single-process rl_loop.cotrain_step, to fp64 round-off. This is the step
-train.py runs at every world size (one process: the 1 x 1 x 1 grid, no process group); cotrain_step is the readable
-reference it is tested against. Its draft hook (on the last stage, after each forward) computes every trained draft's
-loss on the taps; the experiment's watched control arms attach to it through `watch` (harness/watch.py), and the
-step's sums travel as one named record (parallel/step_totals.py).
+"""The co-training step: one GRPO update of the policy and one update of every draft from ONE policy forward.
+
+    DistCotrainer.step, per micro-batch m, through the pipeline (pipeline.py):
+      forward    the policy's stages, CP inside each (attention_cp.py); taps leave on TapChannel (tapchannel.py)
+      GRPO       log p_tau(x_{t+1} | x_<=t) from the last stage's logits -> the clipped surrogate + k3 (rl_loop.py)
+      draft      every draft's loss on the detached taps, the policy's untempered softmax(z) as teacher (drafter.py),
+                 and its backward, on the last stage
+      backward   the policy's, through the stages
+    then both updates: the policy's (global-norm clip, its optimizer), the drafts' (each its clip and optimizer);
+    refit        after an RL step's last update: every rank's full policy and drafts, for the next rollouts.
+
+This is the step train.py runs at every world size (one process: the 1 x 1 x 1 grid, no process group). The mesh
+enters only through the pieces it changes: the pipeline schedule, the attention function and TapChannel.
+tests/reference_step.py writes the same step as a plain loop in one process; they agree to fp64 round-off. Whatever
+watches the step -- the experiment's control arms, its timers -- attaches as a StepObserver (harness/watch.py,
+harness/step_timer.py); the step's sums travel as one named record (parallel/step_totals.py).
 
 Why the split of the work does not change the step (rl_loop's module docstring has the math):
   1. Policy. Every normalisation of rl_loop.aggregate is LINEAR in the per-token losses l_t, so the minibatch loss is
@@ -14,7 +24,7 @@ Why the split of the work does not change the step (rl_loop's module docstring h
      the labels move instead: they are taken per prediction (rl_loop.py: indexing), row p carrying target x_{p+1}
      and token p+1's w, old/ref log-probs (0 past a sequence's end); each rank then needs only its own logits rows.
   3. Draft. The draft's loss (any family: EAGLE-3, DFlash, DSpark) is a mean per micro-batch (its own counts: per TTT
-     pass, or over a block drafter's (anchor, slot) pairs), averaged over the M micro-batches as in cotrain_step. DP
+     pass, or over a block drafter's (anchor, slot) pairs), averaged over the M micro-batches, as in one process. DP
      rank r therefore takes WHOLE single-process micro-batches r, r+dp, ...; under CP draft.loss(group=) returns this
      rank's share and PipelineSchedule sums draft grads over CP.
   4. DP. PipelineSchedule averages grads over replicas; every loss returned to it is scaled by dp, so the average is the
@@ -45,7 +55,7 @@ from backends.fused_logprob import token_logp as fused_token_logp
 from parallel.grid import Grid
 from parallel.step_totals import StepTotals
 from model import EMBED_TAP, Transformer
-from modeling.mixed_precision import clip_grads_, grads_of, master_optimizer
+from modeling.mixed_precision import clip_grads_, clip_stage_grads_, master_optimizer
 from parallel.pp_schedule import split_layers
 from pipeline import Microbatch, PipelineSchedule, shard_for_cp
 from draft_ttt import merge_metrics
@@ -55,7 +65,7 @@ from rl_loop import (GRPOConfig, RolloutBatch, aggregate, draft_mask, micro_chun
 
 # ------------------------------------------------------------------------------------------------ the batch, sharded
 def grpo_weights(batch: RolloutBatch, cfg: GRPOConfig, micro_batches: int) -> torch.Tensor:
-    """(T,) fp64 w with L_policy = sum_t w_t l_t, exactly rl_loop.cotrain_step's normalisation (step 1 above)."""
+    """(T,) fp64 w with L_policy = sum_t w_t l_t, exactly the one-process step's normalisation (step 1 above)."""
     mask = batch.trained_mask()
     n_seqs, n_tokens = int(batch.valid.sum()), int(mask.sum())
     cu = batch.cu_seqlens.long()
@@ -111,6 +121,30 @@ def _pad_even(mb: Microbatch) -> Microbatch:
 
 
 # ------------------------------------------------------------------------------------------------------ the update
+class StepObserver:
+    """What watches DistCotrainer.step without changing it: the experiment's control arms and timers (harness/). Each
+    method is a no-op here; an observer overrides what it needs.
+
+        drafts                  drafts read forward only on the step's taps (their taps are formed too)
+        around(hook) -> hook    wraps the draft hook: the last stage's draft losses and their backward, per micro-batch
+        on_taps(chunk, read)    in the draft hook, once per micro-batch: read(draft, trainer) -> (loss, metrics) is the
+                                hook's own draft loss on micro-batch `chunk`'s taps
+        collect(last, share)    after the step: ({(chunk, j): metrics of drafts[j]}, {name: this rank's sum}); the
+                                sums are reduced over the world with the step's own and returned under their names
+                                (a mean over the last stage: add value / share there, 0 elsewhere)
+    """
+    drafts: tuple = ()
+
+    def around(self, hook):
+        return hook
+
+    def on_taps(self, chunk: int, read):
+        pass
+
+    def collect(self, last: bool, share: int) -> tuple:
+        return {}, {}
+
+
 class DistCotrainer:
     """This rank's share of the policy update: its stage of the policy with its optimizer, and (used on the last stage)
     the drafts' trainers. Every rank also keeps the FULL policy and drafts for rollouts; `refit` refreshes them.
@@ -119,13 +153,13 @@ class DistCotrainer:
     keep an untouched one).
 
         ct = DistCotrainer(policy, drafts, grid, lambda ps: torch.optim.AdamW(ps, lr=...), grad_clip=1.0)
-        stats = ct.step(batch, grpo_cfg, micro_batches)       # same keys as rl_loop.cotrain_step
+        stats = ct.step(batch, grpo_cfg, micro_batches)       # the losses, the GRPO statistics, the drafts' metrics
         ct.refit(policy)                                      # before the next rollouts
     """
 
     def __init__(self, policy, drafts: list, grid: Grid, make_opt, *, grad_clip: float = 1.0, schedule: str = "1f1b",
                  attn_fn=None, attn_backend=None, logprob_chunk: int = 0, activation_checkpointing: bool = False,
-                 watch=None, zero1: bool = False):
+                 observers=(), zero1: bool = False):
         """attn_backend None: the policy uses attn_fn at cp = 1 (the ring otherwise) and each draft its trainer's
         attn_fn; "torch" / "triton" / "flash": every attention of the step, at any cp (a ring of one at cp = 1), is
         attention_cp.ring_branch_attention with that block kernel. logprob_chunk > 0: no (T, V) logits on the last
@@ -134,16 +168,12 @@ class DistCotrainer:
         draft_loss.chunk_rows's default). zero1: the stage's optimizer state sharded over its DP x CP ranks
         (parallel/zero1.py). The drafts read e(x_{i+d}) from the embedding tap (stage 0's, through TapChannel).
         activation_checkpointing: each decoder layer of the stage is recomputed in backward.
-        watch: None, or the experiment's observer of drafts NOT trained on the rollouts (harness/watch.py's DraftWatch:
-        the frozen and offline-extended control arms), read in the same draft hook from the same taps, forward only --
-        no extra policy forward, no gradient. What the hook asks of it: `watch.drafts` (their taps are formed too),
-        `watch(chunk, read)` once per micro-batch (read(draft, trainer) -> (loss, metrics), the hook's own draft loss)
-        and, after the step, `watch.take()` -> ({(chunk, j): metrics}, wall seconds, CPU seconds) of its reads."""
+        observers: StepObservers (below) that watch every step without changing it."""
         cfg = policy.cfg
-        if watch is not None and not (callable(watch) and hasattr(watch, "drafts") and hasattr(watch, "take")):
-            raise TypeError(f"watch: got a {type(watch).__name__}; expected None or an observer with .drafts, "
-                            f"__call__(chunk, read) and take() (harness/watch.py's DraftWatch)")
-        self.grid, self.drafts, self.grad_clip, self.watch = grid, list(drafts), grad_clip, watch
+        bad = [type(o).__name__ for o in observers if not isinstance(o, StepObserver)]
+        if bad:
+            raise TypeError(f"observers: got {', '.join(bad)}; expected StepObserver instances (dist_step.py)")
+        self.grid, self.drafts, self.grad_clip, self.observers = grid, list(drafts), grad_clip, list(observers)
         self.attn_backend, self.logprob_chunk = attn_backend, int(logprob_chunk)
         if self.logprob_chunk < 0:
             raise ValueError(f"logprob_chunk={logprob_chunk}: expected 0 (unfused) or >= 1 rows")
@@ -161,7 +191,7 @@ class DistCotrainer:
         self.reshare()
         self.last = self.stage.is_last
         taps = sorted({l for tr in self.drafts for l in tr.draft.tap_layers}
-                      | {l for d in self._watched() for l in d.tap_layers})
+                      | {l for d in self._observed() for l in d.tap_layers})
         if taps:  # the embedding tap: e(x_{i+d}) for the drafts from stage 0's forward, not from a full policy copy
             taps = [EMBED_TAP] + taps
         dparams = [p for tr in self.drafts for p in tr.draft.parameters()] if self.last else ()
@@ -174,9 +204,9 @@ class DistCotrainer:
     def step(self, batch: RolloutBatch, cfg: GRPOConfig, micro_batches=1, train_drafts=True, on_policy=False,
              pi_old: dict | None = None) -> dict:
         """One update. train_drafts False: the policy's alone. pi_old, the denominator of the ratio: on_policy -- this
-        forward's own log-probs, detached (an RL step's first update, as cotrain_step); else `pi_old` from
-        old_logp(batch) taken before the step's first update; else batch.old_logp as given (cotrain_step's
-        contract). batch.old_logp is compared with pi_old either way ("token_mult_prob_error")."""
+        forward's own log-probs, detached (an RL step's first update); else `pi_old` from old_logp(batch) taken
+        before the step's first update; else batch.old_logp as given. batch.old_logp is compared with pi_old either
+        way ("token_mult_prob_error")."""
         g, K = self.grid, len(self.drafts)
         mbs = self._microbatches(batch, cfg, micro_batches)
         if pi_old is not None and self.last and sorted(pi_old) != sorted(mb.extra["chunk"] for mb in mbs):
@@ -184,9 +214,9 @@ class DistCotrainer:
                              f"{sorted(mb.extra['chunk'] for mb in mbs)}: take it with old_logp(batch) on the same "
                              f"batch and micro_batches={micro_batches}")
         dev = next(self.stage.parameters()).device
-        tot, metrics = StepTotals.zeros(K, dev), {}  # metrics: (micro-batch, draft) -> its draft_ttt metrics
+        tot, metrics = StepTotals.zeros(K, dev), {}  # metrics: (micro-batch, draft) -> its draft loss's metrics
 
-        def loss_fn(z, mb):  # logits (T, V), or the final hidden (T, H) when fused -> dp * this rank's share of L
+        def grpo_loss(z, mb):  # logits (T, V), or the final hidden (T, H) when fused -> dp * this rank's share of L
             e = mb.extra
             logp = self._token_logp(z, e["tgt"], cfg.temperature)  # (T,) per prediction: log p_tau(x_{p+1} | x_<=p)
             old = logp.detach() if on_policy else e["old"] if pi_old is None else pi_old[e["chunk"]]
@@ -200,44 +230,45 @@ class DistCotrainer:
                 tot.tokens += m.sum()
             return (l * e["w"]).sum() * g.dp
 
-        def draft_hook(d):  # last stage, after F(m): every draft's loss (drafter.py) on the detached taps
-            read, total = self._draft_loss_on(d), 0.0  # teacher softmax(z): untempered (rl_loop.py, step 4)
+        def draft_loss(d):  # last stage, after F(m): every draft's loss (drafter.py) on the detached taps, backward
+            read, total, chunk = self._draft_loss_on(d), 0.0, d.mb.extra["chunk"]  # teacher: untempered softmax(z)
             for k, tr in enumerate(self.drafts):
-                L, met = read(tr.draft, tr)
-                metrics[(d.mb.extra["chunk"], k)] = met
+                L, metrics[(chunk, k)] = read(tr.draft, tr)
                 tot.loss_draft[k] += L.detach().double() / micro_batches
                 total = total + tr.lam * L / micro_batches * g.dp
-            if self.watch is not None:
-                self.watch(d.mb.extra["chunk"], read)  # the harness's watched arms: forward only, on the same taps
-            return total if self.drafts else None
+            for obs in self.observers:
+                obs.on_taps(chunk, read)  # forward-only reads of the observers' drafts, on the same taps
+            if self.drafts:
+                total.backward()  # the draft's graph lives on this stage only: its inputs are detached
 
         self.opt.zero_grad(set_to_none=True)
-        hook = draft_hook if (self.drafts or self.watch is not None) and train_drafts else None
-        res = self.sched.step(mbs, loss_fn, hook)
+        hook = draft_loss if (self.drafts or self._observed()) and train_drafts else None
+        for obs in self.observers if hook is not None else ():
+            hook = obs.around(hook)
+        res = self.sched.step(mbs, grpo_loss, hook)
         grad_norm = self._clip_policy_grads()
         self.opt.step()
         if self.last:
             for tr in self.drafts if hook is not None else ():
                 clip_grads_(list(tr.draft.parameters()), tr.grad_clip)
                 tr.opt.step()
-        own = self._take_watch(tot, res, metrics)
+        self._collect(tot, metrics)
         tot = tot.all_reduced()  # world sum: only last-stage ranks hold non-zeros, each its CP / DP share
         if dist.is_initialized() and dist.get_world_size() > 1:
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, metrics if (self.last and g.cp_rank == 0) else {})
             metrics = {k: v for part in everyone for k, v in part.items()}
         pooled = [merge_metrics([metrics[key] for key in sorted(metrics) if key[1] == k])  # count-weighted, as
-                  for k in range(K + len(self._watched()))]  # cotrain_step pools every micro-batch's metrics
+                  for k in range(K + len(self._observed()))]  # the one-process step pools every micro-batch's
         draft_losses = tot.loss_draft.tolist()
         return {"loss_policy": res.loss, "loss_draft": draft_losses,
-                "draft_metrics": pooled[:K], "watch_metrics": pooled[K:],
-                "watch_seconds": float(tot.watch_seconds), "watch_cpu_seconds": float(tot.watch_cpu_seconds),
-                "own_cpu_seconds": own, "clip_frac": tot.mean("clipped"), "ratio": tot.mean("ratio"),
-                "k3": tot.mean("k3"), "grad_norm": grad_norm,
+                "draft_metrics": pooled[:K], "observed_metrics": pooled[K:],
+                "clip_frac": tot.mean("clipped"), "ratio": tot.mean("ratio"), "k3": tot.mean("k3"),
+                "grad_norm": grad_norm,
                 "token_mult_prob_error": tot.mean("gen_err") if float(tot.tokens) else None,  # None: no trained token
                 "p2p_bytes": res.p2p_bytes, "tap_bytes": res.tap_bytes,
-                "draft_seconds": float(tot.draft_seconds), "draft_cpu_seconds": float(tot.draft_cpu_seconds),
-                "loss_total": res.loss + sum(tr.lam * x for tr, x in zip(self.drafts, draft_losses))}
+                "loss_total": res.loss + sum(tr.lam * x for tr, x in zip(self.drafts, draft_losses)),
+                **{name: float(v) for name, v in tot.extra.items()}}  # the observers' sums
 
     def old_logp(self, batch: RolloutBatch, cfg: GRPOConfig, micro_batches=1) -> dict:
         """pi_old for an update that is not the RL step's first: {micro-batch: (T,) log p_tau per prediction} of this
@@ -276,19 +307,16 @@ class DistCotrainer:
                               **draft.loss_options(tr), **backend, **teacher)
         return read
 
-    def _take_watch(self, tot: StepTotals, res, metrics: dict) -> tuple:
-        """The watch's reads of this step: its metrics into `metrics` (after the drafts'), and the hook's time (the
-        pipeline's draft_seconds: the drafts, their backward and the watched arms) split into the drafts' and the
-        watched arms' (as the watch timed itself) in `tot`. Returns this process's own CPU seconds (drafts, watch)."""
-        watched, w, c = self.watch.take() if self.watch is not None else ({}, 0.0, 0.0)
-        metrics.update({(chunk, len(self.drafts) + j): m for (chunk, j), m in watched.items()})
-        if self.last:  # the last stage's mean over its CP x DP ranks, once summed by all_reduced
-            n = self.grid.cp * self.grid.dp
-            tot.draft_seconds.fill_((res.draft_seconds - w) / n)
-            tot.watch_seconds.fill_(w / n)
-            tot.draft_cpu_seconds.fill_((res.draft_cpu_seconds - c) / n)
-            tot.watch_cpu_seconds.fill_(c / n)
-        return res.draft_cpu_seconds - c, c
+    def _collect(self, tot: StepTotals, metrics: dict):
+        """The observers' part of the step: their drafts' metrics into `metrics` (after the trained drafts', in the
+        observers' order) and their sums into tot.extra, this rank's share (the last stage's ranks each 1/(cp dp))."""
+        j, share = len(self.drafts), self.grid.cp * self.grid.dp
+        for obs in self.observers:
+            observed, sums = obs.collect(self.last, share)
+            metrics.update({(chunk, j + i): m for (chunk, i), m in observed.items()})
+            j += len(obs.drafts)
+            dev = tot.tokens.device
+            tot.extra.update({k: torch.as_tensor(float(v), dtype=torch.float64, device=dev) for k, v in sums.items()})
 
     def _token_logp(self, z, targets, tau: float):
         """(T,) log p_tau(targets): from the logits z (T, V), or -- logprob_chunk > 0 -- from the final hidden z (T, H)
@@ -303,8 +331,8 @@ class DistCotrainer:
             return dict(teacher_hidden=d.hidden, teacher_head=self.stage.head_weight)
         return dict(teacher_logits=d.logits)
 
-    def _watched(self) -> list:  # the watch's drafts (none without one)
-        return list(self.watch.drafts) if self.watch is not None else []
+    def _observed(self) -> list:  # the observers' drafts, read forward only
+        return [d for obs in self.observers for d in obs.drafts]
 
     def _draft_attn(self, attn_fn):  # a draft's own single-process kernel, used only at cp = 1 without a backend
         return attn_fn if self.grid.cp == 1 and self.attn_backend is None else None
@@ -314,32 +342,8 @@ class DistCotrainer:
         a copy on the last stage, counted once). Grads are already equal across CP and DP ranks."""
         g, st = self.grid, self.stage
         skip = {id(st.embed.weight)} if (g.pp > 1 and self.last and st.cfg.tie_word_embeddings) else set()
-        sliced = getattr(self.opt, "_reduced", False)  # ZeRO-1 reduce-scattered: this rank holds its slice only
-        if sliced:
-            grads = self._slice_parts(skip)
-        else:
-            grads = grads_of([p for p in st.parameters() if id(p) not in skip])  # fp32 .main_grad under bf16
-        sq = torch.zeros((), dtype=torch.float64, device=next(st.parameters()).device)
-        for gr in grads:  # ||g||^2 summed in fp64 from each tensor's own norm: no fp64 copy of a (V, H) gradient
-            sq = sq + torch.linalg.vector_norm(gr).double().square()
-        if sliced:
-            dist.all_reduce(sq, group=self.opt.group)  # the slices partition the stage
-        if g.pp > 1:
-            dist.all_reduce(sq, group=g.pp_group)
-        total = float(sq.sqrt())
-        coef = min(self.grad_clip / (total + 1e-6), 1.0)
-        for gr in [self.opt.grad_slice] if sliced else grads_of(st.parameters()):
-            gr.mul_(coef)
-        return total
-
-    def _slice_parts(self, skip: set) -> list:
-        """This rank's reduced gradient slice, less the parts of the parameters in `skip` (views of grad_slice)."""
-        o, parts = self.opt, []
-        for p, (a, b) in zip(o.params, o.ranges()):
-            a, b = max(a, o.lo), min(b, o.hi)
-            if a < b and id(p) not in skip:
-                parts.append(o.grad_slice[a - o.lo:b - o.lo])
-        return parts
+        return clip_stage_grads_(list(st.parameters()), self.opt, self.grad_clip, skip=skip,
+                                 group=g.pp_group if g.pp > 1 else None)
 
     # --------------------------------------------------------------------------------------------------- refit
     def reshare(self):
@@ -351,7 +355,7 @@ class DistCotrainer:
         embedding's copy on the last stage is what trains there; the full copy is refitted once a step), else the
         policy's. After the optimizer is built and every refit: pointers compared only."""
         live = {**dict(self.policy.named_parameters()), **dict(self.stage.named_parameters())}
-        for d in [tr.draft for tr in self.drafts] + self._watched():
+        for d in [tr.draft for tr in self.drafts] + self._observed():
             for name, buf in list(d.named_buffers(recurse=False)):
                 home = self._homes.get(buf.data_ptr())
                 if home is not None and live[home].data_ptr() != buf.data_ptr():

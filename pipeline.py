@@ -12,8 +12,9 @@ in one batch_isend_irecv on the pipeline group, on gloo and NCCL alike; the grid
 communicator beforehand. `python -m commcheck.nccl_check` proves every layout deadlock-free under NCCL's rules.
 
 After F(m) the last stage calls the user's draft hook with m's taps (the hidden states after the tapped layers: from
-other stages through TapChannel, its own in place), its final hidden, logits and microbatch -- all detached -- and
-back-propagates the returned draft loss at once: the draft's graph lives on the last stage only.
+other stages through TapChannel, its own in place), its final hidden, logits and microbatch -- all detached. The
+hook runs the draft's backward, or returns its loss for the schedule to run it: the draft's graph lives on the last
+stage only. What times or counts the hook wraps it (dist_step.StepObserver); the schedule keeps no timers.
 
 Gradients: step() zeroes .grad, fills it with d(sum_m loss_m)/dtheta, then reduces it: tied embeddings summed between
 the first and last stage (Megatron's embedding group), summed over CP (each CP rank saw a shard of the tokens), averaged
@@ -31,7 +32,6 @@ Letters: P stages, s stage, M microbatches, m microbatch, T tokens of a microbat
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -98,8 +98,6 @@ class StepResult:  # identical on every rank: summed over microbatches and CP sh
     draft_loss: float
     p2p_bytes: int  # bytes this rank sent on the pipeline group this step
     tap_bytes: int  # bytes this rank sent on TapChannel this step
-    draft_seconds: float = 0.0  # this rank's time in the draft hook and its backward (the last stage's only)
-    draft_cpu_seconds: float = 0.0  # the same in this process's CPU seconds
 
 
 _NAMES = {"act": "activations", "grad": "gradients"}  # p2p_plan's payloads, as the wait's error names them
@@ -190,7 +188,7 @@ class PipelineSchedule:
         if M < 1:
             raise ValueError(f"microbatches: got M={M}; a step needs M >= 1")
         self._mbs, self._loss_fn, self._draft_hook = mbs, loss_fn, draft_hook
-        self._saved, self._p2p_bytes, self._draft_seconds, self._draft_cpu = {}, 0, 0.0, 0.0
+        self._saved, self._p2p_bytes = {}, 0
         self._chan = self.channel if draft_hook is not None else None  # this step's tap path (None: no taps)
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         self._loss, self._draft = zero, zero.clone()  # accumulated as tensors: no host sync per microbatch
@@ -217,7 +215,7 @@ class PipelineSchedule:
         tap_bytes = (self.channel.bytes_sent if self.channel else 0) - tap_bytes0
         loss, draft = self._reduce_scalars()
         self._saved = self._mbs = None
-        return StepResult(loss, draft, self._p2p_bytes, tap_bytes, self._draft_seconds, self._draft_cpu)
+        return StepResult(loss, draft, self._p2p_bytes, tap_bytes)
 
     @torch.no_grad()
     def forward(self, microbatches, out_fn: Callable) -> list:
@@ -258,14 +256,11 @@ class PipelineSchedule:
         loss = self._loss_fn(out.logits if self.logits else out.hidden, mb)
         if self._draft_hook is not None:
             taps = self._gather_taps(m, out)
-            t0, c0 = time.perf_counter(), time.process_time()
             logits = out.logits.detach() if self.logits else None
             d = self._draft_hook(DraftInputs(m, taps, out.hidden.detach(), logits, mb))
             if d is not None:
                 d.backward()  # the draft's backward, now: its inputs are detached, so it never leaves this stage
                 self._draft = self._draft + d.detach().double()
-            self._draft_seconds += time.perf_counter() - t0
-            self._draft_cpu += time.process_time() - c0
             self._release_taps(m)
         self._saved[m] = (x, loss)
         self._loss = self._loss + loss.detach().double()

@@ -34,13 +34,12 @@ For each prompt, G responses o_1..o_G are sampled (speculatively, exactly from p
      each has its own optimizer, learning rate and gradient clipping.
 
 Everything works on a `RolloutBatch`: S prompt+response sequences packed into T tokens, so a micro-batch is just a
-subset of sequences (`select`). `cotrain_step` is the whole step in one process, written to be read: the reference.
-What train.py runs is dist_step.DistCotrainer.step, at every world size (one process: the 1 x 1 x 1 grid) -- the same
-step through the pipeline stages with CP and DP, built from this file's pieces (the batch, the GRPO losses and their
-normalisations, draft_mask, DraftTrainer) and equal to cotrain_step to fp64 round-off:
+subset of sequences (`select`). The step that applies this math is dist_step.DistCotrainer.step, the one train.py runs
+at every world size (one process: the 1 x 1 x 1 grid). tests/reference_step.py writes the same step as a plain loop
+in one process; it is the oracle the step equals to fp64 round-off:
 
     python -m pytest -q tests/test_rl_loop.py       # the math: advantages, clipping, k3, the normalisations
-    python -m pytest -q tests/test_dist_step.py     # DistCotrainer.step == cotrain_step, one process and 4 gloo ranks
+    python -m pytest -q tests/test_dist_step.py     # DistCotrainer.step == the oracle, one process and 4 gloo ranks
 
 Indexing, one rule for every packed (T,) array: entry t is about tokens[t], the token itself. resp_mask[t] says
 it is a response token; old_logp[t], ref_logp[t] and next_token_logp(...)[t] are log p(tokens[t] | the tokens before
@@ -55,17 +54,14 @@ Letters: T packed tokens, t a row of the packed batch, S sequences, G group size
 """
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from backends import fused_logprob
 from branch_mask import cu_seqlens_from_lengths, seq_ids
-from draft_ttt import merge_metrics
 from modeling.layers import at_least_f32
-from modeling.mixed_precision import clip_grads_
 
 LOSS_NORMS: dict = {}  # --loss_norm NAME -> fn(l, mask, cu_seqlens, *, n_seqs, n_tokens, max_len, n_micro) -> ()
 
@@ -259,20 +255,6 @@ def token_losses(logp, old_logp, adv, ref_logp, cfg: GRPOConfig):
     return l + cfg.beta * kl, clipped, kl
 
 
-def policy_loss(logp, mb: RolloutBatch, cfg: GRPOConfig, *, n_seqs: int, n_tokens: int, n_micro: int = 1):
-    """The GRPO loss of micro-batch mb given the current log-probs logp (T,). Returns (loss, stats)."""
-    mask = mb.trained_mask()
-    l, clipped, kl = token_losses(logp, mb.old_logp, mb.adv[seq_ids(mb.cu_seqlens)], mb.ref_logp, cfg)
-    loss = aggregate(l, mask, mb.cu_seqlens, cfg.loss_norm, n_seqs=n_seqs, n_tokens=n_tokens, max_len=cfg.max_len,
-                     n_micro=n_micro)
-    with torch.no_grad():
-        m = mask.float()
-        n = m.sum().clamp_min(1)
-        stats = {"clip_frac": float((clipped.float() * m).sum() / n), "k3": float((kl * m).sum() / n),
-                 "ratio": float((torch.exp(logp - mb.old_logp) * m).sum() / n), "tokens": int(m.sum())}
-    return loss, stats
-
-
 # ------------------------------------------------------------------------------------------------ the co-training step
 @dataclass
 class DraftTrainer:
@@ -327,68 +309,6 @@ def micro_chunks(num_seqs: int, micro_batches: int) -> list:
         raise ValueError(f"micro_batches={micro_batches}: must divide the update's {num_seqs} sequences into equal "
                          f"micro-batches (--micro_batches: one of {ok})")
     return list(torch.arange(num_seqs).chunk(micro_batches))
-
-
-def cotrain_step(policy, policy_opt, batch: RolloutBatch, cfg: GRPOConfig, drafts: list, *, micro_batches: int = 1,
-                 policy_grad_clip: float = 1.0, attn_fn=None, timer: Optional[dict] = None,
-                 on_policy: bool = False) -> dict:
-    """One optimisation step of the policy (GRPO) and of every draft (TTT) from ONE policy forward per micro-batch:
-    the single-process reference. train.py runs dist_step.DistCotrainer.step, which equals it (fp64 within 1e-8,
-    tests/test_dist_step.py), through the pipeline's draft hook instead of the loop below.
-    on_policy: the policy has not moved since it sampled the batch (an RL step's first update), so pi_old is this
-    forward's own log-probs, detached (ratio exactly 1; TRL's GRPO does the same), not batch.old_logp.
-
-    drafts: list of DraftTrainer (the rollout draft, and optionally shadow drafts trained on the same taps), each on
-    the untempered teacher softmax(z) (step 4); GRPO's pi are at cfg.temperature.
-    total = L_policy + sum_k lambda_k L_draft_k. backward is run per term only so `timer` can split policy and draft
-    time: the graphs are disjoint, so the gradients equal those of backward(total).
-    """
-    timer = timer if timer is not None else {}
-    S = batch.num_seqs
-    mask = batch.trained_mask()
-    n_seqs, n_tokens = int(batch.valid.sum()), int(mask.sum())
-    taps_wanted = sorted({l for tr in drafts for l in tr.draft.tap_layers})
-    policy_opt.zero_grad(set_to_none=True)
-    for tr in drafts:
-        tr.opt.zero_grad(set_to_none=True)
-    stats = {"loss_policy": 0.0, "loss_draft": [0.0] * len(drafts), "draft_metrics": [[] for _ in drafts]}
-    pstats = []
-    dev = next(policy.parameters()).device
-    for chunk in micro_chunks(S, micro_batches):
-        mb = batch.select(chunk).to(dev)
-        t0 = time.perf_counter()
-        out = policy(mb.tokens, mb.cu_seqlens, attn_fn=attn_fn, tap_layers=taps_wanted)  # logits (T, V), taps
-        logp = next_token_logp(out.logits, mb.tokens, mb.cu_seqlens, cfg.temperature)
-        if on_policy:
-            mb = replace(mb, old_logp=logp.detach())
-        L_p, st = policy_loss(logp, mb, cfg, n_seqs=n_seqs, n_tokens=n_tokens, n_micro=micro_batches)
-        if n_tokens > 0:
-            L_p.backward()
-        t1 = time.perf_counter()
-        timer["policy_train"] = timer.get("policy_train", 0.0) + t1 - t0
-        stats["loss_policy"] += float(L_p.detach())
-        pstats.append(st)
-        for k, tr in enumerate(drafts):
-            L_d, dm = draft_loss(tr, out.taps, out.logits, mb)  # teacher softmax(z): untempered
-            (tr.lam * L_d / micro_batches).backward()
-            stats["loss_draft"][k] += float(L_d.detach()) / micro_batches
-            stats["draft_metrics"][k].append(dm)
-        timer["draft_train"] = timer.get("draft_train", 0.0) + time.perf_counter() - t1
-    t0 = time.perf_counter()
-    stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), policy_grad_clip))
-    policy_opt.step()
-    t1 = time.perf_counter()
-    for tr in drafts:
-        clip_grads_(list(tr.draft.parameters()), tr.grad_clip)
-        tr.opt.step()
-    timer["policy_train"] += t1 - t0
-    timer["draft_train"] += time.perf_counter() - t1
-    n = sum(s["tokens"] for s in pstats)
-    for key in ("clip_frac", "k3", "ratio"):
-        stats[key] = sum(s[key] * s["tokens"] for s in pstats) / max(n, 1)
-    stats["loss_total"] = stats["loss_policy"] + sum(tr.lam * l for tr, l in zip(drafts, stats["loss_draft"]))
-    stats["draft_metrics"] = [merge_metrics(ms) for ms in stats["draft_metrics"]]  # every micro-batch, count-weighted
-    return stats
 
 
 @torch.no_grad()

@@ -46,6 +46,7 @@ from harness.memory_model import resolve_zero1
 from model import Transformer
 from modeling.mixed_precision import master_optimizer
 from harness.offline_arm import OfflineArm
+from harness.step_timer import HookTimer
 from harness.watch import DraftWatch
 from rl_loop import GRPOConfig
 
@@ -156,15 +157,16 @@ def build(cfg: Config, mesh: Mesh, log=print) -> Setup:
         activation_checkpointing=cfg.activation_checkpointing,
         zero1=resolve_zero1(cfg, s.policy.cfg, mesh.grid, mesh.device, s.task.max_new_tokens,  # auto: the plan
                             device_bytes=cfg.device_gib * 2**30 if cfg.device_gib else None),
-        watch=draft_watch(s))
+        observers=step_observers(s))
     return s
 
 
-def draft_watch(s: Setup) -> DraftWatch | None:
-    """The update's observer of the watched arms (frozen / offline-extended): their teacher-forced acceptance on the
-    rollouts, forward only, read with the co-trained draft's options; None when the run holds neither."""
+def step_observers(s: Setup) -> list:
+    """What watches the update: the draft hook's timer (step_timer.py) and the watched arms (frozen /
+    offline-extended: their teacher-forced acceptance on the rollouts, forward only, read with the co-trained draft's
+    options; none when the run holds neither)."""
     arms = [d for _, d in watched(s)]
-    return DraftWatch(arms, options=next(iter(s.drafts.values()), None)) if arms else None
+    return [HookTimer()] + ([DraftWatch(arms, options=next(iter(s.drafts.values()), None))] if arms else [])
 
 
 def watched(s: Setup) -> list:

@@ -20,7 +20,7 @@ GRPO's update. The offline-extended control is given the same number of draft st
                  1 when the two paths agree);
      step        dist_step.DistCotrainer.step: ONE policy forward per micro-batch through the pipeline stages (CP inside
                  each stage), GRPO on its log-probs, every draft's loss on its taps (TapChannel) on the last stage;
-                 rl_loop.cotrain_step is the naive single-process reference it equals (tests/test_dist_step.py);
+                 the control arms and the hook's timer ride it as observers (watch.py, step_timer.py);
   4. refit       once, after the last update: the full policy and drafts re-assembled from the stages for the next
                  rollouts (DistCotrainer.refit; the updates read only the stages, and the drafts the stage's own head),
                  then checked: every rank's copies have the same fingerprint (parallel/consistency.py), recorded as
@@ -47,6 +47,8 @@ import torch.distributed as dist
 
 from draft_ttt import merge_metrics
 from harness.experiment import watched
+from harness.step_timer import HookTimer
+from harness.watch import DraftWatch
 from rl_loop import RolloutBatch, check_finite_weights, rollout_kl
 
 if TYPE_CHECKING:
@@ -65,16 +67,19 @@ def update(s: Setup, batch: RolloutBatch, timer: dict, step: int = 1) -> dict:
     trains = [c.trains_drafts((step - 1) * c.updates + j) for j in range(c.updates)]
     minibatches = [batch.select(idx.sort().values) for idx in perm.chunk(c.updates)]
     pi_old = [None] + [s.cotrainer.old_logp(b, s.grpo, c.micro_batches) for b in minibatches[1:]]  # before any update
-    stats = []
+    stats, own = [], [0.0, 0.0]  # own: this process's CPU seconds in the drafts' hook, less the watched arms; theirs
     for j, (b, train) in enumerate(zip(minibatches, trains)):
         stats.append(s.cotrainer.step(b, s.grpo, c.micro_batches, train_drafts=train, on_policy=j == 0,
                                       pi_old=pi_old[j]))  # the first: pi_old is the forward's own log-probs
+        hook, watch = (sum(o.own_cpu for o in s.cotrainer.observers if isinstance(o, kind))
+                       for kind in (HookTimer, DraftWatch))
+        own = [own[0] + hook - watch, own[1] + watch]
     prints = s.cotrainer.refit(s.policy)  # once, for the next rollouts; raises unless every rank holds the same
-    timer["draft_train"] = timer.get("draft_train", 0.0) + sum(st["draft_seconds"] for st in stats)
-    timer["watch"] = timer.get("watch", 0.0) + sum(st["watch_seconds"] for st in stats)  # the controls' metrics
-    timer["policy_train"] = timer.get("policy_train", 0.0) + time.perf_counter() - t0 - sum(
-        st["draft_seconds"] + st["watch_seconds"] for st in stats)
-    own = [sum(st["own_cpu_seconds"][i] for st in stats) for i in (0, 1)]  # this process's drafts / watched arms
+    watch = [st.get("watch_seconds", 0.0) for st in stats]  # the controls' metrics (harness/watch.py)
+    drafts = [st.get("hook_seconds", 0.0) - w for st, w in zip(stats, watch)]  # the hook less them (step_timer.py)
+    timer["draft_train"] = timer.get("draft_train", 0.0) + sum(drafts)
+    timer["watch"] = timer.get("watch", 0.0) + sum(watch)
+    timer["policy_train"] = timer.get("policy_train", 0.0) + time.perf_counter() - t0 - sum(drafts) - sum(watch)
     timer["cpu"] = world_cpu({**timer.get("cpu", {}), "draft_train": own[0], "watch": own[1],
                               "policy_train": time.process_time() - cpu0 - sum(own)})
     if s.offline is not None and any(trains):
@@ -105,7 +110,7 @@ def draft_metrics(s: Setup, stats: list) -> dict:
     draft's); None where no update of the step did."""
     out, names = {}, list(s.drafts) + [n for n, _ in watched(s)]
     for i, name in enumerate(names):
-        m = merge_metrics([(st["draft_metrics"] + st["watch_metrics"])[i] for st in stats]) or {}
+        m = merge_metrics([(st["draft_metrics"] + st["observed_metrics"])[i] for st in stats]) or {}
         out[f"tau_hat_{name}"], out[f"alpha_{name}"] = m.get("tau_hat"), m.get("alpha")
     out["loss_draft"] = sum(st["loss_draft"][0] for st in stats) / len(stats) if stats and s.drafts else None
     return out

@@ -29,6 +29,7 @@ Letters: w32 / w16 master and working weights, g32 the fp32 gradient, M microbat
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from parallel.zero1 import ShardedOptimizer
 
@@ -68,6 +69,31 @@ def clip_grads_(params, max_norm: float) -> float:
     norm = torch.nn.utils.get_total_norm(grads)
     torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm)
     return float(norm)
+
+
+def clip_stage_grads_(params: list, opt, max_norm: float, *, skip: set = frozenset(), group=None) -> float:
+    """clip_grads_ for one pipeline stage of a model: the norm of the whole model's gradient, its squares summed over
+    the stages (`group`: the pipeline group, None for one stage) and, under ZeRO-1 with reduce-scattered gradients
+    (opt._reduced), over the slices this rank's optimizer group holds. skip: ids of parameters counted on another
+    stage (a tied embedding's copy). Returns the total norm; every gradient is scaled by min(1, max_norm / norm)."""
+    sliced = getattr(opt, "_reduced", False)  # ZeRO-1 reduce-scattered: this rank holds its slice only
+    if sliced:
+        spans = [(max(a, opt.lo), min(b, opt.hi), p) for p, (a, b) in zip(opt.params, opt.ranges())]
+        grads = [opt.grad_slice[a - opt.lo:b - opt.lo] for a, b, p in spans if a < b and id(p) not in skip]  # views
+    else:
+        grads = grads_of([p for p in params if id(p) not in skip])  # fp32 .main_grad under bf16
+    sq = torch.zeros((), dtype=torch.float64, device=params[0].device)
+    for gr in grads:  # ||g||^2 summed in fp64 from each tensor's own norm: no fp64 copy of a (V, H) gradient
+        sq = sq + torch.linalg.vector_norm(gr).double().square()
+    if sliced:
+        dist.all_reduce(sq, group=opt.group)  # the slices partition the stage
+    if group is not None:
+        dist.all_reduce(sq, group=group)
+    total = float(sq.sqrt())
+    coef = min(max_norm / (total + 1e-6), 1.0)
+    for gr in [opt.grad_slice] if sliced else grads_of(params):
+        gr.mul_(coef)
+    return total
 
 
 def master_optimizer(params, make_opt, group=None, dtype=None):

@@ -9,9 +9,9 @@ looser: BF16_DSPARK_TOL). Layouts, as (dp, pp, cp) on 4 ranks: pp 2 and cp 2 eac
 Each case runs an RL step's two updates as harness/update.py does: pi_old of the second minibatch from one no-grad
 forward (DistCotrainer.old_logp) before the first update, the first update on-policy, one refit after the last. Checks:
   1. losses and gradients (clipped, as the optimizer reads them) of the policy stage and the drafts, and every weight
-     after both updates, against the one-process step: fp32 runs in fp64 against rl_loop.cotrain_step (the readable
-     reference, pi_old from a plain forward), within 1e-8; bf16 (fp32 masters) against DistCotrainer on the 1 x 1 x 1
-     grid in bf16, within BF16_TOL of each tensor's largest value;
+     after both updates, against the one-process step: fp32 runs in fp64 against the one-process oracle
+     (reference_step.cotrain_step, pi_old from a plain forward), within 1e-8; bf16 (fp32 masters) against
+     DistCotrainer on the 1 x 1 x 1 grid in bf16, within BF16_TOL of each tensor's largest value;
   2. after every optimizer step and every refit, each draft's shared tensors (embedding; block drafts: the LM head),
      the watched frozen arm's included, are the storage of the live parameters: the stage's own where this rank
      holds them, else the full copy's;
@@ -37,7 +37,8 @@ from harness.watch import DraftWatch
 from model import ModelConfig, Transformer
 from modeling.mixed_precision import grads_of, master_optimizer
 from parallel.grid import Grid
-from rl_loop import DraftTrainer, cotrain_step, next_token_logp
+from rl_loop import DraftTrainer, next_token_logp
+from reference_step import cotrain_step
 
 FAMILIES = ("eagle3", "dflash", "dspark")
 LAYOUTS = {"pp2": (2, 2, 1), "cp2": (2, 1, 2), "pp2xcp2": (1, 2, 2), "dp4": (4, 1, 1)}  # (dp, pp, cp)
@@ -103,7 +104,7 @@ def summary(st) -> dict:
 
 # ------------------------------------------------------------------------------------------------------ references
 def fp64_reference(family, tied) -> dict:
-    """rl_loop.cotrain_step, pi_old of the second minibatch from a plain forward before the first update."""
+    """reference_step.cotrain_step, pi_old of the second minibatch from a plain forward before the first update."""
     policy, tr, _ = make_models(family, "fp32", tied)
     batch = make_step_batch(family, "fp32", tied)
     opt = sgd(policy.parameters())
@@ -125,7 +126,7 @@ def run(grid, family, dtype, tied, zero1=False, checks=None) -> dict:
     """Two updates of DistCotrainer on `grid`: losses, this rank's gradients by name, the weights after both."""
     policy, tr, frozen = make_models(family, dtype, tied)
     batch = make_step_batch(family, dtype, tied)
-    ct = DistCotrainer(policy, [tr], grid, sgd, grad_clip=CLIP, zero1=zero1, watch=DraftWatch([frozen], tr))
+    ct = DistCotrainer(policy, [tr], grid, sgd, grad_clip=CLIP, zero1=zero1, observers=[DraftWatch([frozen], tr)])
     mb1, mb2 = (batch.select(h) for h in HALVES)
     old2 = ct.old_logp(mb2, grpo("global-token"), MICRO)
     out = {"updates": [], "prints": []}

@@ -1,4 +1,5 @@
-"""dist_step.py on real gloo processes: one GRPO + co-training step under (dp, pp, cp) equals rl_loop.cotrain_step.
+"""dist_step.py on real gloo processes: one GRPO + co-training step under (dp, pp, cp) equals the one-process oracle
+(reference_step.cotrain_step).
 
 The single-process step runs here (the oracle); one 4-process spawn then runs the five layouts one after another, and
 three more loss normalisations, two --logprob_chunk layouts (no (T, V) logits) and two --zero1 layouts (the optimizer
@@ -20,7 +21,8 @@ from dist_step import DistCotrainer
 from draft import Eagle3Draft
 from model import ModelConfig, Transformer
 from parallel.grid import Grid
-from rl_loop import DraftTrainer, GRPOConfig, RolloutBatch, cotrain_step, next_token_logp
+from rl_loop import DraftTrainer, GRPOConfig, RolloutBatch, next_token_logp
+from reference_step import cotrain_step
 
 LAYOUTS = [(1, 2, 2), (2, 2, 1), (2, 1, 2), (1, 4, 1), (1, 1, 4)]  # (dp, pp, cp)
 # the other normalisations, each on a layout where it can go wrong (per-micro-batch means split over DP; CP shards).

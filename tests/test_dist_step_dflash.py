@@ -1,8 +1,8 @@
 """dist_step.py with DFlash drafts (--drafter dflash): one GRPO + co-training step under (dp, pp, cp) equals
-rl_loop.cotrain_step, fp64 within 1e-8, in the layouts tests/test_dist_step.py checks, with its batch, GRPO config and
-checks (policy, drafts, losses, statistics after step + refit). The drafts' shared embedding is NaN except the MASK
-row: the update path reads e(x_a) from the embedding tap (stage 0's, through TapChannel) and only e(MASK) from the
-shared embedding. One process runs here; one 4-process spawn runs the layouts. ~60 s on 2 CPU cores."""
+reference_step.cotrain_step, fp64 within 1e-8, in the layouts tests/test_dist_step.py checks, with its batch, GRPO
+config and checks (policy, drafts, losses, statistics after step + refit). The drafts' shared embedding is NaN
+except the MASK row: the update path reads e(x_a) from the embedding tap (stage 0's, through TapChannel) and only
+e(MASK) from the shared embedding. One process runs here; one 4-process spawn runs the layouts. ~60 s on 2 CPU cores."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,7 +12,8 @@ from dist_step import DistCotrainer
 from draft_dflash import DFlashDraft
 from model import ModelConfig, Transformer
 from parallel.grid import Grid
-from rl_loop import DraftTrainer, cotrain_step
+from rl_loop import DraftTrainer
+from reference_step import cotrain_step
 from test_dist_step import LAYOUTS, MICRO, TOL, _max_diff, _summary, grpo, make_batch, make_policy_opt, state
 
 MASK = 5

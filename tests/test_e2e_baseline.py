@@ -40,7 +40,7 @@ def test_an_update_without_the_drafts_is_the_plain_update_and_leaves_them_untouc
         assert torch.equal(a, b), name
     after = [p for tr in drafts for p in tr.draft.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
-    assert st["draft_metrics"] == [None, None] and st["draft_seconds"] == 0.0
+    assert st["draft_metrics"] == [None, None]
     st = ct.step(batch, grpo("global-token"), micro_batches=2)  # and the next budgeted update trains them
     assert st["draft_metrics"][0] is not None and not all(
         torch.equal(a, b) for a, b in zip(before, (p for tr in drafts for p in tr.draft.parameters())))

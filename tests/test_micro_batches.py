@@ -2,8 +2,8 @@
 step itself), and the draft metrics -- tau_hat and every per-pass mean -- cover every micro-batch (count-weighted),
 so they equal the one-micro-batch metrics; the losses keep their documented normalisation by the micro-batch count.
 
-All in one process, fp64: rl_loop.cotrain_step, dist_step.DistCotrainer on the 1 x 1 x 1 grid, harness/update.py's
-merge over the updates of a step. Adds ~5 s on 2 loaded cores.
+All in one process, fp64: reference_step.cotrain_step, dist_step.DistCotrainer on the 1 x 1 x 1 grid,
+harness/update.py's merge over the updates of a step. Adds ~5 s on 2 loaded cores.
 """
 from types import SimpleNamespace
 
@@ -18,7 +18,8 @@ from harness.config import parse_args
 from harness.watch import DraftWatch
 from model import ModelConfig, Transformer
 from parallel.grid import Grid
-from rl_loop import DraftTrainer, GRPOConfig, RolloutBatch, cotrain_step, draft_loss, group_advantages
+from rl_loop import DraftTrainer, GRPOConfig, RolloutBatch, draft_loss, group_advantages
+from reference_step import cotrain_step
 
 TOL = 1e-10
 KEYS = ("loss_per_pass", "acc", "acc_cond", "alpha", "tau_hat", "count", "n_cond")
@@ -104,7 +105,7 @@ def test_the_step_reports_every_update_merged():
     frozen = Eagle3Draft.from_target(policy).double()
     seen = []
     ct = DistCotrainer(policy, [tr], Grid(), lambda ps: torch.optim.SGD(ps, lr=0.1), grad_clip=1e9,
-                       watch=DraftWatch([frozen], options=tr))
+                       observers=[DraftWatch([frozen], options=tr)])
     real = ct.step
     ct.step = lambda *a, **k: seen.append(real(*a, **k)) or seen[-1]
     cfg = SimpleNamespace(updates=2, micro_batches=2, trains_drafts=lambda u: True)  # every update trains the drafts
@@ -113,7 +114,7 @@ def test_the_step_reports_every_update_merged():
                         policy=policy)
     out = update(s, b, {})
     assert len(seen) == 2
-    for name, key in (("cotrained", "draft_metrics"), ("frozen", "watch_metrics")):
+    for name, key in (("cotrained", "draft_metrics"), ("frozen", "observed_metrics")):
         want = merge_metrics([st[key][0] for st in seen])
         assert abs(out[f"tau_hat_{name}"] - want["tau_hat"]) <= TOL
         assert max(abs(x - y) for x, y in zip(out[f"alpha_{name}"], want["alpha"])) <= TOL

@@ -6,8 +6,9 @@ import torch
 
 from model import ModelConfig, Transformer
 from modeling.layers import packed_causal_attention
-from rl_loop import (DraftTrainer, GRPOConfig, RolloutBatch, aggregate, clipped_surrogate, cotrain_step,
-                     group_advantages, k3, next_token_logp, pack, policy_loss, rollout_kl)
+from rl_loop import (DraftTrainer, GRPOConfig, RolloutBatch, aggregate, clipped_surrogate, group_advantages, k3,
+                     next_token_logp, pack, rollout_kl)
+from reference_step import cotrain_step, policy_loss
 from backends.attention_padded import padded_branch_attention, padded_causal_attention
 
 

@@ -1,9 +1,9 @@
 """Temperature reaches every log-prob of the update: rollouts sampled at tau = 0.7 store log softmax(z / 0.7), and the
 update's new log-probs and the reference's are at the same tau -- so on the rollouts themselves (no optimizer step yet)
 the importance ratio pi_theta / pi_old is exactly 1, nothing clips and the k3 drift to an identical reference is 0,
-single process (rl_loop.cotrain_step) and through the distributed update path (dist_step.DistCotrainer on the 1 x 1 x 1
-grid; tests/test_dist_step.py runs the gloo layouts at tau = 0.7 too). Tolerance: fp64 models, the rollouts' log-probs
-come from cached incremental forwards: 1e-9.
+single process (reference_step.cotrain_step) and through the distributed update path (dist_step.DistCotrainer on the
+1 x 1 x 1 grid; tests/test_dist_step.py runs the gloo layouts at tau = 0.7 too). Tolerance: fp64 models, the
+rollouts' log-probs come from cached incremental forwards: 1e-9.
 
 The drafts' teacher is NOT tempered (rl_loop.py, step 4): every family trains softmax(z_d) on the policy's softmax(z)
 at any tau, both paths, watched arms included, and the engine tempers draft and policy alike. So a draft perfect in the
@@ -28,7 +28,8 @@ from pipeline import Grid
 from decoding.k_control import KSchedule
 from harness.watch import DraftWatch
 from spec_cases import SWITCHING
-from rl_loop import DraftTrainer, GRPOConfig, RolloutBatch, cotrain_step, draft_loss, reference_logp, rollout_kl
+from reference_step import cotrain_step
+from rl_loop import DraftTrainer, GRPOConfig, RolloutBatch, draft_loss, reference_logp, rollout_kl
 from test_config_matrix import make_models, sgd
 from test_dist_step import make_batch
 
@@ -97,9 +98,9 @@ def draft_step(family, path, tau):
         watched = None
     else:
         ct = DistCotrainer(policy, [tr], Grid(), sgd, logprob_chunk=7 if path.endswith("fused") else 0,
-                           watch=DraftWatch([frozen], options=tr))
+                           observers=[DraftWatch([frozen], options=tr)])
         st = ct.step(batch, cfg)
-        watched = st["watch_metrics"][0]["tau_hat"]
+        watched = st["observed_metrics"][0]["tau_hat"]
     return st["loss_draft"][0], {k: v.clone() for k, v in tr.draft.state_dict().items()}, watched
 
 
