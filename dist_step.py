@@ -295,7 +295,7 @@ class DistCotrainer:
         """read(draft, trainer) -> (loss, metrics): `draft`'s loss (drafter.py; EAGLE-3: TTT) on micro-batch d's
         detached taps, with the policy's untempered softmax(z) as teacher at any rollout temperature (draft and policy
         are tempered alike at inference: rl_loop.py, step 4) and `trainer`'s options -- the hook's one draft loss, for
-        the trained drafts and the watched ones alike. Under CP the loss is this rank's share (group=)."""
+        the trained drafts and the observers' alike. Under CP the loss is this rank's share (group=)."""
         mb = d.mb
         teacher = self._teacher(d)
         backend = dict(backend=self.attn_backend or "torch", group=self.grid.cp_group,
@@ -350,7 +350,7 @@ class DistCotrainer:
         """A draft holds the policy's embedding and (block drafts) LM head as detached buffers aliasing their storage
         (drafter.py: attach). What re-homes a parameter -- the optimizer's flat buffer under ZeRO-1 or bf16 masters
         (parallel/zero1.py rebinds .data), a cast -- would leave such a buffer on the old storage, silently: a draft
-        training against a frozen head. So each draft buffer (trained and watched drafts) that held a policy tensor's
+        training against a frozen head. So each draft buffer (trained and observed drafts) that held a policy tensor's
         storage is pointed at its storage now: the stage's own parameter where the stage holds one (the tied
         embedding's copy on the last stage is what trains there; the full copy is refitted once a step), else the
         policy's. After the optimizer is built and every refit: pointers compared only."""

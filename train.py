@@ -5,7 +5,7 @@ Each RL step: sample G responses for each of n prompts with speculative decoding
 so they are exact policy samples), score them (tasks/), compute group advantages, then `updates` optimisation steps,
 each a dist_step.DistCotrainer.step (harness/update.py): ONE policy forward per micro-batch whose log-probs feed
 GRPO and whose taps feed every draft's loss -- on the 1 x 1 x 1 mesh in one process, the same code as on a larger
-mesh (rl_loop.cotrain_step is the single-process reference it equals, tests/test_dist_step.py). Every `eval_every`
+mesh (tests/reference_step.py is the one-process oracle it equals, tests/test_dist_step.py). Every `eval_every`
 steps, on the same held-out prompts, measure the acceptance length of (a) the co-trained draft, (b) a frozen copy of
 the warm-up draft, (c) the warm-up draft trained as much offline on fresh pi_0 samples (--offline_arm) and (d) a
 draft co-trained from a cold start (--cold_arm), and the rollout tokens/s with and without speculation

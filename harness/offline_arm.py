@@ -21,7 +21,7 @@ do, and its cost is the control's, timed apart from the co-trained run. Under to
 rows like the rollouts (mesh.row_blocks; row r draws from the stream keyed by (seed, the arm's step, r // G, r % G))
 and every rank gathers them; rank 0 alone trains the draft (`updates` TTT steps on the whole batch: the same cost as
 the co-trained draft's share of an update) and `broadcast` copies it to every rank, whose last pipeline stage
-measures its teacher-forced acceptance on the rollouts (dist_step.DistCotrainer(watch=...)).
+measures its teacher-forced acceptance on the rollouts (an observer of the step: harness/watch.py).
 
 Letters: B rows, T packed tokens.
 """
