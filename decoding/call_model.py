@@ -97,7 +97,7 @@ def row_spread(tried, accepted, alphas) -> tuple:
     last) is measured like one at a fixed k. (A ratio of kept tokens to forwards per row would mix the rows' k's into
     their acceptance: the rows that run the call's last k = 0 steps would look worse.)
     -> (rho^2, rows used), rho^2 unclipped (noise can make it negative: pooled over calls first, clipped after, it
-    stays unbiased); (0, 0) when fewer than 4 rows count."""
+    stays unbiased); (0, 0) when fewer than 4 rows count, or when they accepted nothing (no spread to measure)."""
     rows = []
     for T, A in zip(tried, accepted):
         E = sum(t * a for t, a in zip(T, alphas))
@@ -106,5 +106,7 @@ def row_spread(tried, accepted, alphas) -> tuple:
     if len(rows) < 4:
         return 0.0, 0
     mean = sum(r for r, _ in rows) / len(rows)
+    if mean <= 0:  # an untrained draft at tau = 0: every row rejected every draft
+        return 0.0, 0
     var = sum((r - mean) ** 2 for r, _ in rows) / (len(rows) - 1)
     return (var - sum(v for _, v in rows) / len(rows)) / (mean * mean), len(rows)

@@ -442,3 +442,11 @@ def test_a_call_that_starts_dormant_is_plain_sampling_without_the_draft(mismatch
                    generator=torch.Generator().manual_seed(3), **kw)
     assert [t.tolist() for t in got.tokens] == [t.tolist() for t in ref.tokens]
     assert all(torch.equal(a, b) for a, b in zip(got.logprobs, ref.logprobs)) and got.stats.drafted == 0
+
+
+def test_row_spread_of_rows_that_accepted_nothing_is_no_measurement():  # ~0 s
+    """An untrained draft at tau = 0 can see every row reject every draft: rho is undefined (its mean is 0), so the
+    call counts no rows instead of dividing by zero."""
+    tried = [[4, 4, 4]] * 6
+    assert row_spread(tried, [0] * 6, [0.5, 0.4, 0.3]) == (0.0, 0)
+    assert row_spread(tried, [2, 3, 2, 3, 2, 3], [0.5, 0.4, 0.3])[1] == 6  # the control: those rows count
