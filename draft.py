@@ -259,7 +259,7 @@ class Eagle3Draft(nn.Module):
     def save(self, path: str):
         """config.json + model.safetensors (fc, midlayer.*, norm, lm_head, d2t, t2d; not the shared embedding)."""
         write_draft(path, dict(asdict(self.cfg), tap_layers=list(self.cfg.tap_layers),
-                               architectures=["Eagle3DraftModel"]), self.state_dict())
+                               architectures=[self.architecture]), self.state_dict())
 
     def export(self, path: str, *, dtype=torch.bfloat16, **kw):
         """The serving format vLLM's and SGLang's LlamaForCausalLMEagle3 load (export.py): config.json +
@@ -280,6 +280,68 @@ class Eagle3Draft(nn.Module):
         draft.load_state_dict(sd)
         draft.attach(embed)
         return draft
+
+    # -- the family's facts (drafter.FAMILY): what the config, the memory plan and --draft ask of the class ---------
+    kind = "chain"  # any k, tree drafts, adaptive k (drafter.py)
+    architecture = "Eagle3DraftModel"  # config.json's architectures (save); a file without one is EAGLE-3's
+    taps_rule = ("3 ascending layer ids in [0, the policy's layers - 2], e.g. --tap_layers=0,2,4: the served EAGLE-3 "
+                 "draft (vLLM, SGLang) reads exactly 3 aux hidden states, none of them the last layer's output")
+
+    @staticmethod
+    def config_class():
+        return DraftConfig
+
+    @staticmethod
+    def default_taps(n_layers: int, cfg) -> tuple:  # --tap_layers='': model.default_tap_layers
+        return default_tap_layers(n_layers)
+
+    @staticmethod
+    def taps_ok(taps: tuple, n_layers: int) -> bool:  # ascending distinct ints: the served format's 3, below n - 1
+        return len(taps) == 3 and 0 <= taps[0] and taps[-1] <= n_layers - 2
+
+    @staticmethod
+    def of_shape(m: ModelConfig, cfg, taps: tuple) -> "Eagle3Draft":  # the run's draft, to count (built on meta)
+        dc = DraftConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+                         num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
+                         head_dim=m.head_dim, tap_layers=taps, target_num_layers=m.num_hidden_layers,
+                         draft_vocab_size=cfg.draft_vocab or None)
+        return Eagle3Draft(dc, torch.empty(m.vocab_size, m.hidden_size))
+
+    @staticmethod
+    def cache_shape(cfg) -> tuple:  # the rollout's draft KV cache: (layers, slots beyond the policy's): one layer
+        return 1, 0
+
+    @staticmethod
+    def act_bytes(size, cfg, T: float, n_taps: int, seqs: float) -> float:
+        """Saved for backward over T tokens: each of the P TTT passes at every position, and fc's taps + h^0.
+        size: harness/memory_model.Sizes (per-token bytes of the pieces)."""
+        return T * (cfg.ttt_passes * size.draft_pass + (n_taps + 1) * size.H * size.b)
+
+    @staticmethod
+    def size_flags(cfg) -> str:  # the flag that sizes its copy: the head's rows
+        return "--draft_vocab"
+
+    @staticmethod
+    def check_file(path: str, fmt: str):  # --draft in vLLM's format: read as the engines read it, before its fields
+        from serving.export import check_export
+        if fmt == "vllm":
+            check_export(path)  # ENGINE_FIXED, d2t / t2d, dtype
+
+    @classmethod
+    def from_fields(cls, fields: dict, sd: dict, path: str, n_layers: int) -> tuple:
+        """--draft in a served format (harness/draft_formats): (its config, its tensors). Its taps must be ones the
+        engines feed (3, none the policy's last layer); identity d2t / t2d at a full draft vocabulary, where the file
+        holds none."""
+        from serving.export import check_exportable
+        try:
+            check_exportable(fields["tap_layers"], n_layers)
+        except ValueError as e:
+            raise ValueError(f"draft {path!r}: its taps do not fit the {n_layers}-layer policy: {e}") from None
+        config = DraftConfig(**fields)
+        Vd = config.draft_vocab_size
+        sd["d2t"], sd["t2d"] = draft_vocab_maps(torch.arange(Vd) + sd["d2t"] if "d2t" in sd else torch.arange(Vd),
+                                                config.vocab_size)
+        return config, sd
 
 
 def _embed_weight(embed):  # a Transformer, an nn.Embedding or its weight -> the (V, H) weight

@@ -321,6 +321,62 @@ class DFlashDraft(nn.Module):
     def check_exportable(self):  # drafter.py: vLLM's DFlash loader reads every field this draft has
         return None
 
+    # -- the family's facts (drafter.FAMILY): what the config, the memory plan and --draft ask of the class ---------
+    kind = "block"  # a fixed k of at most its trained slots, from one forward (drafter.py)
+    taps_rule = "ascending ids in [0, the policy's layers - 1]"  # vLLM's DFlash format reads any number
+    fit_rule = "k + 1"  # the block --block_size=0 fits to k drafts: slot 0 is the anchor
+    slots_rule = "block_size - 1"  # the most drafts per forward of a block of block_size slots
+
+    @staticmethod
+    def fitted_block(k: int) -> int:  # W for k drafts (fit_rule)
+        return k + 1
+
+    @staticmethod
+    def slots_drafted(W: int) -> int:  # the drafts a block of W slots trains and proposes (slots_rule)
+        return W - 1
+
+    @staticmethod
+    def default_taps(n_layers: int, cfg) -> tuple:  # --tap_layers='': one per draft layer (--draft_layers)
+        return default_dflash_taps(n_layers, cfg.draft_layers)
+
+    @staticmethod
+    def taps_ok(taps: tuple, n_layers: int) -> bool:  # ascending distinct ints (taps_rule)
+        return 0 <= taps[0] <= taps[-1] < n_layers
+
+    @classmethod
+    def shape_options(cls, cfg) -> dict:  # from_target's options that size it (the MASK id changes no size)
+        return dict(mask_token_id=0, block_size=max(cfg.block_slots, 2), num_layers=cfg.draft_layers)
+
+    @classmethod
+    def of_shape(cls, m: ModelConfig, cfg, taps: tuple):  # the run's draft, to count (built on meta)
+        return cls.from_target(Transformer(m), tap_layers=taps, **cls.shape_options(cfg))
+
+    @staticmethod
+    def cache_shape(cfg) -> tuple:  # the rollout's draft KV cache: (layers, slots beyond the policy's: its block)
+        return cfg.draft_layers, cfg.block_slots
+
+    @staticmethod
+    def act_bytes(size, cfg, T: float, n_taps: int, seqs: float) -> float:
+        """Saved for backward over T tokens: fc's concatenated taps, the context and its norms, each draft layer's
+        injected K / V; + the `seqs` x --anchors W-slot blocks through the layers (q / k RMS-normed), the final
+        norm and the streamed loss's normalisers per slot. size: harness/memory_model.Sizes."""
+        KV, L_d = size.m.num_key_value_heads * size.m.head_dim, cfg.draft_layers
+        slots = seqs * cfg.anchors * max(cfg.block_slots, 2)
+        return (T * (n_taps * size.H * size.b + 2 * size.norm + L_d * 4 * KV * size.b)
+                + slots * (L_d * size.layer(qk_norm=True) + size.norm + 12))
+
+    @staticmethod
+    def size_flags(cfg) -> str:  # the flags that size its copy
+        return f"--draft_layers={cfg.draft_layers}"
+
+    @staticmethod
+    def check_file(path: str, fmt: str):  # --draft: the format's own checks are all it needs
+        return None
+
+    @classmethod
+    def from_fields(cls, fields: dict, sd: dict, path: str, n_layers: int) -> tuple:  # --draft: (config, tensors)
+        return cls.config_class()(**fields), sd
+
 
 if __name__ == "__main__":
     from parallel.cli import answer_help

@@ -149,6 +149,26 @@ class DSparkDraft(DFlashDraft):
     def check_exportable(self):  # drafter.py: the speculators format holds every field
         return None
 
+    # -- the family's facts beyond DFlash's (drafter.FAMILY) -----------------------------------------------------
+    fit_rule = "k, at least 2"  # every slot drafts, so none is trained that is never proposed; DFlashConfig's floor
+    slots_rule = "block_size"
+
+    @staticmethod
+    def fitted_block(k: int) -> int:
+        return max(k, 2)
+
+    @staticmethod
+    def slots_drafted(W: int) -> int:
+        return W
+
+    @classmethod
+    def shape_options(cls, cfg) -> dict:  # + the Markov head's rank
+        return dict(DFlashDraft.shape_options(cfg), markov_rank=cfg.markov_rank)
+
+    @staticmethod
+    def size_flags(cfg) -> str:
+        return f"--markov_rank={cfg.markov_rank} (DSpark's two (V, r) Markov tables) and --draft_layers"
+
     def export(self, path: str, *, dtype=torch.bfloat16, pair: dict | None = None, verifier: str | None = None,
                **kw):
         """The speculators format (serving/speculators_format.py: the Markov and confidence heads in its names), at

@@ -29,6 +29,22 @@ DistCotrainer (dist_step.py), rl_loop's draft loss, the warm-up, the control arm
     save(path), load(path, policy) (classmethod)          its checkpoint (config.json names the family)
     check_exportable(), export(path, dtype=, **kw)         the serving format (a ValueError says why one cannot be)
 
+The family's class answers what the harness asks before any draft exists (FAMILY; harness/drafters.py's registry
+checks them when a family registers):
+
+    from_target(policy, tap_layers=, **options)            a fresh draft (the options: the registry row's build_keys)
+    kind                           "chain" or "block" (what max_draft_tokens says of a draft, known before one exists)
+    architecture, config_class()   the name its save() writes in config.json, and its config dataclass
+    default_taps(n_layers, cfg)    --tap_layers='': the family's rule; taps_ok(taps, n) / taps_rule: which taps it
+                                   takes (ascending distinct layer ids, checked first) and the rule in words
+    of_shape(model_cfg, cfg, taps) an unallocated draft of the run's shape (harness/memory_model counts it on meta)
+    cache_shape(cfg)               the rollout's draft KV cache: (layers, slots beyond the policy's)
+    act_bytes(size, cfg, T, n_taps, seqs)                  what one trained draft saves for backward (memory plan)
+    size_flags(cfg)                the flags that size its copy (the fit check's hint)
+    check_file(path, fmt), from_fields(fields, sd, path, n_layers) -> (config, tensors)    --draft in a served format
+    a block family also: fitted_block(k) (the W --block_size=0 fits to k), slots_drafted(W) (its most k), and the
+    two rules in words, fit_rule and slots_rule (the config's messages)
+
 `select_rows(state, rows)` compacts a state with the batch (every family's state is rows-first; decoding/draft_trunk.py
 compacts the engine's with it). The registry that maps `--drafter eagle3|dflash|dspark` to a family is
 harness/drafters.py.
@@ -51,6 +67,21 @@ from model import ModelConfig, Transformer
 
 PROTOCOL = ("tap_layers", "max_draft_tokens", "attach", "fresh", "loss", "loss_options", "new_cache", "extend",
             "propose", "save", "load", "check_exportable", "export")
+
+
+FAMILY = ("from_target", "kind", "architecture", "config_class", "default_taps", "taps_ok", "taps_rule", "of_shape",
+          "cache_shape", "act_bytes", "size_flags", "check_file", "from_fields")
+BLOCK_FAMILY = ("fitted_block", "slots_drafted", "fit_rule", "slots_rule")
+
+
+def check_family(cls) -> None:
+    """A ValueError naming the first class-level member (FAMILY) a family's class lacks."""
+    kind = getattr(cls, "kind", None)
+    if kind not in ("chain", "block"):
+        raise ValueError(f"draft class {cls.__name__}: kind={kind!r}, expected 'chain' or 'block' (drafter.py)")
+    missing = [m for m in PROTOCOL + FAMILY + BLOCK_FAMILY * (kind == "block") if not hasattr(cls, m)]
+    if missing:
+        raise ValueError(f"draft class {cls.__name__} lacks the drafter protocol's {missing} (drafter.py)")
 
 
 def check_drafter(draft) -> None:

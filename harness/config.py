@@ -27,9 +27,9 @@ import torch
 from harness.logger import BACKENDS, parse_backends
 from parallel.cli import HELP_ALL, grouped_help, print_help, wants_help
 from parallel.cli import show_value as _show
-from harness.config_checks import (_TYPE_CHECKS, AUTO_FLAG, BLOCK_MAX, FITS_BLOCK, FLAG, MASK_ROW, _block_ok,
-                                    _fits_block, _installed, _parses, _problem, _taps_ok, _update_sizes, _writable_dir,
-                                    above, at_least, backend_problem, check_family_flags, fitted_block, one_of)
+from harness.config_checks import (_TYPE_CHECKS, AUTO_FLAG, FLAG, _installed, _parses, _problem, _update_sizes,
+                                    _writable_dir, above, at_least, backend_problem, check_family_flags, family_rows,
+                                    one_of)
 from harness.draft_formats import take_from_draft
 from harness.drafters import FAMILIES as DRAFTERS
 from harness.flag_groups import GROUPS
@@ -154,6 +154,7 @@ class Config:
     def __post_init__(self):
         """Every field against its row of CHECKS (all failures in one error), then the checks across the mode."""
         take_from_draft(self)
+        CHECKS.update(family_rows(DRAFTERS))  # the families registered now (a few microseconds)
         types = {f.name: f.type for f in dataclasses.fields(self)}
         bad = [_problem(k, getattr(self, k), _TYPE_CHECKS[t]) for k, t in types.items() if t in _TYPE_CHECKS]
         bad = [e for e in bad if e] or [_problem(k, getattr(self, k), CHECKS[k], self) for k in types if k in CHECKS]
@@ -187,12 +188,20 @@ class Config:
                                           self.num_draft_tokens)
 
     @property
+    def draft_family(self):
+        """The class of the run's draft family (harness/drafters.FAMILIES), None for a --drafter no family has."""
+        f = DRAFTERS.get(self.drafter)
+        return f.cls if f is not None else None
+
+    @property
     def block_slots(self) -> int:
         """A block drafter's W: block_size, or with block_size = 0 the slots the largest k it drafts (num_draft_tokens,
-        eval_draft_tokens) needs: k + 1 for dflash (slot 0 is the anchor), k for dspark (every slot drafts, so none
-        is trained that is never proposed; at least 2, DFlashConfig's floor); 0 while k is auto (refused)."""
-        k = self.num_draft_tokens
-        return self.block_size or (fitted_block(max(k, self.eval_draft_tokens), self.drafter) if type(k) is int else 0)
+        eval_draft_tokens) needs, its family's fitted_block(k) (k + 1 for DFlash, whose slot 0 is the anchor; k, at
+        least 2, for DSpark, whose every slot drafts); 0 while k is auto (refused) or for a chain drafter."""
+        k, cls = self.num_draft_tokens, self.draft_family
+        if self.block_size or type(k) is not int or getattr(cls, "kind", None) != "block":
+            return self.block_size
+        return cls.fitted_block(max(k, self.eval_draft_tokens))
 
     def attn_backend_on(self, device) -> str:
         """--attn_backend as run on `device`: auto is the fused Triton kernel where the models live on CUDA (the torch
@@ -298,30 +307,16 @@ CHECKS = {
     "draft_grad_clip":    above(0),  # clip_grad_norm_ with a bound <= 0 flips or zeroes the gradient
     "ttt_passes":         at_least(1),
     "ttt_decay":          ((lambda v, c: 0 <= v <= 1), "in [0, 1] (pass d weighs ttt_decay^(d-1); 0: pass 1 only)"),
-    "tap_layers":         ((lambda v, c: _taps_ok(v, c)),
-                           "'' (the family's default rule) or, for eagle3, 3 ascending layer ids in [0, the "
-                           "policy's layers - 2], e.g. --tap_layers=0,2,4: the served EAGLE-3 draft (vLLM, SGLang) "
-                           "reads exactly 3 aux hidden states, none of them the last layer's output; for a block "
-                           "drafter ascending ids in [0, the policy's layers - 1]"),
-    "drafter":            ((lambda v, c: v in DRAFTERS and (v == "eagle3" or _block_ok(c))),
-                           f"one of {', '.join(DRAFTERS)}; a block drafter (dflash, dspark) with a fixed "
-                           "--num_draft_tokens and --eval_draft_tokens <= block_size - 1 (dspark: block_size; "
-                           "--block_size=0, the default, fits the block to them)"),
-    "block_size":         ((lambda v, c: v == 0 or 2 <= v <= BLOCK_MAX),
-                           f"0 (k + 1; dspark: k, at least 2) or in [2, {BLOCK_MAX}]"),
     "anchors":            at_least(1),
     "block_gamma":        at_least(0),
     "draft_layers":       at_least(1),
-    "mask_token_id":      MASK_ROW,
     "markov_rank":        at_least(1),
-    "confidence_threshold": ((lambda v, c: 0 <= v <= 1), "in [0, 1] (0: off; dspark's confidence head)"),
+    "confidence_threshold": ((lambda v, c: 0 <= v <= 1), "in [0, 1] (0: off; the draft's confidence head)"),
     "steps":              at_least(1),
     "prompts_per_step":   at_least(1),
     "group_size":         at_least(2),  # GRPO's advantage is relative to the group: one sample has none
     "temperature":        ((lambda v, c: v > 0), "> 0 (GRPO needs G different samples of a prompt: greedy decoding, "
                            "tau = 0, would give G identical ones and log-probs at 1 / 0)"),
-    "num_draft_tokens":   ((lambda v, c: v == "auto" or (type(v) is int and v >= 1 and _fits_block(v, c))),
-                           f">= 1, or auto (adaptive, at most max_draft_tokens); {FITS_BLOCK}"),
     "max_draft_tokens":   ((lambda v, c: 1 <= v <= 16), "in [1, 16]"),
     "tree":               ((lambda v, c: isinstance(v, tuple) and all(type(b) is int and b >= 1 for b in v)
                                          and len(v) in (0, c.num_draft_tokens)
@@ -347,7 +342,6 @@ CHECKS = {
     "eval_every":         at_least(1),
     "eval_prompts":       at_least(1),
     "eval_samples":       at_least(1),
-    "eval_draft_tokens":  ((lambda v, c: v >= 0 and _fits_block(v, c)), f">= 0 (0 = num_draft_tokens); {FITS_BLOCK}"),
     "bootstrap":          at_least(1),
     "pp":                 at_least(1),
     "cp":                 at_least(1),
@@ -369,7 +363,9 @@ CHECKS = {
     "overwrite":          ((lambda v, c: not (v and c.resume)), "false with --resume (a resume keeps the run's files)"),
     "resume_changed_inputs": FLAG,
     "dist_timeout":       at_least(1),
-}
+}  # + the rows that name the draft families (tap_layers, drafter, block_size, mask_token_id, *_draft_tokens):
+CHECKS.update(family_rows(DRAFTERS))  # config_checks.family_rows, refreshed by Config.__post_init__
+
 
 
 USAGE = "usage: python train.py [--preset NAME] [--key=value | --key value | --flag] ..."

@@ -88,7 +88,7 @@ def backend_problem(c, device) -> str | None:
     if c.dtype == "fp32":
         return ("flash-attn takes fp16/bf16 only, got --dtype=fp32; use --dtype bf16 (auto on CUDA) or "
                 "--attn_backend triton")
-    if c.drafter != "eagle3" and not c.no_spec and not triton:
+    if _kind(c) == "block" and not c.no_spec and not triton:
         return (f"with --drafter {c.drafter} needs the triton package too (a block's anchor attention has "
                 "per-anchor key ends that flash-attn lacks: it runs on triton)")
     from backends.attention_flash import flash_interface
@@ -110,45 +110,108 @@ def _policy_layers(c) -> int | None:
         return None  # the model's own row reports it
 
 
+def _kind(c) -> str | None:
+    """The run's family's kind, "chain" or "block" (drafter.FAMILY); None for a --drafter no family has (its row
+    says so)."""
+    return getattr(c.draft_family, "kind", None)
+
+
 def _taps_ok(taps: tuple, c) -> bool:
-    """() or the served format's taps: exactly 3 ascending integer ids in [0, n - 2] (serving/export.py); a block
-    drafter (vLLM's DFlash format reads any number): ascending ids in [0, n - 1]."""
+    """() or ascending distinct integer layer ids that the run's family takes (its taps_ok: EAGLE-3's served format
+    reads exactly 3 in [0, n - 2], serving/export.py; vLLM's DFlash format any number in [0, n - 1])."""
     n = _policy_layers(c)
     if not isinstance(taps, tuple):
         return False
     if taps == () or n is None:
         return True
-    if c.drafter != "eagle3":
-        return all(type(t) is int for t in taps) and list(taps) == sorted(set(taps)) and 0 <= taps[0] <= taps[-1] < n
-    return (len(taps) == 3 and all(type(t) is int for t in taps) and list(taps) == sorted(set(taps))
-            and 0 <= taps[0] and taps[-1] <= n - 2)
+    return (all(type(t) is int for t in taps) and list(taps) == sorted(set(taps))
+            and (c.draft_family is None or c.draft_family.taps_ok(taps, n)))
+
+
+def taps_rule(families: dict) -> str:
+    """The --tap_layers row's rule: each family's taps_rule, the families that share one named together."""
+    rules = {}
+    for name, f in families.items():
+        rules.setdefault(f.cls.taps_rule, []).append(name)
+    return "'' (the family's default rule) or, " + "; ".join(f"for {' / '.join(n)}, {r}" for r, n in rules.items())
 
 
 BLOCK_MAX = 64  # a block's most slots W: --block_size's range is [2, BLOCK_MAX], and so is the W that 0 fits to k
 
 
-def fitted_block(k: int, drafter: str) -> int:
-    """The W --block_size=0 fits to k drafts per forward: k + 1 for dflash (slot 0 is the anchor), k for dspark
-    (every slot drafts, so none is trained that is never proposed; at least 2, DFlashConfig's floor)."""
-    return max(k, 2) if drafter == "dspark" else k + 1
-
-
 def _fits_block(k, c) -> bool:
-    """--num_draft_tokens / --eval_draft_tokens = k: where --block_size=0 fits a block drafter's block to it, that
-    block holds at most BLOCK_MAX slots (an explicit --block_size has its own row; eagle3 has no block)."""
-    return c.drafter == "eagle3" or c.block_size != 0 or type(k) is not int or fitted_block(k, c.drafter) <= BLOCK_MAX
+    """--num_draft_tokens / --eval_draft_tokens = k: where --block_size=0 fits a block drafter's block to it (its
+    fitted_block(k)), that block holds at most BLOCK_MAX slots (an explicit --block_size has its own row; a chain
+    drafter has no block)."""
+    return (_kind(c) != "block" or c.block_size != 0 or type(k) is not int
+            or c.draft_family.fitted_block(k) <= BLOCK_MAX)
 
 
-FITS_BLOCK = (f"with --drafter dflash and --block_size=0 at most {BLOCK_MAX - 1} (dspark: {BLOCK_MAX}): the block "
-              f"fitted to it, k + 1 slots (dspark: k), holds at most {BLOCK_MAX}, as --block_size does")
+def _blocks(families: dict) -> list:
+    """(name, class) of the block families, in the registry's order: the first's rule is stated, the others' beside
+    it ("k + 1 (dspark: k)")."""
+    return [(name, f.cls) for name, f in families.items() if f.cls.kind == "block"]
+
+
+def _others(pairs: list) -> str:  # [(name, text), ...] past the first -> "name1: text1; name2: text2"
+    return "; ".join(f"{n}: {t}" for n, t in pairs[1:])
+
+
+def fits_block_rule(families: dict) -> str:
+    """The rule _fits_block checks, in words: the most k --block_size=0 fits to each block family."""
+    most = [(n, max(k for k in range(1, BLOCK_MAX + 1) if c.fitted_block(k) <= BLOCK_MAX)) for n, c in
+            _blocks(families)]
+    fit = [(n, c.fit_rule) for n, c in _blocks(families)]
+    if not most:
+        return "no family has a block"
+    side = lambda pairs: f" ({_others(pairs)})" if len(pairs) > 1 else ""  # noqa: E731
+    return (f"with --drafter {most[0][0]} and --block_size=0 at most {most[0][1]}{side(most)}: the block fitted to "
+            f"it, {fit[0][1]} slots{side(fit)}, holds at most {BLOCK_MAX}, as --block_size does")
+
+
+def block_size_rule(families: dict) -> str:
+    """--block_size's row: 0 (the block fitted to k, by family) or in [2, BLOCK_MAX]."""
+    fit = [(n, c.fit_rule) for n, c in _blocks(families)]
+    first = "; ".join([fit[0][1]] + [_others(fit)] * (len(fit) > 1)) if fit else "no block"
+    return f"0 ({first}) or in [2, {BLOCK_MAX}]"
+
+
+def drafter_rule(families: dict) -> str:
+    """--drafter's row: a family's name; a block family's k fixed and at most the slots its block drafts."""
+    blocks = _blocks(families)
+    slots = [(n, c.slots_rule) for n, c in blocks]
+    text = f"one of {', '.join(families)}"
+    if blocks:
+        text += (f"; a block drafter ({', '.join(n for n, _ in blocks)}) with a fixed --num_draft_tokens and "
+                 f"--eval_draft_tokens <= {slots[0][1]}{f' ({_others(slots)})' if len(slots) > 1 else ''}; "
+                 "--block_size=0, the default, fits the block to them")
+    return text
 
 
 def _block_ok(c) -> bool:
-    """A block drafter's k: fixed, at most its trained slots (W - 1; dspark: W, W = c.block_slots). --tree and
-    --draft_vocab are EAGLE-3's flags: check_family_flags refuses them here."""
-    most = c.block_slots - (c.drafter == "dflash")
+    """A block drafter's k: fixed, at most its trained slots (its slots_drafted(W), W = c.block_slots). A chain
+    family's flags (EAGLE-3's --tree, --draft_vocab) are refused here by check_family_flags."""
+    most = c.draft_family.slots_drafted(c.block_slots)
     k = c.num_draft_tokens
     return type(k) is int and k <= most and (c.eval_draft_tokens or k) <= most
+
+
+def family_rows(families: dict) -> dict:
+    """config.CHECKS' rows whose rule depends on the registered draft families (harness/drafters.FAMILIES): what each
+    family's class says of its taps, its block and its k (drafter.FAMILY). Config.__post_init__ refreshes them, so
+    a family registered after import has its rules checked and named."""
+    fits = fits_block_rule(families)
+    return {
+        "tap_layers": ((lambda v, c: _taps_ok(v, c)), taps_rule(families)),
+        "drafter": ((lambda v, c: v in families and (families[v].cls.kind != "block" or _block_ok(c))),
+                    drafter_rule(families)),
+        "block_size": ((lambda v, c: v == 0 or 2 <= v <= BLOCK_MAX), block_size_rule(families)),
+        "mask_token_id": mask_row(families),
+        "num_draft_tokens": ((lambda v, c: v == "auto" or (type(v) is int and v >= 1 and _fits_block(v, c))),
+                             f">= 1, or auto (adaptive, at most max_draft_tokens); {fits}"),
+        "eval_draft_tokens": ((lambda v, c: v >= 0 and _fits_block(v, c)), f">= 0 (0 = num_draft_tokens); {fits}"),
+    }
+
 
 
 def default_mask(tok, hf_mode: bool) -> int | None:
@@ -187,7 +250,7 @@ def _mask_ok(v: int, c) -> bool:
     may be larger than its tokenizer), inside the task's vocabulary."""
     if v < -1:
         return False
-    if c.drafter == "eagle3" or c.no_spec:
+    if _kind(c) != "block" or c.no_spec:
         return True
     tok = _task_tok(c)
     i = None if tok is None else v if v >= 0 else default_mask(tok, c.hf_mode)
@@ -196,8 +259,11 @@ def _mask_ok(v: int, c) -> bool:
     return (c.hf_mode or i < tok.vocab_size) and not emits(tok, i)
 
 
-MASK_ROW = (_mask_ok, "-1 (the tokenizer's mask token, else the task's pad) or an id >= 0; with --drafter dflash or "
-                      "dspark one the policy never emits: no EOS id, no id the task's tokenizer writes as text (the "
+def mask_row(families: dict) -> tuple:
+    """--mask_token_id's row: _mask_ok, and its rule naming the block families."""
+    names = " or ".join(n for n, _ in _blocks(families))
+    return (_mask_ok, f"-1 (the tokenizer's mask token, else the task's pad) or an id >= 0; with --drafter {names} "
+                      "one the policy never emits: no EOS id, no id the task's tokenizer writes as text (the "
                       "built-in task's: 0 <pad> or 1 <bos>), inside the task's vocabulary")
 
 

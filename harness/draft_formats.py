@@ -7,7 +7,7 @@ each format's own convention, mask token, block size, head counts against the we
 line naming the field. The loaded draft is the warm-up draft: no warm-up runs, and the control arms start from it.
 
     draft = load_draft("runs/default/draft", policy)                 # any format
-    draft = load_draft(path, policy, drafter="dflash")               # and it must hold a DFlash draft
+    draft = load_draft(path, policy, drafter=name)                   # and it must hold that family's draft
     take_from_draft(cfg)                                             # Config.__post_init__: the family, block fields
 """
 from __future__ import annotations
@@ -17,12 +17,9 @@ import os
 
 import torch
 
-from draft import DraftConfig
 from harness import drafters
 from serving import formats
 from serving import speculators_format as spec
-from serving.draft_vocab import maps
-from serving.export import check_export, check_exportable
 from serving.export_checks import read_export_weights
 
 RUN_OPTIONS = ("confidence_threshold",)  # config fields a run sets whatever the file says (not the weights')
@@ -49,27 +46,19 @@ def load_draft(path: str, policy, drafter: str | None = None, options: dict | No
 
 
 def _from_file(cls, family: str, fmt: str, path: str, policy):
+    """A served file's draft: the family's class checks the file (check_file: EAGLE-3's vLLM file as the engines
+    read it) and turns the format's fields into its config (from_fields: EAGLE-3's taps the engines can feed, its
+    identity vocabulary maps)."""
     cfg = formats.read_config(os.path.join(path, "config.json"))
     sd = read_export_weights(path)  # readable and finite, or one line naming the file and tensor
     names = None
     if fmt == "vllm":
-        if family == "eagle3":
-            check_export(path)  # the format as the engines read it (ENGINE_FIXED, d2t / t2d, dtype)
+        cls.check_file(path, fmt)
         cfg, sd, names = formats.from_vllm(family, cfg, sd)
     _, fields, sd = spec.to_cospec(cfg, sd, policy.cfg, path, names)
-    if family == "eagle3":  # what the engines feed it: 3 taps, none the policy's last layer (its export needs that)
-        try:
-            check_exportable(fields["tap_layers"], policy.cfg.num_hidden_layers)
-        except ValueError as e:
-            raise ValueError(f"draft {path!r}: its taps do not fit the {policy.cfg.num_hidden_layers}-layer "
-                             f"policy: {e}") from None
-    config = DraftConfig(**fields) if family == "eagle3" else cls.config_class()(**fields)
+    config, sd = cls.from_fields(fields, sd, path, policy.cfg.num_hidden_layers)
     p = next(policy.parameters())
     draft = cls(config, policy).to(device=p.device, dtype=p.dtype)
-    if family == "eagle3":  # identity maps at a full draft vocabulary, where the file holds none
-        Vd = config.draft_vocab_size
-        sd["d2t"], sd["t2d"] = maps(torch.arange(Vd) + sd["d2t"] if "d2t" in sd else torch.arange(Vd),
-                                    config.vocab_size)
     try:
         draft.load_state_dict({k: v if v.dtype in (torch.int64, torch.bool) else v.to(p.dtype) for k, v in sd.items()})
     except RuntimeError as e:
@@ -82,9 +71,9 @@ def _from_file(cls, family: str, fmt: str, path: str, policy):
 def take_from_draft(c):
     """--draft PATH on Config `c`: the family (--drafter auto) and a block draft's block_size, mask_token_id,
     draft_layers and markov_rank come from the file; a flag set to another value is refused naming it. Without
-    --draft, --drafter auto is eagle3."""
+    --draft, --drafter auto is drafters.DEFAULT."""
     if not (c.draft and os.path.isfile(os.path.join(formats.resolve(c.draft), "config.json"))):
-        c.drafter = "eagle3" if c.drafter == "auto" else c.drafter
+        c.drafter = drafters.DEFAULT if c.drafter == "auto" else c.drafter
         return  # a missing folder: the "draft" row of CHECKS says so
     f = formats.draft_fields(c.draft)
     if c.drafter not in ("auto", f["family"]):

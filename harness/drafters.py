@@ -1,8 +1,10 @@
 """The draft families by name (`--drafter eagle3|dflash|dspark`): how the config builds, trains and reloads each one.
 
-Everything else speaks to a draft through the drafter protocol (drafter.py); this table is the one place that knows
-which class a name means, which of the config's flags its constructor and its loss take, and its single-process
-training attention. eagle3 is the default (the experiment's numbers are EAGLE-3's).
+Everything else speaks to a draft through the drafter protocol (drafter.py) and asks the family's class what it
+needs before a draft exists (drafter.FAMILY: its kind, taps rule, block rule, memory terms, --draft loading); this
+table is the one place that knows which class a name means, which of the config's flags its constructor and its loss
+take, and its single-process training attention. DEFAULT, eagle3, is the default (the experiment's numbers are
+EAGLE-3's). A new family is one file and one row: `register(name, Family(cls, ...))` (docs/EXTENDING.md).
 
     options(cfg, tsk)                                  the family's construction and loss options (a warm-up's key)
     FAMILIES[name].flags                               its config flags: set with a family that reads none, refused
@@ -10,6 +12,7 @@ training attention. eagle3 is the default (the experiment's numbers are EAGLE-3'
     make_trainer(name, draft, opt, opts, ...) / config_trainer(cfg, tsk, draft, opt)   its rl_loop.DraftTrainer
     architecture(path)                                 the family class of a saved draft (config.json names it)
     mask_token_id(cfg, tsk)                            the block drafters' MASK id
+    register(name, Family(...))                        one more family (its class checked against drafter.FAMILY)
 """
 from __future__ import annotations
 
@@ -19,10 +22,10 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from backends.attention_padded import auto_branch_attention
-from draft import DraftConfig, Eagle3Draft
+from draft import Eagle3Draft
 from draft_dflash import DFlashDraft
 from draft_dspark import DSparkDraft
-from drafter import check_drafter
+from drafter import check_drafter, check_family
 from harness.config_checks import default_mask
 from rl_loop import DraftTrainer
 from serving.hf_io import read_json
@@ -42,6 +45,12 @@ class Family:
     attn_fn: Optional[Callable] = None  # the single-process training attention (None: the family's default)
     own_flags: tuple = ()  # the config flags it reads beside its options' (EAGLE-3's TTT, draft vocabulary, tree)
 
+    def __post_init__(self):
+        check_family(self.cls)  # every class-level member the harness asks (drafter.FAMILY)
+        unknown = [k for k in self.build_keys + self.loss_keys if k not in OPTION_FLAGS]
+        if unknown:
+            raise ValueError(f"Family: options {unknown} have no row in OPTION_FLAGS (the flag each is read from)")
+
     @property
     def flags(self) -> set:
         """The config flags that are the family's: its options' (OPTION_FLAGS) and its own_flags. A flag set off its
@@ -56,8 +65,23 @@ FAMILIES = {
     "dflash": Family(DFlashDraft, BLOCK_BUILD, BLOCK_LOSS),
     "dspark": Family(DSparkDraft, BLOCK_BUILD + ("markov_rank", "confidence_threshold"), BLOCK_LOSS),
 }
-BY_ARCHITECTURE = {"Eagle3DraftModel": Eagle3Draft, DFlashDraft.architecture: DFlashDraft,
-                   DSparkDraft.architecture: DSparkDraft}
+DEFAULT = "eagle3"  # --drafter auto without --draft
+
+
+def register(name: str, fam: Family) -> None:
+    """One more family under --drafter `name` (a new name; its class's save() name not taken by another)."""
+    if not isinstance(fam, Family):
+        raise ValueError(f"register: expected a drafters.Family, got {type(fam).__name__}")
+    if name in FAMILIES or not name.isidentifier():
+        raise ValueError(f"register: name={name!r}: expected a new identifier, not one of {sorted(FAMILIES)}")
+    if fam.cls.architecture in by_architecture():
+        raise ValueError(f"register: {fam.cls.__name__}.architecture={fam.cls.architecture!r} is another family's")
+    FAMILIES[name] = fam
+
+
+def by_architecture() -> dict:
+    """config.json's architectures name -> the family class that saves it."""
+    return {f.cls.architecture: f.cls for f in FAMILIES.values()}
 
 
 def family(name: str) -> Family:
@@ -124,13 +148,15 @@ def config_trainer(cfg, tsk, draft, opt) -> DraftTrainer:
 
 
 def architecture(path: str):
-    """The family class of a saved draft (config.json's architectures; a file without one: EAGLE-3's)."""
-    arch = (read_json(os.path.join(path, "config.json")).get("architectures") or ["Eagle3DraftModel"])[0]
-    if arch not in BY_ARCHITECTURE:
-        raise ValueError(f"{path}: unknown draft architecture {arch!r}; expected one of {sorted(BY_ARCHITECTURE)}")
-    return BY_ARCHITECTURE[arch]
+    """The family class of a saved draft (config.json's architectures; a file without one: the DEFAULT family's)."""
+    known = by_architecture()
+    default = FAMILIES[DEFAULT].cls.architecture
+    arch = (read_json(os.path.join(path, "config.json")).get("architectures") or [default])[0]
+    if arch not in known:
+        raise ValueError(f"{path}: unknown draft architecture {arch!r}; expected one of {sorted(known)}")
+    return known[arch]
 
 
 def config_fields(cls) -> set:
     """The config keys a saved draft of family class `cls` holds."""
-    return {f.name for f in dataclasses.fields(DraftConfig if cls is Eagle3Draft else cls.config_class())}
+    return {f.name for f in dataclasses.fields(cls.config_class())}

@@ -26,6 +26,7 @@ import os
 
 import torch
 
+from harness import drafters
 from harness import memory_model as mm
 
 GiB = 2 ** 30
@@ -121,7 +122,8 @@ def fixes(cfg, total, cap: float, n: int, dp: int, cp: int, model, count) -> tup
         steps.append(("--zero1", "--zero1", dict(zero1=True)))
     steps += [("micro", count(m), dict(micro_batches=m)) for m in divisors(n, dp) if m > cfg.micro_batches]
     steps.append(("--activation_checkpointing", "--activation_checkpointing", dict(activation_checkpointing=True)))
-    if cfg.drafter == "eagle3" and not cfg.no_spec and cfg.draft_vocab == 0 and model.vocab_size > 32000:
+    if "draft_vocab" in drafters.family(cfg.drafter).flags and not cfg.no_spec and cfg.draft_vocab == 0 \
+            and model.vocab_size > 32000:  # a family that reads --draft_vocab (EAGLE-3's reduced head)
         steps.append(("--draft_vocab", "--draft_vocab 32000", dict(draft_vocab=32000)))
     b = cfg.rollout_batch
     while b > 1:
@@ -182,11 +184,7 @@ def draft_hint(cfg, component: str) -> str:
     if component in ("copy:policy", "copy:reference") or not (component.startswith("copy:")
                                                                or component == "draft_optim"):
         return ""
-    if cfg.drafter == "dspark":
-        return f"--markov_rank={cfg.markov_rank} (DSpark's two (V, r) Markov tables) and --draft_layers"
-    if cfg.drafter == "dflash":
-        return f"--draft_layers={cfg.draft_layers}"
-    return "--draft_vocab"
+    return drafters.family(cfg.drafter).cls.size_flags(cfg)  # its class's (drafter.FAMILY)
 
 def fit(cfg):
     """check_fit for a launch, before its mesh: this process's device (mesh.pick_device), the mesh from torchrun's

@@ -55,9 +55,8 @@ from backends.fused_logprob import budget_rows
 from modeling.kv_cache import BLOCK
 from modeling.layers import CACHED_SCORES_MIB, CAST_BLOCK_MIB
 from pipeline import REDUCE_BUCKET_MIB
-from draft import DraftConfig, Eagle3Draft
-from draft_dflash import default_dflash_taps
-from model import ModelConfig, Transformer, default_tap_layers
+from harness import drafters
+from model import ModelConfig, Transformer
 from parallel.pp_schedule import schedule_actions, split_layers
 
 VERIFY_BLOCKS = 4  # fp32 (B, k+1, V) blocks live at the verification's peak (p, q, the residual), + one (B, V)
@@ -102,12 +101,15 @@ def nccl_groups(cfg, run: Run, stage: int = 0) -> int:
     return 1 + pp + links + embed + (run.cp > 1) + (run.dp > 1) + (run.cp > 1 and run.dp > 1)
 
 
+def family_of(cfg):
+    """The class of the run's draft family (--drafter; a config without one: drafters.DEFAULT's): it states its
+    default taps, its draft's shape, its KV cache and what it saves for backward (drafter.FAMILY)."""
+    return drafters.family(getattr(cfg, "drafter", drafters.DEFAULT)).cls
+
+
 def taps_of(cfg, run: Run) -> tuple:
     """The policy layers the drafts read (the embedding tap aside): --tap_layers, else the family's default rule."""
-    n = run.model.num_hidden_layers
-    default = (default_tap_layers(n) if getattr(cfg, "drafter", "eagle3") == "eagle3"
-               else default_dflash_taps(n, cfg.draft_layers))  # one per draft layer (build_draft's num_layers)
-    return tuple(run.tap_layers or cfg.tap_layers or default)
+    return tuple(run.tap_layers or cfg.tap_layers or family_of(cfg).default_taps(run.model.num_hidden_layers, cfg))
 
 
 def held_copies(cfg) -> dict:
@@ -151,25 +153,15 @@ def stage_numel(m: ModelConfig, layers: tuple) -> int:
 
 def draft_numel(m: ModelConfig, cfg, taps: tuple) -> tuple:
     """(parameters, buffer bytes) of one draft arm of this policy, of the run's family (--drafter), built on the meta
-    device: EAGLE-3 as draft.Eagle3Draft.from_target shapes it; a block family as harness/drafters.build_draft
-    does (--draft_layers, --block_size, --markov_rank: DSpark's Markov head is two (V, r) tables)."""
-    family = getattr(cfg, "drafter", "eagle3")
-    key = (repr(m), family, taps, cfg.draft_vocab, getattr(cfg, "draft_layers", 0), getattr(cfg, "markov_rank", 0),
-           getattr(cfg, "block_slots", 0))
+    device as its class's of_shape shapes it (EAGLE-3: --draft_vocab; the block families: --draft_layers,
+    --block_size, --markov_rank: DSpark's Markov head is two (V, r) tables)."""
+    cls = family_of(cfg)
+    key = (repr(m), cls.__name__, taps, cfg.draft_vocab, getattr(cfg, "draft_layers", 0),
+           getattr(cfg, "markov_rank", 0), getattr(cfg, "block_slots", 0))
     if key in _NUMEL:
         return _NUMEL[key]
     with torch.device("meta"):
-        if family == "eagle3":
-            dc = DraftConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size,
-                             intermediate_size=m.intermediate_size, num_attention_heads=m.num_attention_heads,
-                             num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim, tap_layers=taps,
-                             target_num_layers=m.num_hidden_layers, draft_vocab_size=cfg.draft_vocab or None)
-            out = _numel(Eagle3Draft(dc, torch.empty(m.vocab_size, m.hidden_size)))
-        else:
-            from harness.drafters import build_draft
-            opts = dict(mask_token_id=0, block_size=max(cfg.block_slots, 2), num_layers=cfg.draft_layers,
-                        markov_rank=cfg.markov_rank)  # the MASK id changes no size
-            out = _numel(build_draft(family, Transformer(m), opts, tap_layers=taps))
+        out = _numel(cls.of_shape(m, cfg, taps))
     _NUMEL[key] = out
     return out
 
@@ -215,22 +207,40 @@ def head_bytes(m: ModelConfig, b: int, trained: int, gpu: bool) -> int:
     return max(2 * VH * m.tie_word_embeddings, 0 if gpu else min(int(CAST_BLOCK_MIB * 2**20), 4 * VH))  # not at once
 
 
+@dataclass
+class Sizes:
+    """Per-token bytes of the pieces a draft family's act_bytes adds up (drafter.FAMILY): the model's shape m and
+    the bytes per element b; H, norm (one RMSNorm over H), draft_pass (an EAGLE-3-shaped layer's TTT pass) and
+    layer(qk_norm) (a decoder layer of the policy's shape)."""
+    m: ModelConfig
+    b: int
+
+    @property
+    def H(self) -> int:
+        return self.m.hidden_size
+
+    @property
+    def norm(self) -> int:
+        return norm_bytes(self.m.hidden_size, self.b)
+
+    @property
+    def draft_pass(self) -> int:
+        return draft_pass_bytes(self.m, self.b)
+
+    def layer(self, qk_norm: bool = None) -> int:
+        return layer_bytes(self.m, self.b, qk_norm=qk_norm)
+
+
 def draft_act_bytes(cfg, run: Run, T: float, b: int) -> float:
-    """What one trained draft saves for backward over a micro-batch of T tokens on one CP rank.
+    """What one trained draft saves for backward over a micro-batch of T tokens on one CP rank, as its family's
+    act_bytes counts it (Sizes: the pieces; the sequences per CP rank, for the families that train per anchor).
       EAGLE-3   T (P draft_pass_bytes + (taps + 1) H b): every position, each of the P TTT passes, and the taps
       blocks    T (taps H b + 2 norm(H) + L_d 4 KV b): fc's concatenated taps, the context and its norms, each draft
                 layer's injected K / V; + N W (L_d layer_bytes + norm(H) + 12): the N anchors' W-slot blocks
                 through the L_d layers (q / k RMS-normed), the final norm and the streamed loss's normalisers per
                 slot. N: --anchors per sequence of the micro-batch, spread over the CP ranks by position."""
-    m, H = run.model, run.model.hidden_size
-    n_taps = len(taps_of(cfg, run))
-    if getattr(cfg, "drafter", "eagle3") == "eagle3":
-        return T * (cfg.ttt_passes * draft_pass_bytes(m, b) + (n_taps + 1) * H * b)
-    KV, L_d = m.num_key_value_heads * m.head_dim, cfg.draft_layers
     seqs = cfg.prompts_per_step * cfg.group_size / cfg.updates / cfg.micro_batches / run.cp  # per CP rank
-    slots = seqs * cfg.anchors * max(cfg.block_slots, 2)
-    return (T * (n_taps * H * b + 2 * norm_bytes(H, b) + L_d * 4 * KV * b)
-            + slots * (L_d * layer_bytes(m, b, qk_norm=True) + norm_bytes(H, b) + 12))
+    return family_of(cfg).act_bytes(Sizes(run.model, b), cfg, T, len(taps_of(cfg, run)), seqs)
 
 
 def micro_batch(cfg, run: Run) -> tuple:
@@ -295,8 +305,8 @@ def rollout_transient(cfg, run: Run, max_new_tokens: int, longest_new: int = Non
     B = min(cfg.rollout_batch, rows)
     L = kv_slots(run.prompt, max_new_tokens, longest_new, k)
     per_layer = 2 * B * m.num_key_value_heads * L * m.head_dim * b
-    block = getattr(cfg, "drafter", "eagle3") != "eagle3"  # the draft's cache: EAGLE-3's one layer; a block
-    W, Ld = (cfg.block_slots if block else 0), (0 if cfg.no_spec else cfg.draft_layers if block else 1)  # draft's
+    Ld, W = (0, 0) if cfg.no_spec else family_of(cfg).cache_shape(cfg)  # the draft's cache (its family's): EAGLE-3's
+    # one layer; a block family's L_d layers, with room for its block of W
     kv = per_layer * m.num_hidden_layers + Ld * 2 * B * m.num_key_value_heads * m.head_dim * b * kv_slots(
         run.prompt + W, max_new_tokens, longest_new, k)  # L_d layers, with room for its block (+ W)
     verify = (VERIFY_BLOCKS * (k + 1) + 1) * B * m.vocab_size * 4
