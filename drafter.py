@@ -6,6 +6,7 @@ TTT), DFlash (draft_dflash.py, a block drafted in one forward) and DSpark (draft
 head) -- is an nn.Module with these members, and the engine (speculative.py), the pipeline's draft hook and
 DistCotrainer (dist_step.py), rl_loop's draft loss, the warm-up, the control arms and the export speak to them alone:
 
+    cfg                            its config: vocab_size, hidden_size, target_num_layers (generate checks the policy)
     tap_layers                     the policy layers whose outputs the draft reads (TapChannel carries them under PP)
     max_draft_tokens               None: a chain drafter (any k, tree drafts, adaptive k); K: a block drafter, which
                                    proposes k <= K tokens in one forward (no tree, no adaptive k)
