@@ -53,7 +53,7 @@ from branch_mask import cu_to, pad_ring_of_one, position_ids
 from parallel.consistency import check_same_cu_seqlens, check_same_weights
 from backends.fused_logprob import token_logp as fused_token_logp
 from parallel.grid import Grid
-from parallel.step_totals import StepTotals
+from parallel.step_totals import StepTotals, gathered
 from model import EMBED_TAP, Transformer
 from modeling.mixed_precision import clip_grads_, clip_stage_grads_, master_optimizer
 from parallel.pp_schedule import split_layers
@@ -254,10 +254,7 @@ class DistCotrainer:
                 tr.opt.step()
         self._collect(tot, metrics)
         tot = tot.all_reduced()  # world sum: only last-stage ranks hold non-zeros, each its CP / DP share
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, metrics if (self.last and g.cp_rank == 0) else {})
-            metrics = {k: v for part in everyone for k, v in part.items()}
+        metrics = gathered(metrics if (self.last and g.cp_rank == 0) else {})  # every DP replica's micro-batches
         pooled = [merge_metrics([metrics[key] for key in sorted(metrics) if key[1] == k])  # count-weighted, as
                   for k in range(K + len(self._observed()))]  # the one-process step pools every micro-batch's
         draft_losses = tot.loss_draft.tolist()

@@ -43,3 +43,13 @@ class StepTotals:
     def mean(self, name: str) -> float:
         """A policy statistic's mean over the step's trained tokens (clip_frac, ratio, k3, gen_err)."""
         return float(getattr(self, name)) / max(float(self.tokens), 1.0)
+
+
+def gathered(part: dict) -> dict:
+    """The union of every rank's `part` (a small dict of host objects: the drafts' metrics per micro-batch), on every
+    rank, from one all_gather_object (one process: `part` itself)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return part
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, part)
+    return {k: v for p in everyone for k, v in p.items()}
