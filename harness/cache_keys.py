@@ -245,7 +245,7 @@ class DraftSpec:
     tap_layers: tuple = ()  # the policy layers the draft reads; (): model.default_tap_layers (its code is in the key)
     pass_weight: float = 0.8  # the TTT loss weighs pass d by pass_weight^(d-1)
     rows: int = 256  # prompts per generate call when sampling the pool (--rollout_batch): it shapes the samples
-    drafter: str = "eagle3"  # the draft family (harness/drafters.py)
+    drafter: str = drafters.DEFAULT  # the draft family (harness/drafters.py)
     drafter_opts: tuple = ()  # its construction and loss options, sorted (key, value) pairs (drafters.options)
     dtype: str = "float32"  # what the policy and the draft compute in (torch's name; bfloat16: fp32 masters)
 

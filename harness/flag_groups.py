@@ -15,7 +15,7 @@ GROUPS = (
      "and budget)", True,
      ("drafter", "ttt_passes", "ttt_decay", "tap_layers", "draft_lam", "draft_lr", "draft_every", "draft_grad_clip",
       "draft_vocab", "cold_start", "draft")),
-    ("block drafters (--drafter=dflash | dspark)", True,
+    ("block drafters (a --drafter whose kind is block: a block drafted per forward)", True,
      ("block_size", "anchors", "block_gamma", "draft_layers", "mask_token_id", "markov_rank", "confidence_threshold")),
     ("speculative rollouts (k draft tokens per verification forward; lossless at every k)", True,
      ("num_draft_tokens", "max_draft_tokens", "tree", "no_spec", "rollout_batch", "rollout_engine")),

@@ -9,20 +9,17 @@ them as run arguments, both left out) and fails where code names a family outsid
   - the family's own files (OWN): its class's file and the training it alone uses -- EAGLE-3: draft.py, draft_ttt.py,
     draft_loss.py; DFlash: draft_dflash.py, draft_block.py (the block training DSpark shares); DSpark: draft_dspark.py.
     A family's files may name the families its class is built on (DSparkDraft subclasses DFlashDraft);
-  - serving/, the field's formats (FORMATS): a format file may use a name only as that format's own vocabulary --
-    speculators' `speculators_model_type` values ("eagle3", "dflash", "dspark") and the fields and layer types that
-    follow from them, vLLM's speculative `method` names, vLLM's / z-lab's `dflash_config`, and the format writers
-    named after the format they write (export_dflash, eagle3_config). A serving line that keys cospec's OWN
-    vocabulary on a family name (our save() names, our config.json's fields, a branch of the "cospec" format) is
-    not a format's: each such line is in PENDING until the family is asked instead.
+  - serving/, the formats (FORMATS): the field's (vLLM's, z-lab's, speculators') and cospec's own checkpoint. A
+    format's vocabulary names the families -- speculators' `speculators_model_type` values, vLLM's speculative
+    `method` names, `dflash_config`, cospec's save() architectures and its config fields per family -- so a family
+    that is to be saved, reloaded by --draft or exported adds its entries there. One that is trained and served
+    in-process only (docs/EXTENDING.md's fourth family) needs none.
+  - a file's demo (its `if __name__ == "__main__":` block) may pick one family to show: no code path runs it.
 
 "Code" is what runs: string constants other than docstrings (f-strings' literal parts too), identifiers, attribute
 and keyword names, and module paths of imports. Docstrings and comments are prose: they may cite the built-in
-families (e.g. Config's field comments, which --help shows, say which flags the block families read).
-
-PENDING is temporary: the places, in files other sessions own, that still name a family, as (file, the line's text).
-The lead empties it as those files ask the family instead; an entry that no longer occurs fails the test, so the
-list only shrinks. ~1 s (parsing ~150 files).
+families (e.g. Config's field comments, which --help shows, say which flags the block families read). ~1 s (parsing
+~150 files).
 """
 import ast
 import inspect
@@ -36,27 +33,6 @@ OWN = {"eagle3": ("draft.py", "draft_ttt.py", "draft_loss.py"), "dflash": ("draf
        "dspark": ("draft_dspark.py",)}
 REGISTRY = "harness/drafters.py"
 FORMATS = "serving/"
-
-PENDING = {  # (file, text of the line) -> why it still names a family
-    ("speculative.py", "from draft import Eagle3Draft"): "the __main__ demo builds an EAGLE-3 draft",
-    ("speculative.py", "draft = Eagle3Draft.from_target(target)"): "the __main__ demo",
-    ("harness/cache_keys.py", 'drafter: str = "eagle3"  # the draft family (harness/drafters.py)'):
-        "the warm-up key's default family: drafters.DEFAULT",
-    ("harness/flag_groups.py", '("block drafters (--drafter=dflash | dspark)", True,'):
-        "the --help group's title: the block families' names from the registry",
-    ("serving/formats.py", 'COSPEC_ARCH = {"Eagle3DraftModel": "eagle3", "CospecDFlashDraft": "dflash", '
-                           '"CospecDSparkDraft": "dspark"}  # save()'):
-        "cospec's own save() names: the registry's classes' architecture (drafters.by_architecture)",
-    ("serving/export_checks.py", 'COSPEC_FIELDS = {"eagle3": {**_LAYER, "draft_vocab_size": None, **_TAIL},'):
-        "cospec's own config.json fields by family: the family's config_class",
-    ("serving/export_checks.py", '"dflash": {**_LAYER, "mask_token_id": ..., "block_size": 8, "num_layers": 1, '
-                                 '**_TAIL}}'): "the same table",
-    ("serving/export_checks.py", 'COSPEC_FIELDS["dspark"] = {**COSPEC_FIELDS["dflash"], "markov_rank": 16, '
-                                 '"confidence_threshold": 0.0}'): "the same table",
-    ("serving/export_checks.py", 'tolerated = () if fmt == "cospec" else IGNORED if family == "eagle3" else '
-                                 'BLOCK_IGNORED'): "a cospec-format branch keyed on the family",
-}
-
 
 def family_names() -> dict:
     """name -> the words that name it: the registry's name and its class's name."""
@@ -105,6 +81,12 @@ def allowed(rel: str) -> set:
     return {base for name in mine for base, f in FAMILIES.items() if issubclass(FAMILIES[name].cls, f.cls)}
 
 
+def _is_main(node) -> bool:
+    """`if __name__ == "__main__":` at a module's top level."""
+    return (isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and isinstance(node.test.left, ast.Name)
+            and node.test.left.id == "__name__")
+
+
 def naming_lines() -> list:
     """(file, line number, the line's text, the families it names) outside where they may be named."""
     names = family_names()
@@ -118,7 +100,11 @@ def naming_lines() -> list:
         src = open(path, encoding="utf-8").read()
         lines = src.splitlines()
         hits = {}
-        for line, text in code_words(ast.parse(src)):
+        tree = ast.parse(src)
+        demo = {n for node in tree.body if _is_main(node) for n in range(node.lineno, node.end_lineno + 1)}
+        for line, text in code_words(tree):
+            if line in demo:
+                continue
             for name, pat in pats.items():
                 if pat.search(text):
                     hits.setdefault(line, set()).add(name)
@@ -134,14 +120,16 @@ def test_every_family_has_its_files_and_its_class_is_in_them():
 
 
 def test_no_code_names_a_family_outside_its_files_and_the_registry():
-    pending = set(PENDING)
     bad = [f"{rel}:{line} {text}  ({', '.join(sorted(fams))})" for rel, line, text, fams in naming_lines()
-           if (rel, text) not in pending and not rel.startswith(FORMATS)]
+           if not rel.startswith(FORMATS)]
     assert not bad, "code that names a draft family (ask the family through drafter.FAMILY instead):\n" + "\n".join(bad)
 
 
-def test_pending_only_shrinks():
-    """Each PENDING entry still names a family where it says (a fixed one is taken off the list)."""
-    seen = {(rel, text) for rel, _, text, _ in naming_lines()}
-    gone = [k for k in PENDING if k not in seen]
-    assert not gone, f"no longer naming a family (remove from PENDING): {gone}"
+def test_the_scan_finds_a_name(tmp_path, monkeypatch):
+    """The control: a line that names a family in code, outside its files, is found (a demo block's is not)."""
+    import test_family_names as me
+    bad = tmp_path / "stray.py"
+    bad.write_text('"""Doc: eagle3 here is prose."""\nX = "dflash"\nif __name__ == "__main__":\n    Y = "dspark"\n')
+    monkeypatch.setattr(me, "project_modules", lambda: {"stray": str(bad)})
+    monkeypatch.setattr(me, "ROOT", str(tmp_path))
+    assert [(rel, line, fams) for rel, line, _, fams in me.naming_lines()] == [("stray.py", 2, {"dflash"})]
