@@ -54,7 +54,7 @@ Letters: T packed tokens, t a row of the packed batch, S sequences, G group size
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 import torch
@@ -224,14 +224,27 @@ def _constant(l, mask, cu_seqlens, *, n_seqs, n_tokens, max_len, n_micro):
 
 
 @dataclass
-class GRPOConfig:
-    eps_low: float = 0.2
-    eps_high: float = 0.28  # > eps_low: DAPO's clip-higher keeps low-probability tokens explorable
-    beta: float = 0.0  # k3 KL coefficient to the frozen reference (0: no penalty; the drift is only measured)
-    std_norm: bool = True  # False + loss_norm="constant" is Dr. GRPO
-    loss_norm: str = "global-token"
+class GRPOKnobs:
+    """The paper's GRPO settings, each a flag of train.py (harness/config.Config takes them from here, its --help
+    their comments): a new one is a field here, its use in this file and its row of config.CHECKS."""
+    # GRPO (rl_loop.py)
+    eps_low: float = 0.2  # PPO clip below: the ratio is clipped to [1 - eps_low, 1 + eps_high]
+    eps_high: float = 0.28  # PPO clip above (asymmetric, "clip-higher": keeps low-probability tokens explorable)
+    beta: float = 0.0  # k3 KL penalty to the frozen reference (0: drift is measured, not penalised)
+    std_norm: bool = True  # divide the group advantage by the group's reward std (off + loss_norm=constant: Dr. GRPO)
+    loss_norm: str = "global-token"  # how token losses are averaged (rl_loop.aggregate)
+
+
+@dataclass
+class GRPOConfig(GRPOKnobs):
+    """The knobs and what the run fixes: the "constant" normalisation's L_max and the rollouts' temperature."""
     max_len: int = 64  # L_max for the "constant" normalisation (the rollout's max new tokens)
     temperature: float = 1.0  # the rollout's tau: pi_theta, pi_old and pi_ref are all softmax(logits / tau)
+
+    @classmethod
+    def of(cls, knobs: GRPOKnobs, **fixed) -> GRPOConfig:
+        """The GRPOKnobs fields of `knobs` (train.py's Config has them all), with max_len / temperature."""
+        return cls(**{f.name: getattr(knobs, f.name) for f in fields(GRPOKnobs)}, **fixed)
 
     def __post_init__(self):
         if not self.temperature > 0:

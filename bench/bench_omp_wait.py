@@ -15,7 +15,6 @@ Flags: --steps (timed steps per run), --warm, --repeats.
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -67,12 +66,13 @@ def measure(threads: int, policy: str, steps: int, warm: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warm", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
+def main(argv=None):
+    from parallel.cli import parser
+    ap = parser(__doc__, __file__)
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per run (default: %(default)s)")
+    ap.add_argument("--warm", type=int, default=3, help="untimed steps first (default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per configuration (default: %(default)s)")
+    args = ap.parse_args(argv)
     rows = []
     for load in ("quiet", "busy neighbour"):
         hog = None
@@ -108,4 +108,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, ROOT)
+    from parallel.cli import run_main  # an error: one line, exit 1 (COSPEC_TRACEBACK=1: the traceback)
+    run_main(main, __file__, sys.argv[1:])

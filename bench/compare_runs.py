@@ -10,12 +10,12 @@ acceptance, losses, gradient norms, KL, the weights' fingerprints -- is the run'
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import sys
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING = ("time", "tok_s", "seconds", "speedup", "wall_s", "time_s", "warmup_cached", "e2e_step_s", "_s_ar", "_s_spec")
 
 
@@ -40,7 +40,7 @@ def differences(a, b, rtol: float, where: str) -> list:
 def load(run: str) -> tuple:
     for name in ("metrics.jsonl", "summary.json"):
         if not os.path.isfile(os.path.join(run, name)):
-            sys.exit(f"compare_runs: {run!r} holds no {name}: expected a finished run's --out directory")
+            raise ValueError(f"{run!r} holds no {name}: expected a finished run's --out directory")
     with open(os.path.join(run, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     with open(os.path.join(run, "summary.json")) as f:
@@ -48,7 +48,8 @@ def load(run: str) -> tuple:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from parallel.cli import parser
+    ap = parser(__doc__, __file__)
     ap.add_argument("before")
     ap.add_argument("after")
     ap.add_argument("--rtol", type=float, default=0.0, help="relative tolerance of floats (default: 0, bit-equal)")
@@ -68,4 +69,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.path.insert(0, ROOT)
+    from parallel.cli import run_main  # an error: one line, exit 1 (COSPEC_TRACEBACK=1: the traceback)
+    run_main(main, __file__, sys.argv[1:])

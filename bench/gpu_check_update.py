@@ -86,8 +86,7 @@ def setup(cfg, m: ModelConfig, dev: torch.device, seq: int, prompt: int) -> Simp
                        grad_clip=cfg.grad_clip, schedule=cfg.schedule, attn_fn=auto_causal_attention,
                        attn_backend=cfg.attn_backend_on(dev), logprob_chunk=budget_rows(m.vocab_size, cfg.chunk_mib),
                        activation_checkpointing=cfg.activation_checkpointing, zero1=False)
-    grpo = GRPOConfig(eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta=cfg.beta, std_norm=cfg.std_norm,
-                      loss_norm=cfg.loss_norm, max_len=seq - prompt, temperature=cfg.temperature)
+    grpo = GRPOConfig.of(cfg, max_len=seq - prompt, temperature=cfg.temperature)
     return SimpleNamespace(cfg=cfg, policy=policy, ref=None, frozen=None, offline=None, drafts=drafts, cotrainer=ct,
                            grpo=grpo, perm_gen=torch.Generator().manual_seed(cfg.run_seed + 31))
 

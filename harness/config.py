@@ -36,14 +36,14 @@ from harness.flag_groups import GROUPS
 from harness.presets import PRESETS
 from model import PRESETS as MODEL_PRESETS
 from parallel.pp_schedule import SCHEDULES
-from rl_loop import LOSS_NORMS
+from rl_loop import LOSS_NORMS, GRPOKnobs
 from decoding.speculative_tree import Tree
 from tasks.hf_reward import REWARD_ROW
 from tasks.protocol import TASKS, factory
 
 
 @dataclass
-class Config:
+class Config(GRPOKnobs):  # GRPO's own settings are rl_loop.GRPOKnobs's fields, their comments there
     name: str = "default"  # the run's name: its output goes to runs/<name> unless --out says otherwise
     seed: int = 0  # the warm-ups (SFT, draft) and the held-out prompts: shared by every rl_seed
     rl_seed: int = -1  # the RL phase (prompts, rollouts, shuffles, cold-start draft, offline arm); -1: = seed
@@ -117,11 +117,6 @@ class Config:
     updates: int = 2  # optimisation steps per rollout batch (minibatches), old log-probs from the rollout
     micro_batches: int | str = 1  # gradient accumulation inside one update; auto: the fewest the memory plan fits
     micro_batch_tokens: int = 0  # > 0: micro_batches = the fewest whose micro-batch holds <= this many tokens per rank
-    eps_low: float = 0.2  # PPO clip below: the ratio is clipped to [1 - eps_low, 1 + eps_high]
-    eps_high: float = 0.28  # PPO clip above (asymmetric, "clip-higher")
-    beta: float = 0.0  # k3 KL penalty to the frozen reference (0: drift is measured, not penalised)
-    std_norm: bool = True  # divide the group advantage by the group's reward std
-    loss_norm: str = "global-token"  # how token losses are averaged (rl_loop.aggregate)
     # eval
     eval_every: int = 10  # steps between held-out evaluations of the draft arms (also at step 0 and the end)
     eval_prompts: int = 64  # held-out prompts per evaluation

@@ -218,8 +218,7 @@ def build_models(cfg: Config, dev: torch.device, log=print, mesh: Mesh | None = 
             frozen = copy.deepcopy(warm).requires_grad_(False)
             frozen.attach(policy)  # like the co-trained draft it reads the live policy's embedding; its weights stay
         drafts = draft_arms(cfg, tsk, policy, warm, train_drafts)
-    grpo = GRPOConfig(eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta=cfg.beta, std_norm=cfg.std_norm,
-                      loss_norm=cfg.loss_norm, max_len=tsk.max_new_tokens, temperature=cfg.temperature)
+    grpo = GRPOConfig.of(cfg, max_len=tsk.max_new_tokens, temperature=cfg.temperature)
     r = cfg.run_seed  # the RL phase's streams; the warm-ups and the held-out prompts follow cfg.seed (shared)
     s = Setup(cfg, tsk, policy, ref, drafts, frozen, None, tsk.eval_set(cfg.eval_prompts, cfg.seed + 1234),
               random.Random(r), torch.Generator(device=dev).manual_seed(r), torch.Generator().manual_seed(r + 31), grpo,

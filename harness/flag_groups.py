@@ -9,6 +9,9 @@ Config field joins a group here, or the test names it.
     python train.py --help
     python train.py --help_all
 """
+from dataclasses import fields
+
+from rl_loop import GRPOKnobs
 
 GROUPS = (
     ("the draft and its co-training (the draft family; TTT, the training-time unroll; the draft loss's weight "
@@ -24,7 +27,7 @@ GROUPS = (
      ("pp", "cp", "dp", "schedule")),
     ("RL (GRPO)", False,
      ("steps", "prompts_per_step", "group_size", "temperature", "lr", "grad_clip", "updates", "micro_batches",
-      "micro_batch_tokens", "eps_low", "eps_high", "beta", "std_norm", "loss_norm")),
+      "micro_batch_tokens") + tuple(f.name for f in fields(GRPOKnobs))),  # GRPO's own: rl_loop.GRPOKnobs
     ("model and data: a model preset with the built-in task, or HF mode: --model=DIR (an HF checkpoint: Llama / "
      "Qwen2 / Qwen3 + tokenizer.json) with --data=prompts.jsonl (the checkpoint as the policy, no SFT; a math-answer "
      "reward or --reward's)", False,

@@ -122,7 +122,14 @@ def parser(doc: str, file: str, **kw) -> argparse.ArgumentParser:
 
 def field_docs(cls) -> list:
     """[(section, [(field, comment), ...]), ...] from the dataclass's source: the comment on each field's line is its
-    meaning ("" when none); whole-line comments just above a field open a new section titled by them."""
+    meaning ("" when none); whole-line comments just above a field open a new section titled by them. The fields a
+    dataclass takes from its dataclass bases come first, from the bases' own sources, as dataclasses order them."""
+    bases = [b for b in reversed(cls.__mro__[1:]) if dataclasses.is_dataclass(b) and b.__dataclass_fields__]
+    return [s for b in bases for s in _own_field_docs(b)] + _own_field_docs(cls)
+
+
+def _own_field_docs(cls) -> list:
+    """field_docs of the fields written in `cls`'s own body."""
     src = textwrap.dedent(inspect.getsource(cls))
     comments, whole = {}, set()  # line -> comment text; lines that hold only a comment
     for tok in tokenize.generate_tokens(io.StringIO(src).readline):

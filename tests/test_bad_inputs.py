@@ -103,7 +103,7 @@ def test_types_and_contradictions_are_refused(kw, message):
 
 
 def test_all_bad_fields_are_reported_at_once_and_every_preset_is_valid():
-    with pytest.raises(ValueError, match=r"--lr=-1: expected >= 0; --beta=-1: expected >= 0"):
+    with pytest.raises(ValueError, match=r"--beta=-1: expected >= 0; --lr=-1: expected >= 0"):
         parse_args(["--beta=-1", "--lr=-1"])
     for name in PRESETS:
         parse_args([f"--preset={name}"])
