@@ -275,8 +275,8 @@ class PipelineSchedule:
             torch.autograd.backward(y, grad_tensors=grad)
         return None if self.first else x.grad
 
-    # -- transports: the schedule's batches on the pipeline group, taps on TapChannel. bench_tapchannel.py overrides
-    # -- the hooks _recv_shape, _input, _payload, _send_taps, _post_taps and _gather_taps -----------------------------
+    # -- transports: what a microbatch's activation and taps travel as. The activation goes in the schedule's batches
+    # -- on the pipeline group, the taps on TapChannel: the methods below are the only places that say so ------------
     def _exchange(self, ops, payload) -> "_Batch":
         """Issue one plan entry as one batch_isend_irecv: `payload` for its send, a fresh buffer for its receive."""
         p2p, buf = [], None

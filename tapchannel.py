@@ -86,7 +86,7 @@ class TapChannel:
         self.layers_of = [tuple(l for l in sorted(owners) if owners[l] == s) for s in range(len(split))]
         self.sources = [s for s in range(self.last) if self.layers_of[s]]  # stages that send (never the last)
         self._n_layers = split[-1][1]
-        self.bytes_sent = 0  # this rank's tap traffic since construction (the benchmark reads it)
+        self.bytes_sent = 0  # this rank's tap traffic since construction
         self._sends = []  # [(work, tensor)]: a tensor must stay alive until its isend completes
         self._slots = {}  # source stage -> one flat landing buffer, reused across steps while large enough
         self._posted = {}  # microbatch -> [(layer, work, view into its landing slot)]; at most one at a time

@@ -55,16 +55,9 @@ distributed job finds them cached.
 """
 from __future__ import annotations
 
-import os
-
-# Idle OpenMP threads sleep instead of spinning. OpenMP reads this once, when torch loads it, so it is set before.
-# Beside another busy process, two intra-op threads on small tensors otherwise stall at every barrier: a waiting
-# thread spins on the core its partner needs (docs/quickstart.md measures it). The work's partition is the same either
-# way, hence every bit of every result.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import dataclasses
 import json
+import os
 import sys
 import time
 import warnings

@@ -1,15 +1,16 @@
-"""How a busy neighbour slows the warm-ups' small steps, by intra-op threads and OpenMP's wait policy.
+"""How a busy neighbour slows the warm-ups' small steps, by intra-op threads and OpenMP's wait at a barrier.
 
 The step timed is the draft warm-up's: the default policy (`mini`: 6 layers, hidden 64) forwards a batch of 64
 sequences of 56 tokens with its taps, the EAGLE-3 draft's TTT loss on them, its backward and an AdamW step. Each
-configuration runs in a fresh process (OpenMP reads OMP_WAIT_POLICY once, when torch loads it): threads 1 or 2,
-the wait policy ACTIVE (threads spin at a barrier: OpenMP's default) or PASSIVE (they sleep; what train.py sets), on
-a quiet machine and beside one busy process at nice 19 (`while True: pass`). Per configuration: the median seconds
-per step over `repeats` runs of `steps` steps each (after `warm` untimed ones), and its ratio to the quiet time of the
-same configuration. Every configuration trains the same weights to the same bits (checked: one digest per
-configuration, printed).
+configuration runs in a fresh process (OpenMP reads its environment once, when torch loads it): 1 or 2 intra-op
+threads; libgomp's wait (torch's OpenMP) as it comes (spin 300,000 times at a barrier, then sleep), PASSIVE (sleep at
+once) or spin=N (GOMP_SPINCOUNT); on a quiet machine and beside one busy process (`while True: pass`) at nice 19
+and at nice 0. Per configuration: the median seconds per step over `repeats` runs of `steps` steps each (after
+`warm` untimed ones), and its ratio to the quiet time of the same configuration. Every configuration trains the same
+weights to the same bits (checked: one digest per configuration, printed). What it decided: the draft warm-up runs
+on 1 thread (harness/experiment.build_models).
 
-    python bench/bench_omp_wait.py       # ~2 min on 2 cores, nothing else running: bench/results/omp_wait.{json,md}
+    python bench/bench_omp_wait.py       # ~4 min on 2 cores, nothing else running: bench/results/omp_wait.{json,md}
 
 Flags: --steps (timed steps per run), --warm, --repeats.
 """
@@ -24,7 +25,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = [(1, "ACTIVE"), (2, "ACTIVE"), (2, "PASSIVE")]
+CONFIGS = [(1, "default"), (2, "default"), (2, "PASSIVE"), (2, "spin=1000"), (2, "spin=10000")]  # OpenMP's waits
+LOADS = {"quiet": None, "busy neighbour, nice 19": 19, "busy neighbour, nice 0": 0}
 
 
 def one_run(threads: int, steps: int, warm: int) -> dict:
@@ -59,7 +61,12 @@ def one_run(threads: int, steps: int, warm: int) -> dict:
 
 
 def measure(threads: int, policy: str, steps: int, warm: int) -> dict:
-    env = {**os.environ, "OMP_WAIT_POLICY": policy, "OMP_NUM_THREADS": str(threads)}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env["OMP_NUM_THREADS"] = str(threads)
+    if policy.startswith("spin="):  # libgomp (torch's OpenMP): spin this many times at a barrier, then sleep
+        env["GOMP_SPINCOUNT"] = policy[5:]
+    elif policy != "default":  # default: libgomp spins 300,000 times, then sleeps
+        env["OMP_WAIT_POLICY"] = policy
     code = (f"import json, sys; sys.path.insert(0, {ROOT!r}); sys.path.insert(0, {os.path.dirname(__file__)!r}); "
             f"from bench_omp_wait import one_run; print(json.dumps(one_run({threads}, {steps}, {warm})))")
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
@@ -74,10 +81,10 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3, help="runs per configuration (default: %(default)s)")
     args = ap.parse_args(argv)
     rows = []
-    for load in ("quiet", "busy neighbour"):
+    for load, nice in LOADS.items():
         hog = None
-        if load != "quiet":
-            hog = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", "while True: pass"])
+        if nice is not None:
+            hog = subprocess.Popen(["nice", "-n", str(nice), sys.executable, "-c", "while True: pass"])
             time.sleep(1.0)
         try:
             for threads, policy in CONFIGS:

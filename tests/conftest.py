@@ -1,10 +1,6 @@
 """Test-wide settings: a derandomized hypothesis profile (CI = local, reproducible), the Triton interpreter on CPU."""
 import os
 
-# Idle OpenMP threads sleep instead of spinning (train.py says why); set before torch loads OpenMP, inherited by the
-# processes the tests spawn.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import pytest
 import torch
 
