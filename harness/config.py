@@ -48,7 +48,7 @@ class Config(GRPOKnobs):  # GRPO's own settings are rl_loop.GRPOKnobs's fields, 
     seed: int = 0  # the warm-ups (SFT, draft) and the held-out prompts: shared by every rl_seed
     rl_seed: int = -1  # the RL phase (prompts, rollouts, shuffles, cold-start draft, offline arm); -1: = seed
     threads: int = 1  # 1 is robust on a shared 2-core machine (2 threads spin-wait when cores are busy)
-    warmup_threads: int = 2  # the SFT warm-up runs alone (under torchrun on rank 0): use the cores (the draft's: 1)
+    warmup_threads: int = 1  # the warm-ups' threads: 2 stall at every barrier beside a busy process (bench_omp_wait)
     device: str = "auto"  # auto: each process's own GPU when CUDA is present (none for a rank: an error), else CPU
     out: str = ""  # "" -> runs/<name>
     cache_dir: str = "cache"  # where the warm-ups are cached, keyed by every input and the code that computes them

@@ -192,15 +192,12 @@ def build_models(cfg: Config, dev: torch.device, log=print, mesh: Mesh | None = 
     torch.manual_seed(cfg.seed)
     tsk = build_task(cfg)
     threads = torch.get_num_threads()
-    alone = mesh is None or mesh.world == 1  # one process: the SFT may use every core (ranks keep --threads each)
-    if alone:
+    if mesh is None or mesh.world == 1:  # one process: the warm-ups' own threads (ranks keep --threads each)
         torch.set_num_threads(cfg.warmup_threads)
     try:
         t0 = time.perf_counter()
         policy, pkey, loaded = build_policy(cfg, tsk, log, dev, mesh)
         t1 = time.perf_counter()
-        if alone:  # the draft's steps are small: a second thread gains ~15% alone and loses 3x beside a busy
-            torch.set_num_threads(1)  # process, stalled at every barrier (bench/bench_omp_wait.py)
         warm, dloaded = warm_draft(cfg, tsk, policy, pkey, mesh)
         t2 = time.perf_counter()
     finally:
