@@ -16,7 +16,8 @@ untrained start, evaluated only). k = cfg.eval_k draft tokens per step.
     gain interval     = paired bootstrap over eval PROMPTS: resample prompts with replacement (each with all its
                         samples, in both arms), recompute both pooled ratios, take the 2.5 / 97.5 percentiles of
                         their difference (cfg.bootstrap resamples) [Efron & Tibshirani 1993, percentile interval]
-    speedup           = median over chunks of tok/s(arm) / tok/s(ar)
+    speedup           = median over chunks of tok/s(arm) / tok/s(ar); speedup_range: the co-trained arm's lowest and
+                        highest chunk ratio, its spread
 
 A shared CPU's load swings +-40% between calls, so the arms run interleaved chunk by chunk in a rotating order after
 one untimed warm-up call each, and a speedup is the median of the PAIRED per-chunk ratios: a change in load hits every
@@ -117,4 +118,6 @@ def pool(s: Setup, probs: list, blocks: list, drafts: dict) -> dict:
                                                                  b["row_forwards"], c.eval_samples, c.bootstrap, c.seed)
     if "cotrained" in drafts:
         out["speedup"] = out["speedup_cotrained"]
+        ratios = [a / b for a, b in zip(chunk_tok_s["cotrained"], chunk_tok_s["ar"])]
+        out["speedup_range"] = [min(ratios), max(ratios)]  # its spread: the paired chunks' lowest and highest
     return out

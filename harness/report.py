@@ -90,8 +90,9 @@ class Report:
         ci = "".join(f" | c-{a[:3]} [{ev[k][0]:+.2f}, {ev[k][1]:+.2f}]" for a in ("frozen", "offline")
                      if (k := f"accept_gain_vs_{a}_ci") in ev and ev[k] is not None)
         frozen = f" (frozen {ev['speedup_frozen']:.2f}x)" if "speedup_frozen" in ev else ""
+        spread = " [{:.2f}-{:.2f}]".format(*ev["speedup_range"]) if "speedup_range" in ev else ""
         self.print(f"{head} | acceptance (k={ev.get('eval_k', '?')}) co-trained {_num(ev['accept_cotrained'])}{more}"
-                   f"{ci} | rollout speedup {ev['speedup']:.2f}x{frozen}")  # the median of paired chunks' ratios
+                   f"{ci} | rollout speedup {ev['speedup']:.2f}x{spread}{frozen}")  # the paired chunks' median
 
     def finish(self, warm: dict, wall_s: float, eval_prompts: int | None = None) -> dict:
         """summary.json and train.png (rank 0); returns the summary ({} on other ranks). eval_prompts: how many

@@ -255,7 +255,8 @@ def test_the_readme_keeps_its_budget():
 def test_the_quick_starts_times_are_the_stored_runs():
     """The main job's range is the stored default runs' wall time, in minutes to the half; the tests' time is the one
     docs/quickstart.md states, to the minute."""
-    walls = [_load(p)["wall_s"] / 60 for p in ("docs/default_run.json", "docs/examples/default_run_661192c.json",
+    walls = [_load(p)["wall_s"] / 60 for p in ("docs/quickstart_run.json", "docs/default_run.json",
+                                               "docs/examples/default_run_661192c.json",
                                                "docs/examples/default_run_aaab936.json")]
     m = re.search(r"the main job: (\d+(?:\.\d)?)-(\d+(?:\.\d)?) min", _readme())
     assert m and float(m[1]) == math.floor(min(walls) * 2) / 2 and float(m[2]) == math.floor(max(walls)), (m, walls)
@@ -266,10 +267,10 @@ def test_the_quick_starts_times_are_the_stored_runs():
 
 
 def test_the_printout_is_the_stored_runs():
-    """Every number of the README's printout is a field of the stored run it shows (docs/examples/default_run_aaab936),
+    """Every number of the README's printout is a field of the stored run it shows (docs/quickstart_run_metrics.jsonl),
     at the digits printed: its eval lines at steps 0 and 30 and its table rows at steps 1 and 30."""
     block = _readme().split("## What you see", 1)[1].split("```", 2)[1]
-    with open(os.path.join(ROOT, "docs/examples/default_run_aaab936_metrics.jsonl")) as f:
+    with open(os.path.join(ROOT, "docs/quickstart_run_metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     for line in block.strip().splitlines()[1:]:
         ev = re.match(r"\s+eval @ (\d+):", line)
