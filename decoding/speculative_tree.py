@@ -274,9 +274,6 @@ def verify_step(target, s, tree: Tree, cand, q):
     rows = torch.arange(cand.shape[0], device=cand.device)
     block = torch.cat([cand.gather(1, path[:, 1:]), y[:, None]], 1)  # (b, k+1)
     block[rows, n] = y
-    active, steps = ~s.done, torch.arange(t.k, device=cand.device)
-    s.counts.reached += ((steps[None] <= n[:, None]) & active[:, None]).sum(0)  # depth j+1 tried
-    s.counts.accepted += ((steps[None] < n[:, None]) & active[:, None]).sum(0)  # a node at depth j+1 accepted
     taps = {l: v[rows[:, None], path] for l, v in out.taps.items()}
     return block, z[rows[:, None], path], n, taps
 

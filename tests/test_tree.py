@@ -128,6 +128,18 @@ def test_greedy_equals_plain_greedy(pair, tree):
     assert len(r.stats.accept_per_position) == len(tree)
 
 
+def test_a_chain_as_a_tree_counts_what_the_chain_counts(pair):  # ~1 s
+    """tree (1, 1, 1) is the chain k = 3: at tau = 0 the same tokens, and the same per-position acceptance alpha_j and
+    per-row counts -- each draft position counted once, among the positions a row keeps."""
+    policy, draft = pair
+    prompts = ragged_prompts(1, 5, policy.cfg.vocab_size)
+    a = generate(policy, draft, prompts, max_new_tokens=20, temperature=0, num_draft_tokens=3)
+    b = generate(policy, draft, prompts, max_new_tokens=20, temperature=0, tree=(1, 1, 1))
+    assert [t.tolist() for t in a.tokens] == [t.tolist() for t in b.tokens]
+    assert a.stats.accept_per_position == b.stats.accept_per_position and a.stats.accept_per_position[1] > 0
+    assert (a.stats.row_tried, a.stats.row_accepted) == (b.stats.row_tried, b.stats.row_accepted)
+
+
 def test_greedy_eos_inside_accepted_path(pair):
     """Ragged rows; EOS is a token of the policy's cycles, so it lands inside accepted paths: each row stops right
     after its first EOS, finished rows leave the batch, the others continue exactly."""
