@@ -77,7 +77,8 @@ import os
 import torch
 
 from attention_blocks import KeyEnds, Segment, TorchBlocks, host_to_device, merge_  # noqa: F401  (re-exported)
-from branch_mask import anchor_attention_mask, branch_attention_mask, check_cp_padded, host_cu
+from branch_mask import anchor_attention_mask, branch_attention_mask, check_cp_padded
+from parallel.host_copy import host_cu
 from parallel.ring import as_ring
 
 

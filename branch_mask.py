@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parallel.host_copy import cu_to, host_cu, with_host_copy  # noqa: F401  (cu_to: its callers import it here)
+from parallel.host_copy import host_cu, with_host_copy
 from parallel.ring import as_ring
 
 

@@ -49,7 +49,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from branch_mask import cu_to, pad_ring_of_one, position_ids
+from branch_mask import pad_ring_of_one, position_ids
+from parallel.host_copy import cu_to
 from parallel.consistency import check_same_cu_seqlens, check_same_weights
 from backends.fused_logprob import token_logp as fused_token_logp
 from parallel.grid import Grid

@@ -36,7 +36,8 @@ import math
 
 import torch
 
-from branch_mask import cp_shift, cu_local, host_cu, position_ids, seq_ids, shift_packed, zigzag_shard
+from branch_mask import cp_shift, cu_local, position_ids, seq_ids, shift_packed, zigzag_shard
+from parallel.host_copy import host_cu
 from draft_loss import StreamingSoftCE, chunk_rows, make_teacher, ring_sum, teacher_index
 from draft_ttt import pad_inputs, position_metrics
 from parallel.ring import as_ring

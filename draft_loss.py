@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from backends.fused_logprob import DEFAULT_CHUNK_MIB, WeightGrad, budget_rows
-from branch_mask import cp_shift, cu_local, host_cu, seq_lengths
+from branch_mask import cp_shift, cu_local, seq_lengths
+from parallel.host_copy import host_cu
 from modeling.layers import at_least_f32
 
 

@@ -32,7 +32,8 @@ from typing import Optional
 import torch
 
 import branch_mask
-from branch_mask import cp_shift, cu_local, host_cu, pad_ring_of_one, shift_packed, zigzag_shard
+from branch_mask import cp_shift, cu_local, pad_ring_of_one, shift_packed, zigzag_shard
+from parallel.host_copy import host_cu
 from draft_loss import chunk_rows, dense_pass_losses, make_teacher, pass_targets, ring_sum, streaming_pass_losses
 from model import EMBED_TAP
 from modeling.layers import rope_cos_sin

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from attention_cp import ring_branch_attention
-from branch_mask import host_cu, seq_ids
+from branch_mask import seq_ids
+from parallel.host_copy import host_cu
 from modeling.layers import packed_causal_attention
 from parallel.ring import as_ring
 

@@ -15,7 +15,7 @@ blur):
     state, counted by `held`), also per category (KV caches by shape, vocabulary-sized tensors).
 
 KV caches grow in blocks (modeling/kv_cache.py): `kv_peaks()` records each generate call's largest allocation of its
-two caches (speculative.SpecStats.kv_peak_bytes).
+two caches (decoding/spec_stats.SpecStats.kv_peak_bytes).
 
     with kv_peaks() as kv, StorageTracker(classify) as tr:   # a rollout phase
         ...
