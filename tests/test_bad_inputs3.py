@@ -281,7 +281,8 @@ def test_ctrl_c_says_where_the_last_checkpoint_is_and_how_to_resume(tmp_path, mo
 
 
 SLOW_BUILD = """
-import runpy, sys, time
+import runpy, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a parent that ignores SIGINT (a background job) passes it on
 sys.path.insert(0, {root!r})
 import harness.experiment as e
 def build(cfg, mesh, log):
