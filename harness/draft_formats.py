@@ -30,7 +30,7 @@ def load_draft(path: str, policy, drafter: str | None = None, options: dict | No
     and LM head. drafter: the family the run expects (None: whatever the file holds); options: the run's values of
     RUN_OPTIONS (drafters.options)."""
     path = formats.resolve(path)
-    family, fmt = formats.detect(path)
+    family, fmt = formats.detect(path, drafters.names_by_architecture())
     if drafter is not None and drafter != family:
         raise ValueError(f"--drafter {drafter}: {path!r} holds a {family} draft ({fmt} format); pass --drafter "
                          f"{family} or leave --drafter out")
@@ -75,7 +75,7 @@ def take_from_draft(c):
     if not (c.draft and os.path.isfile(os.path.join(formats.resolve(c.draft), "config.json"))):
         c.drafter = drafters.DEFAULT if c.drafter == "auto" else c.drafter
         return  # a missing folder: the "draft" row of CHECKS says so
-    f = formats.draft_fields(c.draft)
+    f = formats.draft_fields(c.draft, drafters.names_by_architecture())
     if c.drafter not in ("auto", f["family"]):
         raise ValueError(f"--drafter {c.drafter}: --draft {c.draft!r} holds a {f['family']} draft ({f['format']} "
                          f"format); pass --drafter {f['family']} or leave --drafter out")

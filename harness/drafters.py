@@ -84,6 +84,11 @@ def by_architecture() -> dict:
     return {f.cls.architecture: f.cls for f in FAMILIES.values()}
 
 
+def names_by_architecture() -> dict:
+    """config.json's architectures name -> the family's --drafter name (serving/formats.detect's `cospec`)."""
+    return {f.cls.architecture: name for name, f in FAMILIES.items()}
+
+
 def family(name: str) -> Family:
     if name not in FAMILIES:
         raise ValueError(f"drafter={name!r}: expected one of {sorted(FAMILIES)}")

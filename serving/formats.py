@@ -24,8 +24,9 @@ COSPEC_ARCH = {"Eagle3DraftModel": "eagle3", "CospecDFlashDraft": "dflash", "Cos
 FORMATS_FILE = "formats.json"  # <out>/draft/formats.json: {format: sub-folder} of what the run wrote
 
 
-def detect(path: str) -> tuple:
-    """(family, format) of the draft folder `path`, from its config.json."""
+def detect(path: str, cospec: dict | None = None) -> tuple:
+    """(family, format) of the draft folder `path`, from its config.json. cospec: {save() architecture: family} of
+    cospec's own checkpoints (the harness passes its registry's, every registered family; None: COSPEC_ARCH)."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         hint = f" (its {FORMATS_FILE} lists the formats' sub-folders)" \
@@ -37,11 +38,11 @@ def detect(path: str) -> tuple:
     arch = (cfg.get("architectures") or [None])[0]
     if arch in VLLM_ARCH:
         return VLLM_ARCH[arch], "vllm"
-    arch = arch or "Eagle3DraftModel"  # no architectures: an EAGLE-3 checkpoint (drafters.architecture's rule)
-    if arch not in COSPEC_ARCH:
+    arch, cospec = arch or "Eagle3DraftModel", cospec or COSPEC_ARCH  # none: EAGLE-3 (drafters.architecture's rule)
+    if arch not in cospec:
         raise ValueError(f"draft {path!r}: architectures={cfg.get('architectures')!r}: expected one of "
-                         f"{sorted(VLLM_ARCH) + sorted(COSPEC_ARCH)}, or a speculators config")
-    return COSPEC_ARCH[arch], "cospec"
+                         f"{sorted(VLLM_ARCH) + sorted(cospec)}, or a speculators config")
+    return cospec[arch], "cospec"
 
 
 def read_config(cfg_path: str) -> dict:
@@ -56,11 +57,11 @@ def read_config(cfg_path: str) -> dict:
     return cfg
 
 
-def draft_fields(path: str) -> dict:
+def draft_fields(path: str, cospec: dict | None = None) -> dict:
     """What a run's config takes from the draft at `path` before any model exists: {family, format, and for a block
-    draft block_size, mask_token_id, num_layers (and markov_rank)}."""
+    draft block_size, mask_token_id, num_layers (and markov_rank)}. cospec: as detect's."""
     path = resolve(path)
-    family, fmt = detect(path)
+    family, fmt = detect(path, cospec)
     cfg = read_config(os.path.join(path, "config.json"))
     out = {"family": family, "format": fmt}
     if family == "eagle3":
@@ -72,9 +73,8 @@ def draft_fields(path: str) -> dict:
     elif fmt == "vllm":
         out.update(block_size=cfg.get("block_size"), num_layers=cfg.get("num_hidden_layers"),
                    mask_token_id=(cfg.get("dflash_config") or {}).get("mask_token_id"))
-    else:
-        out.update(block_size=cfg.get("block_size"), mask_token_id=cfg.get("mask_token_id"),
-                   num_layers=cfg.get("num_layers"))
+    else:  # cospec's own: the fields its family's config has (a chain family other than EAGLE-3: none of them)
+        out.update({k: cfg[k] for k in ("block_size", "mask_token_id", "num_layers") if k in cfg})
     if family == "dspark":
         out["markov_rank"] = cfg.get("markov_rank")
     return out

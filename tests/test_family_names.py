@@ -11,9 +11,9 @@ them as run arguments, both left out) and fails where code names a family outsid
     A family's files may name the families its class is built on (DSparkDraft subclasses DFlashDraft);
   - serving/, the formats (FORMATS): the field's (vLLM's, z-lab's, speculators') and cospec's own checkpoint. A
     format's vocabulary names the families -- speculators' `speculators_model_type` values, vLLM's speculative
-    `method` names, `dflash_config`, cospec's save() architectures and its config fields per family -- so a family
-    that is to be saved, reloaded by --draft or exported adds its entries there. One that is trained and served
-    in-process only (docs/EXTENDING.md's fourth family) needs none.
+    `method` names, `dflash_config`, the built-in families' save() architectures and config fields -- so a family
+    that is to be exported in those formats adds its entries there. --draft reloads any registered family's own
+    checkpoint through the registry (docs/EXTENDING.md's fourth family needs no entry).
   - a file's demo (its `if __name__ == "__main__":` block) may pick one family to show: no code path runs it.
 
 "Code" is what runs: string constants other than docstrings (f-strings' literal parts too), identifiers, attribute

@@ -13,6 +13,7 @@ from harness import drafters
 from harness import memory_model as mm
 from harness.config import CHECKS, parse_args
 from harness.config_checks import family_rows
+from harness.draft_formats import load_draft
 from model import greedy_generate
 from rl_loop import RolloutBatch, draft_loss
 from speculative import generate
@@ -79,3 +80,8 @@ def test_the_config_memory_plan_and_checkpoint_ask_the_family(mlp, tmp_path):
     draft.save(str(tmp_path))
     again = drafters.architecture(str(tmp_path)).load(str(tmp_path), policy)
     assert all(torch.equal(a, b) for a, b in zip(draft.state_dict().values(), again.state_dict().values()))
+    # --draft PATH: the folder's family is read from it through the registry, no format entry needed
+    assert parse_args([f"--draft={tmp_path}"]).drafter == mlp
+    loaded = load_draft(str(tmp_path), policy)
+    assert type(loaded) is MLPDraft and all(torch.equal(a, b) for a, b in zip(draft.state_dict().values(),
+                                                                               loaded.state_dict().values()))
