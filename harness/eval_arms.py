@@ -103,6 +103,7 @@ def pool(s: Setup, probs: list, blocks: list, drafts: dict) -> dict:
     rows = {name: {key: [x for b in blocks for x in b[name][1][key]] for key in ("row_kept", "row_forwards")}
             for name in drafts}
     chunk_tok_s = {name: [b[name][1]["tok_s"] for b in blocks] for name in drafts}
+    ratios = {name: [a / b for a, b in zip(chunk_tok_s[name], chunk_tok_s["ar"])] for name in drafts}  # paired
     R, parts = s.task.score(probs, [t for b in blocks for t in b["ar"][0]])
     out = {"reward": float(R.mean()), "correct": float(parts["correct"].mean()), "explicit": explicit_share(parts),
            "resp_len": tot["ar"]["new_tokens"] / len(probs), "eval_k": c.eval_k}
@@ -110,7 +111,7 @@ def pool(s: Setup, probs: list, blocks: list, drafts: dict) -> dict:
         out[f"tok_s_{name}"] = t["new_tokens"] / max(t["seconds"], 1e-9)
         if name != "ar":
             out[f"accept_{name}"] = t["kept"] / t["row_steps"] if t["row_steps"] else None  # no verification: none
-            out[f"speedup_{name}"] = statistics.median(a / b for a, b in zip(chunk_tok_s[name], chunk_tok_s["ar"]))
+            out[f"speedup_{name}"] = statistics.median(ratios[name])
     for other in ("frozen", "offline", "cold"):
         if other in rows and out[f"accept_{other}"] is not None and out.get("accept_cotrained") is not None:
             a, b = rows["cotrained"], rows[other]
@@ -118,6 +119,5 @@ def pool(s: Setup, probs: list, blocks: list, drafts: dict) -> dict:
                                                                  b["row_forwards"], c.eval_samples, c.bootstrap, c.seed)
     if "cotrained" in drafts:
         out["speedup"] = out["speedup_cotrained"]
-        ratios = [a / b for a, b in zip(chunk_tok_s["cotrained"], chunk_tok_s["ar"])]
-        out["speedup_range"] = [min(ratios), max(ratios)]  # its spread: the paired chunks' lowest and highest
+        out["speedup_range"] = [min(ratios["cotrained"]), max(ratios["cotrained"])]  # its spread: lowest, highest
     return out

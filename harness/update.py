@@ -68,11 +68,11 @@ def update(s: Setup, batch: RolloutBatch, timer: dict, step: int = 1) -> dict:
     minibatches = [batch.select(idx.sort().values) for idx in perm.chunk(c.updates)]
     pi_old = [None] + [s.cotrainer.old_logp(b, s.grpo, c.micro_batches) for b in minibatches[1:]]  # before any update
     stats, own = [], [0.0, 0.0]  # own: this process's CPU seconds in the drafts' hook, less the watched arms; theirs
+    timers, watches = ([o for o in s.cotrainer.observers if isinstance(o, kind)] for kind in (HookTimer, DraftWatch))
     for j, (b, train) in enumerate(zip(minibatches, trains)):
         stats.append(s.cotrainer.step(b, s.grpo, c.micro_batches, train_drafts=train, on_policy=j == 0,
                                       pi_old=pi_old[j]))  # the first: pi_old is the forward's own log-probs
-        hook, watch = (sum(o.own_cpu for o in s.cotrainer.observers if isinstance(o, kind))
-                       for kind in (HookTimer, DraftWatch))
+        hook, watch = sum(o.own_cpu for o in timers), sum(o.own_cpu for o in watches)  # this step's
         own = [own[0] + hook - watch, own[1] + watch]
     prints = s.cotrainer.refit(s.policy)  # once, for the next rollouts; raises unless every rank holds the same
     watch = [st.get("watch_seconds", 0.0) for st in stats]  # the controls' metrics (harness/watch.py)

@@ -53,6 +53,7 @@ def test_test_preset_runs_end_to_end_then_reuses_the_cache(tmp_path):
     # at eval 0 the co-trained draft IS the warm-up draft: same weights, prompts and seed -> the same acceptance
     assert evals[0]["accept_cotrained"] == evals[0]["accept_frozen"] == s["accept_len_cotrained_first"]
     assert s["accept_len_cotrained"] == evals[-1]["accept_cotrained"] and s["rollout_speedup"] == evals[-1]["speedup"]
+    assert all(e["speedup_range"][0] <= e["speedup"] <= e["speedup_range"][1] for e in evals)  # the paired chunks'
     assert all(r["time"]["draft_train"] > 0 and r["time"]["policy_train"] > 0 for r in rows if r["kind"] == "train")
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2]
     assert [r["step"] for r in rows if r["kind"] == "eval"] == [0, 1, 2]  # eval_every=1
