@@ -118,6 +118,13 @@ def _families():
     return out
 
 
+def _omp_wait():
+    rows = {(r["load"], r["threads"], r["wait_policy"]): r for r in _load("bench/results/omp_wait.json")["rows"]}
+    busy = [rows[(load, n, "default")]["vs_quiet"] for n in (1, 2)
+            for load in ("busy neighbour, nice 19", "busy neighbour, nice 0")]
+    return busy + [rows[("quiet", n, "default")]["seconds_per_step"] for n in (2, 1)]
+
+
 SOURCES = {
     "co-trained draft vs the frozen": ("json", "bench/results/e2e_default.json", _e2e),
     "the same with the policy held still": ("commit", "a1a5b93"),
@@ -148,6 +155,8 @@ SOURCES = {
                                               ("3",)),
     "three-layer block drafts, a block of k + 1, 16": ("json", "bench/results/families_l3_b5_a16.json",
                                                        lambda: _block_experiment("families_l3_b5_a16"), ("3", "2")),
+    "the draft warm-up's step beside one busy process": ("json", "bench/results/omp_wait.json", _omp_wait,
+                                                        ("1", "2", "19", "0")),
     "TapChannel vs no taps": ("json", "bench/results/tapchannel.json", _tapchannel, ("4", "21", "2")),
     "largest vocabulary-sized tensor": ("test", ["tests/test_vocab_growth.py"]),
     "host syncs per speculative decode step": ("test", ["tests/test_host_sync.py"]),
